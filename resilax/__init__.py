@@ -1,0 +1,1 @@
+"""resilax: JAX training that survives device, host and slice failures."""
