@@ -1,0 +1,107 @@
+"""`resilax.Config`: one frozen dataclass of run-time knobs, from Python, ml_collections or gin."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import gin
+
+from ._errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Knobs of a resilient run. Every field has a default that works on emulated CPU slices.
+
+    Attributes:
+      checkpoint_dir: directory of the persistent (Orbax) tier; ``None`` disables checkpoints.
+      checkpoint_every: save every this many completed steps (0 disables periodic saves).
+      checkpoint_keep: how many complete checkpoints Orbax keeps.
+      async_checkpointing: write checkpoints in the background (Orbax async); the loop only
+        blocks for the device-to-host copy.
+      seed: base of the per-step RNG handed to a ``train_step(state, batch, rng)``; step ``n``
+        gets ``fold_in(key(seed), n)``, so a resumed run sees the same keys.
+      donate_state: donate the input state buffers to the step (saves a copy of the state).
+      overhead_budget: failure-free overhead resilax may spend on protection, as a share of
+        step time (0.01 = 1%).
+    """
+
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+    checkpoint_keep: int = 3
+    async_checkpointing: bool = True
+    seed: int = 0
+    donate_state: bool = True
+    overhead_budget: float = 0.01
+
+    def __post_init__(self):
+        _check_type("checkpoint_dir", self.checkpoint_dir, (str, os.PathLike, type(None)))
+        if isinstance(self.checkpoint_dir, os.PathLike):
+            object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
+        for name in ("checkpoint_every", "checkpoint_keep", "seed"):
+            _check_type(name, getattr(self, name), (int,))
+        for name in ("async_checkpointing", "donate_state"):
+            _check_type(name, getattr(self, name), (bool,))
+        _check_type("overhead_budget", self.overhead_budget, (int, float))
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"resilax.Config: checkpoint_every must be >= 0, but got {self.checkpoint_every}")
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"resilax.Config: checkpoint_keep must be >= 1, but got {self.checkpoint_keep}")
+        if not 0 <= self.overhead_budget < 1:
+            raise ConfigError(
+                f"resilax.Config: overhead_budget is a share of step time in [0, 1), but got {self.overhead_budget}"
+            )
+
+    @classmethod
+    def from_configdict(cls, cd: Mapping[str, Any]) -> "Config":
+        """Builds a Config from an ``ml_collections.ConfigDict`` (or any mapping).
+
+        Raises:
+          ConfigError: on an unknown key (the message lists the known ones) or a bad value.
+        """
+        if hasattr(cd, "to_dict"):
+            cd = cd.to_dict()
+        if not isinstance(cd, Mapping):
+            raise ConfigError(f"resilax.Config.from_configdict expects a ConfigDict or mapping, but got {type(cd).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cd) - known)
+        if unknown:
+            raise ConfigError(
+                f"resilax.Config.from_configdict: unknown key(s) {unknown}; known keys are {sorted(known)}"
+            )
+        return cls(**dict(cd))
+
+    @classmethod
+    def from_gin(cls, files=(), bindings=()) -> "Config":
+        """Parses gin files/bindings and returns the bound ``resilax.Config``.
+
+        In gin, write ``resilax.Config.checkpoint_every = 50``.
+        """
+        try:
+            gin.parse_config_files_and_bindings(list(files), list(bindings))
+        except (ValueError, SyntaxError, gin.config.ParserError if hasattr(gin.config, "ParserError") else ValueError) as e:
+            raise ConfigError(f"resilax.Config.from_gin: could not parse gin config {list(files)} {list(bindings)}: {e}") from e
+        try:
+            return gin_config()
+        except TypeError as e:
+            raise ConfigError(f"resilax.Config.from_gin: bad binding: {e}") from e
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_type(name, value, types):
+    # bool is an int in Python; a flag given for a count is a mistake worth naming.
+    if isinstance(value, bool) and bool not in types:
+        ok = False
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        expected = " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"resilax.Config: {name} must be {expected}, but got {type(value).__name__} {value!r}")
+
+
+# gin binds `resilax.Config.<field>`; the configurable is a subclass, so results are Configs.
+gin_config = gin.external_configurable(Config, name="Config", module="resilax")

@@ -1,0 +1,39 @@
+"""The error tree. Every message names the API, what was expected and what was received."""
+
+from __future__ import annotations
+
+
+class ResilaxError(Exception):
+    """Base of every error resilax raises on purpose."""
+
+
+class ConfigError(ResilaxError, ValueError):
+    """A malformed `resilax.Config`, ConfigDict or gin binding."""
+
+
+class TopologyError(ResilaxError, ValueError):
+    """A topology spec that is malformed or does not fit the devices present."""
+
+
+class WrapError(ResilaxError, TypeError):
+    """Bad arguments to `resilax.wrap` or to a `ResilientStep` call."""
+
+
+class CheckpointError(ResilaxError):
+    """A checkpoint could not be saved or restored."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint exists but its bytes do not match the checksums written with it."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage under a checkpoint or log failed (full disk, permissions, I/O error)."""
+
+
+class ReplayLogError(ResilaxError):
+    """A replay-log entry is missing, truncated or fails its checksum."""
+
+
+class StateLostError(ResilaxError):
+    """No surviving copy (live, peer, log, checkpoint) can restore some state."""
