@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import time
 from typing import Any, Callable
@@ -12,12 +11,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import _record
 from ._checkpoint import CheckpointStore, decode_data_state, encode_data_state
 from ._config import Config
 from ._errors import WrapError
 from ._events import Event, event
 from ._faults import FaultPlan
+from ._split import Split
 from ._topology import Topology
 
 
@@ -120,17 +119,6 @@ def _as_array(x):
     return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
 
 
-def _takes_rng(fn) -> bool:
-    try:
-        params = [
-            p for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        return False
-    return len(params) >= 3
-
-
 class ResilientStep:
     """A train step that survives failures. Create it with `resilax.wrap`.
 
@@ -164,7 +152,7 @@ class ResilientStep:
         self.faults = faults if faults is not None else FaultPlan()
         self._state_spec = state_sharding
         self._batch_spec = P(topology.elastic_axis) if batch_sharding is None else batch_sharding
-        self._takes_rng = _takes_rng(train_step)
+        self._split = Split(train_step, config.seed)
         self.step = 0
         self.mesh = None
         self.events: list[Event] = []
@@ -259,15 +247,8 @@ class ResilientStep:
         )
 
     def _step_fn(self, state, batch, step_no):
-        with _record.capturing():
-            if self._takes_rng:
-                rng = jax.random.fold_in(jax.random.key(self.config.seed), step_no)
-                out = self.train_step(state, batch, rng)
-            else:
-                out = self.train_step(state, batch)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise WrapError(f"resilax.wrap: train_step must return a (state, metrics) tuple, but returned {type(out).__name__}")
-        return out
+        new_state, metrics, _ = self._split.full(state, batch, step_no)
+        return new_state, metrics
 
     # --------------------------------------------------------------- the step
     def __call__(self, state, batch):
