@@ -246,9 +246,9 @@ def _cyclic(trace: FailureTrace, horizon: float, cm: CostModel, tau: float, delt
         if t >= horizon:
             break
         if t < ready:                       # struck during recovery: start over
-            led.consume(phases, t - rec_start)
-            if kind == "sdc":
+            if kind == "sdc":               # found during a restart: ignored (docs)
                 continue
+            led.consume(phases, t - rec_start)
         else:
             led.consume(phases, ready - rec_start)
             run(t - ready, kind != "planned",
