@@ -166,3 +166,42 @@ def test_missing_file_and_wrong_format(tmp_path):
     with pytest.raises(GoodputFileError, match="not a resilax goodput file"):
         load_goodput(tmp_path)
     assert issubclass(GoodputFileError, ValueError)
+
+
+def test_report_writes_png_and_table(tmp_path, capsys):
+    import argparse
+    import sys
+
+    from resilax._report import register_cli, report
+
+    rec, clock = _recorder()
+    with rec.span("compile"):
+        clock.tick(3.0)
+    for step in range(5):
+        with rec.span("productive", step=step):
+            clock.tick(1.0)
+    rec.event("failure", domain=1)
+    with rec.span("detection"):
+        clock.tick(0.5)
+    with rec.span("recovery", phase="restore"):
+        clock.tick(0.5)
+    with rec.span("replay"):
+        clock.tick(0.2)
+    rec.event("recovered")
+    with rec.span("productive", step=5):
+        clock.tick(1.0)
+    rec.save(tmp_path)
+    r = report(tmp_path)
+    out = capsys.readouterr().out
+    assert "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME" in out and "goodput 58.82%" in out
+    assert r["goodput"] == pytest.approx(6.0 / 10.2)
+    assert (tmp_path / "goodput.png").read_bytes()[:4] == b"\x89PNG"
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "goodput.json").write_text('{"format": "resilax.goodput", "ver')
+    args = parser.parse_args(["report", str(bad)])
+    assert args.func(args) == 1
+    assert "not valid JSON" in capsys.readouterr().err
+    assert "jax" not in sys.modules
