@@ -8,7 +8,7 @@ from typing import Any
 
 from ._goodput import BUCKETS, ML_GOODPUT_NAMES, GoodputFileError, load_goodput
 
-__all__ = ["report", "format_report", "plot_timeline", "register_cli"]
+__all__ = ["report", "format_report", "plot_timeline", "plot_sweep", "register_cli"]
 
 _COLORS = {
     "productive": "#2ca02c", "protection": "#98df8a", "checkpoint_save": "#1f77b4",
@@ -80,6 +80,27 @@ def plot_timeline(rec, path: str) -> str:
     ax2.set_xlabel("wall time (s)")
     ax2.grid(alpha=0.3)
     ax2.set_xlim(0, max(wall, 1e-9))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(sw: dict, path: str, title: str = "") -> str:
+    """Goodput vs chip count (log x) to a PNG; returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for strat, vals in sw["goodput"].items():
+        ax.plot(sw["chips"], [100 * v for v in vals], marker="o", label=strat)
+    ax.set_xscale("log")
+    ax.set_xlabel("chips")
+    ax.set_ylabel("goodput (%)")
+    ax.set_title(title or "simulated goodput vs chip count")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

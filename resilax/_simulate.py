@@ -1,28 +1,12 @@
 """Goodput simulator: a seeded discrete-event model of a long training run.
 
 Failures are drawn once per seed from a named profile (or given as
-``failure_times``) and the *same* trace is replayed against every strategy,
-so strategies differ by their costs, not by luck. The model steps from event
-to event (failures, planned maintenance, rejoins), never step by step, so a
-30-day run on 16,384 chips takes milliseconds.
-
-Strategies (see docs/goodput.md for the full list of assumptions):
-
-* ``checkpoint-only`` -- async persistent checkpoints every tau seconds of
-  compute (Daly's higher-order optimum unless given); a failure costs
-  detection + job restart + persistent restore + compile + the work since the
-  last *durable* checkpoint.
-* ``in-memory`` -- Orbax-emergency style: frequent RAM checkpoints replicated
-  to a peer host, rare persistent ones; a failure still restarts the whole
-  job, but restores from RAM.
-* ``resilax`` -- peer copies + replay log: a failure costs detection + plan +
-  peer restore + loading an AOT executable + replay of the steps since the
-  last peer copy; no restart, no lost work. Training continues on the
-  surviving data-parallel replicas (reduced throughput, counted as ``idle``)
-  until the domain is repaired and rejoins. A neighbour dying before
-  re-protection, or no replica left, falls back to a checkpoint restart.
-
-Time is accounted in the buckets of :mod:`resilax._goodput`.
+``failure_times``) and the *same* trace is replayed against every strategy
+(``checkpoint-only``, ``in-memory``, ``resilax``), so strategies differ by
+their costs, not by luck. The model steps from event to event (failures,
+maintenance, rejoins), never step by step: a 30-day run on 16,384 chips takes
+milliseconds. Time is booked in the buckets of :mod:`resilax._goodput`. The
+strategies and every assumption are described in docs/goodput.md.
 """
 from __future__ import annotations
 
@@ -44,7 +28,7 @@ __all__ = [
     "PROFILES", "STRATEGIES", "Profile", "FailureTrace", "young_daly_interval",
     "daly_interval", "expected_goodput_checkpoint_only",
     "expected_goodput_exponential", "draw_failures", "simulate_strategy",
-    "simulate", "sweep", "format_table", "plot_sweep", "register_cli",
+    "simulate", "sweep", "format_table", "register_cli",
 ]
 
 HOUR = 3600.0
@@ -277,7 +261,6 @@ def _resilax(trace: FailureTrace, horizon: float, cm: CostModel,
     D = cm.domains
     unit_chips = max(cm.chips_per_replica, cm.devices_per_domain)
     n_units = max(1, cm.chips // unit_chips)
-    dom_per_unit_chips = cm.devices_per_domain
     delta = cm.checkpoint_blocking_s
     tau_p = max(cm.persistent_interval_s, cm.persist_s)
     save_frac = delta / (tau_p + delta)
@@ -290,7 +273,7 @@ def _resilax(trace: FailureTrace, horizon: float, cm: CostModel,
     ready = 0.0
 
     def unit(d: int) -> int:
-        return min(n_units - 1, d * dom_per_unit_chips // unit_chips)
+        return min(n_units - 1, d * cm.devices_per_domain // unit_chips)
 
     def alive_frac() -> float:
         return 1.0 - len({unit(d) for d in down}) / n_units
@@ -539,27 +522,6 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_sweep(sw: dict, path: str, title: str = "") -> str:
-    """Goodput vs chip count (log x) to a PNG; returns the path."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for strat, vals in sw["goodput"].items():
-        ax.plot(sw["chips"], [100 * v for v in vals], marker="o", label=strat)
-    ax.set_xscale("log")
-    ax.set_xlabel("chips")
-    ax.set_ylabel("goodput (%)")
-    ax.set_title(title or "simulated goodput vs chip count")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 # -- CLI ----------------------------------------------------------------------
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``simulate`` to an argparse subparsers object."""
@@ -605,6 +567,7 @@ def _cli_main(args: argparse.Namespace) -> int:
         for j, c in enumerate(sw["chips"]):
             print(f"{c:<11,}" + "".join(f"{sw['goodput'][s][j]:>17.2%}" for s in sw["goodput"]))
         if args.png:
+            from ._report import plot_sweep
             plot_sweep(sw, args.png, f"goodput vs chips ({kw['profile']}, "
                        f"{args.model_params:.3g} params)")
             print(f"wrote {args.png}")
