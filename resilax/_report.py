@@ -1,0 +1,144 @@
+"""``resilax report RUN_DIR``: goodput table and timeline PNG from goodput.json."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from ._goodput import BUCKETS, ML_GOODPUT_NAMES, GoodputFileError, load_goodput
+
+__all__ = ["report", "format_report", "plot_timeline", "plot_sweep", "register_cli"]
+
+_COLORS = {
+    "productive": "#2ca02c", "protection": "#98df8a", "checkpoint_save": "#1f77b4",
+    "checkpoint_restore": "#aec7e8", "detection": "#d62728", "recovery": "#ff7f0e",
+    "replay": "#ffbb78", "compile": "#9467bd", "lost": "#8c564b", "idle": "#c7c7c7",
+    "other": "#7f7f7f",
+}
+
+
+def format_report(totals: dict[str, float], wall: float) -> str:
+    """Table: bucket, seconds, share of wall, ml-goodput name."""
+    rows = [f"{'bucket':<20}{'seconds':>12}{'share':>9}  ml-goodput name"]
+    for b in BUCKETS:
+        share = totals[b] / wall if wall > 0 else 0.0
+        rows.append(f"{b:<20}{totals[b]:>12.3f}{share:>9.2%}  {ML_GOODPUT_NAMES[b]}")
+    good = totals["productive"] / wall if wall > 0 else 0.0
+    rows.append(f"{'wall':<20}{wall:>12.3f}{1.0 if wall > 0 else 0.0:>9.2%}")
+    rows.append(f"goodput {good:.2%}")
+    return "\n".join(rows)
+
+
+def _cumulative_goodput(segments: list[dict], wall: float, n: int = 200):
+    """(times, productive-so-far / time) sampled at n points; 'added' pieces
+    count at their recorded end."""
+    import numpy as np
+
+    ts = np.linspace(wall / n, wall, n) if wall > 0 else np.zeros(0)
+    prod = np.zeros_like(ts)
+    for s in segments:
+        if s["bucket"] != "productive" or s["labels"].get("added"):
+            continue
+        prod += np.clip(ts - s["start"], 0.0, s["end"] - s["start"])
+    return ts, (prod / ts if len(ts) else prod)
+
+
+def plot_timeline(rec, path: str) -> str:
+    """Spans as coloured bars on a time axis, events as labelled markers,
+    and cumulative goodput over time. Writes a PNG; returns its path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    segs, events, wall = rec.segments(), rec.events, rec.wall()
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True,
+                                   gridspec_kw={"height_ratios": [1.2, 1]})
+    rows = {b: i for i, b in enumerate(BUCKETS)}
+    by_bucket: dict[str, list[tuple[float, float]]] = {}
+    for s in segs:
+        by_bucket.setdefault(s["bucket"], []).append((s["start"], s["end"] - s["start"]))
+    for b, bars in by_bucket.items():
+        ax1.broken_barh(bars, (rows[b] - 0.4, 0.8), facecolors=_COLORS[b])
+    ax1.set_yticks(range(len(BUCKETS)))
+    ax1.set_yticklabels(BUCKETS, fontsize=7)
+    ax1.invert_yaxis()
+    for e in events:
+        ax1.axvline(e["t"], color="k", lw=0.8, ls="--", alpha=0.6)
+        ax1.annotate(str(e.get("kind", "")), (e["t"], -0.6), fontsize=7, rotation=30,
+                     ha="left", va="bottom", annotation_clip=False)
+    ax1.set_title("goodput timeline", pad=18)
+    ax1.legend(handles=[Patch(color=_COLORS[b], label=b) for b in BUCKETS if b in by_bucket],
+               fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ts, gp = _cumulative_goodput(segs, wall)
+    ax2.plot(ts, 100 * gp, color=_COLORS["productive"])
+    for e in events:
+        ax2.axvline(e["t"], color="k", lw=0.8, ls="--", alpha=0.6)
+    ax2.set_ylim(0, 100)
+    ax2.set_ylabel("cumulative goodput (%)")
+    ax2.set_xlabel("wall time (s)")
+    ax2.grid(alpha=0.3)
+    ax2.set_xlim(0, max(wall, 1e-9))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(sw: dict, path: str, title: str = "") -> str:
+    """Goodput vs chip count (log x) to a PNG; returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for strat, vals in sw["goodput"].items():
+        ax.plot(sw["chips"], [100 * v for v in vals], marker="o", label=strat)
+    ax.set_xscale("log")
+    ax.set_xlabel("chips")
+    ax.set_ylabel("goodput (%)")
+    ax.set_title(title or "simulated goodput vs chip count")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(run_dir: str | os.PathLike, *, png: bool = True, out=None) -> dict:
+    """Print the goodput table of ``run_dir/goodput.json``; write goodput.png.
+
+    Returns ``{"totals", "wall_s", "goodput", "table", "png"}`` (png is None
+    when not written). Raises GoodputFileError for a missing or bad file.
+    """
+    rec = load_goodput(run_dir)
+    totals, wall = rec.totals(), rec.wall()
+    table = format_report(totals, wall)
+    print(table, file=out or sys.stdout)
+    path = None
+    if png:
+        path = plot_timeline(rec, os.path.join(os.fspath(run_dir), "goodput.png"))
+    return {"totals": totals, "wall_s": wall, "goodput": rec.goodput(),
+            "table": table, "png": path}
+
+
+def register_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``report RUN_DIR [--no-png]`` to an argparse subparsers object."""
+    p = subparsers.add_parser("report", help="goodput table and timeline of a run")
+    p.add_argument("run_dir")
+    p.add_argument("--no-png", dest="png", action="store_false", help="table only")
+    p.set_defaults(func=_cli_main)
+    return p
+
+
+def _cli_main(args: argparse.Namespace) -> int:
+    try:
+        r = report(args.run_dir, png=args.png)
+    except GoodputFileError as e:
+        print(f"resilax report: {e}", file=sys.stderr)
+        return 1
+    if r["png"]:
+        print(f"wrote {r['png']}")
+    return 0

@@ -1,0 +1,207 @@
+"""Goodput accounting: buckets sum to wall time, nesting, files. No jax."""
+import json
+import math
+import os
+
+import pytest
+
+from resilax._goodput import (BUCKETS, ML_GOODPUT_NAMES, GoodputFileError,
+                              GoodputRecorder, load_goodput)
+
+
+class FakeClock:
+    def __init__(self, t=100.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+    def tick(self, dt):
+        self.t += dt
+
+
+def _recorder():
+    clock = FakeClock()
+    return GoodputRecorder(clock=clock), clock
+
+
+def test_buckets_sum_to_wall_with_fake_clock():
+    rec, clock = _recorder()
+    clock.tick(2.0)                       # unattributed -> other
+    with rec.span("compile"):
+        clock.tick(5.0)
+    for step in range(3):
+        with rec.span("productive", step=step):
+            clock.tick(1.0)
+    with rec.span("checkpoint_save", step=3):
+        clock.tick(0.5)
+    clock.tick(0.25)
+    tot = rec.totals()
+    assert set(tot) == set(BUCKETS)
+    assert tot["compile"] == 5.0
+    assert tot["productive"] == 3.0
+    assert tot["checkpoint_save"] == 0.5
+    assert tot["other"] == pytest.approx(2.25)
+    assert sum(tot.values()) == pytest.approx(rec.wall()) == pytest.approx(10.75)
+    assert rec.goodput() == pytest.approx(3.0 / 10.75)
+
+
+def test_nested_spans_count_innermost_only():
+    rec, clock = _recorder()
+    with rec.span("productive", step=1):
+        clock.tick(1.0)
+        with rec.span("protection"):
+            clock.tick(0.2)
+            with rec.span("checkpoint_save"):
+                clock.tick(0.3)
+            clock.tick(0.1)
+        clock.tick(1.0)
+    tot = rec.totals()
+    assert tot["productive"] == pytest.approx(2.0)
+    assert tot["protection"] == pytest.approx(0.3)
+    assert tot["checkpoint_save"] == pytest.approx(0.3)
+    assert tot["other"] == pytest.approx(0.0)
+    assert sum(tot.values()) == pytest.approx(rec.wall())
+    segs = sorted(rec.segments(), key=lambda s: s["start"])
+    assert [s["bucket"] for s in segs] == [
+        "productive", "protection", "checkpoint_save", "protection", "productive"]
+    for a, b in zip(segs, segs[1:]):           # pieces never overlap
+        assert a["end"] <= b["start"] + 1e-12
+
+
+def test_open_span_counts_up_to_now():
+    rec, clock = _recorder()
+    with rec.span("recovery", phase="restore"):
+        clock.tick(4.0)
+        assert rec.totals()["recovery"] == 4.0
+        assert sum(rec.totals().values()) == pytest.approx(4.0)
+
+
+def test_add_moves_time_and_keeps_sum():
+    rec, clock = _recorder()
+    with rec.span("productive"):
+        clock.tick(1.0)
+        rec.add("protection", 0.25)            # carved out of productive
+    clock.tick(3.0)
+    rec.add("recovery", 2.0, phase="plan")     # carved out of the remainder
+    tot = rec.totals()
+    assert tot["productive"] == pytest.approx(0.75)
+    assert tot["protection"] == pytest.approx(0.25)
+    assert tot["recovery"] == pytest.approx(2.0)
+    assert tot["other"] == pytest.approx(1.0)
+    assert sum(tot.values()) == pytest.approx(rec.wall())
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        rec.add("replay", -1.0)
+    with pytest.raises(ValueError, match="bucket"):
+        rec.add("nonsense", 1.0)
+    with pytest.raises(ValueError, match="bucket"):
+        with rec.span("nonsense"):
+            pass
+
+
+def test_events_are_timestamped():
+    rec, clock = _recorder()
+    clock.tick(7.0)
+    rec.event("failure", domain=1, step=40)
+    ev = rec.events
+    assert ev == [{"t": 7.0, "kind": "failure", "domain": 1, "step": 40}]
+
+
+def test_ml_goodput_names_cover_buckets():
+    assert set(ML_GOODPUT_NAMES) == set(BUCKETS)
+    assert ML_GOODPUT_NAMES["checkpoint_save"].endswith("UNPRODUCTIVE_CHECKPOINT_SAVE_TIME")
+
+
+def test_json_round_trip_and_save_load(tmp_path):
+    rec, clock = _recorder()
+    with rec.span("productive", step=0):
+        clock.tick(1.5)
+    rec.event("failure", domain=0)
+    with rec.span("detection"):
+        clock.tick(0.5)
+    rec.add("recovery", 0.0, phase="plan")
+    clock.tick(1.0)
+    back = GoodputRecorder.from_json(json.loads(json.dumps(rec.to_json())))
+    assert back.totals() == rec.totals()
+    assert back.wall() == rec.wall()
+    assert back.events == rec.events
+    path = rec.save(tmp_path)
+    assert os.path.basename(path) == "goodput.json"
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+    loaded = load_goodput(tmp_path)
+    assert loaded.totals() == rec.totals()
+    assert loaded.goodput() == pytest.approx(1.5 / 3.0)
+    with pytest.raises(RuntimeError, match="frozen"):
+        with loaded.span("productive"):
+            pass
+
+
+def test_truncated_file_is_detected(tmp_path):
+    rec, clock = _recorder()
+    with rec.span("productive"):
+        clock.tick(1.0)
+    path = rec.save(tmp_path)
+    raw = open(path, "rb").read()
+    open(path, "wb").write(raw[: len(raw) // 2])
+    with pytest.raises(GoodputFileError, match="goodput.json.*not valid JSON"):
+        load_goodput(tmp_path)
+
+
+def test_corrupt_value_fails_checksum(tmp_path):
+    rec, clock = _recorder()
+    with rec.span("productive"):
+        clock.tick(1.0)
+    path = rec.save(tmp_path)
+    doc = json.load(open(path))
+    doc["body"]["totals"]["productive"] = 999.0      # still valid JSON
+    json.dump(doc, open(path, "w"))
+    with pytest.raises(GoodputFileError, match="checksum"):
+        load_goodput(tmp_path)
+
+
+def test_missing_file_and_wrong_format(tmp_path):
+    with pytest.raises(GoodputFileError, match="does not"):
+        load_goodput(tmp_path)
+    (tmp_path / "goodput.json").write_text(json.dumps({"format": "x"}))
+    with pytest.raises(GoodputFileError, match="not a resilax goodput file"):
+        load_goodput(tmp_path)
+    assert issubclass(GoodputFileError, ValueError)
+
+
+def test_report_writes_png_and_table(tmp_path, capsys):
+    import argparse
+    import sys
+
+    from resilax._report import register_cli, report
+
+    rec, clock = _recorder()
+    with rec.span("compile"):
+        clock.tick(3.0)
+    for step in range(5):
+        with rec.span("productive", step=step):
+            clock.tick(1.0)
+    rec.event("failure", domain=1)
+    with rec.span("detection"):
+        clock.tick(0.5)
+    with rec.span("recovery", phase="restore"):
+        clock.tick(0.5)
+    with rec.span("replay"):
+        clock.tick(0.2)
+    rec.event("recovered")
+    with rec.span("productive", step=5):
+        clock.tick(1.0)
+    rec.save(tmp_path)
+    r = report(tmp_path)
+    out = capsys.readouterr().out
+    assert "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME" in out and "goodput 58.82%" in out
+    assert r["goodput"] == pytest.approx(6.0 / 10.2)
+    assert (tmp_path / "goodput.png").read_bytes()[:4] == b"\x89PNG"
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "goodput.json").write_text('{"format": "resilax.goodput", "ver')
+    args = parser.parse_args(["report", str(bad)])
+    assert args.func(args) == 1
+    assert "not valid JSON" in capsys.readouterr().err
+    assert "jax" not in sys.modules
