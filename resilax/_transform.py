@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -109,6 +110,16 @@ def resolve_shardings(specs, tree, mesh, argname: str):
         return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, full, tree)
+
+
+def place_copy(tree, shardings):
+    """A real copy of ``tree`` laid out as ``shardings``.
+
+    ``jax.device_put(x, s, may_alias=False)`` still shares the source's buffer on the device
+    it already lives on (seen with jax 0.10.2 on CPU), and a later donation would delete the
+    caller's array; a jitted copy always writes fresh buffers.
+    """
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
 
 
 def _as_array(x):
@@ -213,8 +224,7 @@ class ResilientStep:
                     skipped=[{"step": s, "reason": r} for s, r in restored.skipped],
                 ))
                 return restored.state
-        # A real copy: the caller's arrays stay valid even though the step donates its input.
-        return jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), state, self._state_sh)
+        return place_copy(state, self._state_sh)
 
     def _build(self, state, batch):
         self._batch_sh = resolve_shardings(self._batch_spec, batch, self.mesh, "batch_sharding")

@@ -1,0 +1,145 @@
+"""`resilax bench`: failure-free overhead of the wrapped step vs the plain jitted step.
+
+Both run the same model on the same mesh, interleaved step by step (the order alternates)
+so machine noise hits both alike; each step is timed to completion. The plain loop saves
+with a plain Orbax ``CheckpointManager`` at the same cadence, so checkpoint blocking can be
+compared too. Results: a table on stdout and JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _write_json(path, obj):
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+
+
+def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int | None = None,
+                   progress: bool = True) -> dict:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import resilax
+    from . import _example as ex
+    from ._runner import configure_cpu_devices
+    from ._transform import resolve_shardings
+
+    topo = resilax.Topology.load(topology)
+    configure_cpu_devices(topo.num_devices)
+    every = checkpoint_every if checkpoint_every is not None else resilax.Config().checkpoint_every
+    spec = ex.ExampleSpec(hidden=512, depth=4, batch=256, features=128)
+    data = ex.make_iterator(spec)
+    batches = [next(data) for _ in range(16)]
+    template = ex.make_state(spec)  # one template: its optimizer is static pytree metadata
+    specs = ex.fsdp_specs(template, topo.axis_names[1], topo.axis_sizes[1])
+    tmp = tempfile.mkdtemp(prefix="resilax-bench-")
+
+    # resilax
+    wrapped = resilax.wrap(ex.train_step, topology=topo, state_sharding=specs,
+                           config=resilax.Config(checkpoint_dir=os.path.join(tmp, "resilax"), checkpoint_every=every))
+    w_state = wrapped.init(template)
+
+    # plain: jit on the same mesh and shardings, plain Orbax at the same cadence
+    mesh = wrapped.mesh
+    p_state0 = template
+    state_sh = resolve_shardings(specs, p_state0, mesh, "state")
+    batch_sh = resolve_shardings(P(topo.elastic_axis), batches[0], mesh, "batch")
+    rep = NamedSharding(mesh, P())
+    plain = jax.jit(ex.train_step, in_shardings=(state_sh, batch_sh),
+                    out_shardings=(state_sh, {"loss": rep, "accuracy": rep}), donate_argnums=(0,))
+    p_state = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), p_state0, state_sh)
+    mgr = ocp.CheckpointManager(os.path.join(tmp, "plain"), options=ocp.CheckpointManagerOptions(max_to_keep=3))
+    plain_blocking: list[float] = []
+
+    def run_plain(i):
+        nonlocal p_state
+        t0 = time.perf_counter()
+        b = jax.device_put(batches[i % len(batches)], batch_sh)
+        p_state, m = plain(p_state, b)
+        m["loss"].block_until_ready()
+        if every and (i + 1) % every == 0:  # the save blocks the plain loop too: count it in its step
+            t1 = time.perf_counter()
+            mgr.save(i + 1, args=ocp.args.StandardSave(p_state))
+            plain_blocking.append(time.perf_counter() - t1)
+        return time.perf_counter() - t0
+
+    def run_wrapped(i):
+        nonlocal w_state
+        t0 = time.perf_counter()
+        w_state, m = wrapped(w_state, batches[i % len(batches)])
+        m["loss"].block_until_ready()
+        return time.perf_counter() - t0
+
+    for i in range(3):  # compile and warm both
+        run_plain(i), run_wrapped(i)
+    p_times, w_times = [], []
+    iterator = range(steps)
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(iterator, desc="bench overhead", unit="step", file=sys.stderr, mininterval=1.0)
+    for i in iterator:
+        i += 3
+        if i % 2:
+            p_times.append(run_plain(i)); w_times.append(run_wrapped(i))
+        else:
+            w_times.append(run_wrapped(i)); p_times.append(run_plain(i))
+    mgr.wait_until_finished(); mgr.close()
+    blocking = list(wrapped.checkpoints.blocking_s)
+    wrapped.close()
+    med_p, med_w = statistics.median(p_times), statistics.median(w_times)
+    return {
+        "benchmark": "overhead",
+        "topology": topo.name,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "steps": steps,
+        "checkpoint_every": every,
+        "param_count": int(sum(np.size(x) for x in jax.tree.leaves(p_state0.params))),
+        "ratio": med_w / med_p,
+        "mean_ratio": statistics.fmean(w_times) / statistics.fmean(p_times),
+        "step_s": med_p,
+        "wrapped_step_s": med_w,
+        "blocking_s": statistics.fmean(blocking) if blocking else 0.0,
+        "plain_blocking_s": statistics.fmean(plain_blocking) if plain_blocking else 0.0,
+        "checkpoints": len(blocking),
+    }
+
+
+def print_overhead(r: dict) -> None:
+    print(f"\nresilax bench overhead  ({r['topology']}, {r['devices']} {r['platform']} devices, "
+          f"{r['param_count']:,} params, {r['steps']} interleaved steps, checkpoint every {r['checkpoint_every']})")
+    rows = [
+        ("plain jitted step (median)", f"{r['step_s'] * 1e3:.2f} ms"),
+        ("resilax wrapped step (median)", f"{r['wrapped_step_s'] * 1e3:.2f} ms"),
+        ("ratio (median wrapped / median plain)", f"{r['ratio']:.3f}"),
+        ("ratio of means (includes checkpoint steps)", f"{r['mean_ratio']:.3f}"),
+        ("checkpoint blocking, resilax (mean)", f"{r['blocking_s'] * 1e3:.1f} ms"),
+        ("checkpoint blocking, plain Orbax (mean)", f"{r['plain_blocking_s'] * 1e3:.1f} ms"),
+    ]
+    w = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"  {a:<{w}}  {b:>10}")
+
+
+def run_bench(args) -> int:
+    if args.which == "overhead":
+        r = bench_overhead(steps=args.steps, topology=args.topology, checkpoint_every=args.checkpoint_every)
+        print_overhead(r)
+        _write_json(args.json, r)
+        return 0
+    raise SystemExit(f"resilax bench: unknown benchmark {args.which!r}")

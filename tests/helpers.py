@@ -1,0 +1,17 @@
+"""Small shared pieces for tests: the example model at test size, and state comparison."""
+
+import jax
+import numpy as np
+
+from resilax import _example as ex
+
+SMALL = ex.ExampleSpec(hidden=64, depth=2, batch=32, features=16, examples=1024)
+
+
+def state_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def flat_equal(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)

@@ -1,0 +1,132 @@
+"""Persistent tier in one process: save, restore with data position, corruption fallback."""
+
+import os
+import pathlib
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import resilax
+from resilax import _example as ex
+from helpers import SMALL, state_equal
+
+TOPO = resilax.Topology.emulated(2, 4)
+
+
+def run(ckpt_dir, steps, *, every=5, keep=3, data=None, state=None):
+    """Trains to `steps` completed steps (resuming from ckpt_dir); returns (state, step, iterator)."""
+    template = ex.make_state(SMALL)
+    data = data if data is not None else ex.make_iterator(SMALL)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
+                        config=resilax.Config(checkpoint_dir=str(ckpt_dir), checkpoint_every=every, checkpoint_keep=keep))
+    with step:
+        s = step.init(template, data=data)
+        while step.step < steps:
+            s, _ = step(s, next(data))
+    return jax.device_get(s), step, data
+
+
+def test_restore_continues_bitwise_with_data_position(tmp_path):
+    ref, _, _ = run(tmp_path / "ref", 20)
+    run(tmp_path / "a", 10)                      # stops after saving step 10
+    s, step, data = run(tmp_path / "a", 20)      # a new process would do exactly this
+    assert step.events[0].kind == "restore" and step.events[0].step == 10
+    assert state_equal(s, ref)
+    # the data position was restored: the next batch is batch 21 of a fresh iterator
+    fresh = ex.make_iterator(SMALL)
+    for _ in range(20):
+        next(fresh)
+    assert np.array_equal(next(data)["x"], next(fresh)["x"])
+
+
+def test_keeps_n_and_commits(tmp_path):
+    _, step, _ = run(tmp_path, 30, every=5, keep=2)
+    assert step.checkpoints.steps() == [25, 30]
+    assert not [p for p in os.listdir(tmp_path) if "tmp" in p]
+
+
+def _newest_state_files(d: pathlib.Path, step: int):
+    files = [p for p in (d / str(step) / "state").rglob("*") if p.is_file() and p.stat().st_size > 64]
+    assert files, "checkpoint has data files"
+    return files
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_newest_falls_back_with_warning(tmp_path, damage):
+    ref10, _, _ = run(tmp_path / "ref", 10)
+    run(tmp_path / "c", 15)
+    # Orbax's OCDBT store keeps some superseded nodes that a restore never reads, so damage
+    # every data file: whatever the restore does read is then damaged.
+    for victim in _newest_state_files(tmp_path / "c", 15):
+        raw = bytearray(victim.read_bytes())
+        if damage == "flip":
+            for i in range(len(raw) // 2, len(raw) // 2 + 16):
+                raw[i] ^= 0xFF
+        else:
+            raw = raw[: len(raw) // 3]
+        victim.write_bytes(bytes(raw))
+    template = ex.make_state(SMALL)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
+                        config=resilax.Config(checkpoint_dir=str(tmp_path / "c"), checkpoint_every=5))
+    with pytest.warns(RuntimeWarning, match=r"checkpoint\(s\) \[15\].*failed verification.*restored the previous good checkpoint 10"):
+        s = step.init(template)
+    assert step.step == 10
+    assert state_equal(jax.device_get(s), ref10)
+    q = list((tmp_path / "c" / "quarantine").iterdir())
+    assert len(q) == 1 and q[0].name.startswith("15."), "the bad checkpoint is kept aside, not deleted"
+    assert step.events[0].fields["skipped"][0]["step"] == 15
+    # training goes on and saves step 15 again without touching the quarantined copy
+    data = ex.make_iterator(SMALL)
+    for _ in range(10):
+        next(data)
+    with step:
+        while step.step < 15:
+            s, _ = step(s, next(data))
+    assert 15 in step.checkpoints.steps() and q[0].exists()
+
+
+def test_all_corrupt_is_a_clear_error(tmp_path):
+    run(tmp_path, 10, every=5)
+    for st in (5, 10):
+        for f in _newest_state_files(tmp_path, st):
+            f.write_bytes(b"\0" * 10)
+    template = ex.make_state(SMALL)
+    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(checkpoint_dir=str(tmp_path)))
+    with pytest.raises(resilax.CorruptCheckpointError, match=r"no good checkpoint in .*10: .*5: .*moved to"):
+        step.init(template)
+
+
+def test_checkpoint_of_another_state_is_refused_and_kept(tmp_path):
+    run(tmp_path, 5, every=5)
+    other = ex.make_state(ex.ExampleSpec(hidden=32, depth=2, batch=32, features=16, examples=1024))
+    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(checkpoint_dir=str(tmp_path)))
+    with pytest.raises(resilax.CheckpointError, match="was written for a different state"):
+        step.init(other)
+    assert (tmp_path / "5").is_dir() and not (tmp_path / "quarantine").exists()
+
+
+def test_unwritable_checkpoint_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(checkpoint_dir=str(blocker / "ckpt")))
+    with pytest.raises(resilax.StorageError, match="cannot create checkpoint_dir"):
+        step.init(ex.make_state(SMALL))
+
+
+def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monkeypatch):
+    """Bytes that decode fine but differ from what was saved (silent corruption) fail verification."""
+    from resilax import _checkpoint
+
+    run(tmp_path, 5, every=5)
+    real = _checkpoint.tree_checksums
+    monkeypatch.setattr(_checkpoint, "tree_checksums", lambda t: real(t) ^ 1)  # recorded sums now disagree
+    run(tmp_path, 10, every=5)
+    monkeypatch.setattr(_checkpoint, "tree_checksums", real)
+    template = ex.make_state(SMALL)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
+                        config=resilax.Config(checkpoint_dir=str(tmp_path), checkpoint_every=5))
+    with pytest.warns(RuntimeWarning, match=r"10: CorruptCheckpointError: checksum mismatch in leaves \['.step'"):
+        step.init(template)
+    assert step.step == 5

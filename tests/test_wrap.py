@@ -1,0 +1,133 @@
+"""resilax.wrap: validation errors, and the wrapped step computing what the plain step computes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import resilax
+from resilax import _example as ex
+from resilax._transform import resolve_shardings
+from helpers import SMALL, state_equal
+
+TOPO = resilax.Topology.emulated(2, 4)
+
+
+def test_wrap_validates_arguments():
+    with pytest.raises(resilax.WrapError, match="requires a callable train_step as its first argument, but got int"):
+        resilax.wrap(3, topology=TOPO)
+    with pytest.raises(resilax.WrapError, match="topology must be a resilax.Topology.*but got str"):
+        resilax.wrap(ex.train_step, topology="cpu-2x4")
+    with pytest.raises(resilax.WrapError, match="config must be a resilax.Config, but got dict"):
+        resilax.wrap(ex.train_step, topology=TOPO, config={"checkpoint_every": 3})
+    with pytest.raises(resilax.WrapError, match=r"state_sharding uses mesh axis 'model', but topology 'cpu-2x4' has axes \['data', 'fsdp'\]"):
+        resilax.wrap(ex.train_step, topology=TOPO, state_sharding=P("model"))
+    with pytest.raises(resilax.WrapError, match="batch_sharding must be a jax.sharding.PartitionSpec.*got a leaf of type str"):
+        resilax.wrap(ex.train_step, topology=TOPO, batch_sharding={"x": "data"})
+
+
+def test_call_before_init_and_after_close():
+    step = resilax.wrap(ex.train_step, topology=TOPO)
+    with pytest.raises(resilax.WrapError, match=r"call step.init\(state\) before step\(state, batch\)"):
+        step(None, None)
+    state = step.init(ex.make_state(SMALL))
+    step.close()
+    with pytest.raises(resilax.WrapError, match="was closed"):
+        step(state, next(ex.make_iterator(SMALL)))
+
+
+def test_sharding_that_does_not_divide_names_the_leaf():
+    state = ex.make_state(SMALL)
+    specs = jax.tree.map(lambda x: P(("data", "fsdp")) if np.ndim(x) == 1 else P(), state)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=specs)
+    with pytest.raises(resilax.WrapError, match=r"state_sharding.*params.*Dense_2.*bias.*dimension 0 of shape \(10,\) is not divisible by mesh axes \('data', 'fsdp'\) of total size 8"):
+        step.init(state)
+
+
+def test_batch_that_does_not_divide_is_named():
+    step = resilax.wrap(ex.train_step, topology=TOPO)
+    state = step.init(ex.make_state(SMALL))
+    bad = {"x": np.zeros((3, SMALL.features), np.float32), "y": np.zeros((3,), np.int32)}
+    with pytest.raises(resilax.WrapError, match=r"batch_sharding\['x'\]: dimension 0 of shape \(3, 16\) is not divisible by mesh axes \('data',\) of total size 2"):
+        step(state, bad)
+
+
+def test_step_must_keep_state_structure_and_record_once():
+    def changes_shape(state, batch):
+        return {"w": jnp.zeros(3)}, {}
+
+    step = resilax.wrap(changes_shape, topology=TOPO)
+    state = step.init({"w": jnp.zeros(2)})
+    with pytest.raises(resilax.WrapError, match=r"changed state\['w'\] from \(2,\) float32 to \(3,\) float32"):
+        step(state, {"x": np.zeros((8,), np.float32)})
+
+    def records_twice(state, batch):
+        resilax.record(batch["x"])
+        resilax.record(batch["x"])
+        return state, {}
+
+    step = resilax.wrap(records_twice, topology=TOPO)
+    state = step.init({"w": jnp.zeros(2)})
+    with pytest.raises(resilax.WrapError, match="called once per train_step.*called 2 times"):
+        step(state, {"x": np.zeros((8,), np.float32)})
+
+
+def test_record_is_identity_outside_wrap():
+    t = {"a": jnp.arange(3)}
+    assert resilax.record(t) is t
+
+
+@pytest.mark.parametrize("specs", ["replicated", "fsdp"])
+def test_wrapped_equals_plain_jit_bitwise(specs):
+    """The wrapped step must compute exactly what jit of the user's step computes on the same mesh."""
+    template = ex.make_state(SMALL)
+    spec_tree = P() if specs == "replicated" else ex.fsdp_specs(template, "fsdp", 4)
+    data = ex.make_iterator(SMALL)
+    batches = [next(data) for _ in range(5)]
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=spec_tree)
+    w = step.init(template)
+    sh = resolve_shardings(spec_tree, template, step.mesh, "s")
+    bsh = resolve_shardings(P("data"), batches[0], step.mesh, "b")
+    rep = NamedSharding(step.mesh, P())
+    plain = jax.jit(ex.train_step, in_shardings=(sh, bsh), out_shardings=(sh, {"loss": rep, "accuracy": rep}))
+    p = jax.device_put(template, sh)
+    for b in batches:
+        w, wm = step(w, b)
+        p, pm = plain(p, jax.device_put(b, bsh))
+        assert float(wm["loss"]) == float(pm["loss"])
+    assert step.step == 5
+    assert state_equal(w, p)
+    # the original template is still usable: init copied it, donation did not eat it
+    assert np.isfinite(np.asarray(template.params["Dense_0"]["kernel"])).all()
+
+
+def test_decorator_form_and_rng_argument():
+    seen = []
+
+    @resilax.wrap(topology=TOPO)
+    def step_fn(state, batch, rng):
+        noise = jax.random.normal(rng, state["w"].shape)
+        return {"w": state["w"] + noise}, {"n": noise.sum()}
+
+    assert isinstance(step_fn, resilax.ResilientStep)
+    state = step_fn.init({"w": jnp.zeros(4)})
+    for _ in range(3):
+        state, m = step_fn(state, {"x": np.zeros(8, np.float32)})
+        seen.append(float(m["n"]))
+    expect = [float(jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (4,)).sum()) for i in range(3)]
+    np.testing.assert_allclose(seen, expect, rtol=1e-6)
+
+
+def test_several_optimizers_train():
+    for tx in (optax.sgd(optax.exponential_decay(0.1, 10, 0.5), momentum=0.9), optax.adamw(1e-3)):
+        state = ex.make_state(SMALL, tx)
+        step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(state, "fsdp", 4))
+        s = step.init(state)
+        data = ex.make_iterator(SMALL)
+        losses = []
+        for _ in range(20):
+            s, m = step(s, next(data))
+            losses.append(float(m["loss"]))
+        assert losses[-1] < losses[0]
