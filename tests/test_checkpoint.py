@@ -120,13 +120,18 @@ def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monk
     from resilax import _checkpoint
 
     run(tmp_path, 5, every=5)
-    real = _checkpoint.tree_checksums
-    monkeypatch.setattr(_checkpoint, "tree_checksums", lambda t: real(t) ^ 1)  # recorded sums now disagree
-    run(tmp_path, 10, every=5)
-    monkeypatch.setattr(_checkpoint, "tree_checksums", real)
     template = ex.make_state(SMALL)
-    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
-                        config=resilax.Config(checkpoint_dir=str(tmp_path), checkpoint_every=5))
+    cfg = resilax.Config(checkpoint_dir=str(tmp_path), checkpoint_every=5)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4), config=cfg)
+    data = ex.make_iterator(SMALL)
+    s = step.init(template, data=data)
+    real = _checkpoint.tree_checksums
+    monkeypatch.setattr(_checkpoint, "tree_checksums", lambda t: real(t) ^ 1)  # the sums saved with step 10 disagree
+    with step:
+        while step.step < 10:
+            s, _ = step(s, next(data))
+    monkeypatch.setattr(_checkpoint, "tree_checksums", real)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4), config=cfg)
     with pytest.warns(RuntimeWarning, match=r"10: CorruptCheckpointError: checksum mismatch in leaves \['.step'"):
         step.init(template)
     assert step.step == 5
