@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ._errors import ResilaxError
+    from ._runner import configure_compilation_cache
+
+    configure_compilation_cache()
 
     try:
         return int(args.func(args) or 0)

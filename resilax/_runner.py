@@ -23,6 +23,21 @@ import time
 import numpy as np
 
 
+def configure_compilation_cache() -> None:
+    """Persistent XLA compilation cache for CLI runs: a restarted process (after a crash)
+    reuses the executables of the one that died instead of compiling them again.
+
+    ``JAX_COMPILATION_CACHE_DIR`` wins; else ``$RESILAX_CACHE_DIR`` or ``~/.cache/resilax/xla``.
+    """
+    import jax
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    d = os.environ.get("RESILAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "resilax", "xla")
+    jax.config.update("jax_compilation_cache_dir", d)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+
+
 def configure_cpu_devices(n: int) -> None:
     """Asks JAX for ``n`` CPU devices; must run before JAX initialises its backends."""
     import jax

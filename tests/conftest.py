@@ -7,6 +7,13 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# One persistent compilation cache for this test session and the processes it starts, so the
+# many restarts in crash tests do not each recompile the same programs.
+_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+
 import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
