@@ -249,12 +249,26 @@ def _signature_mismatch(directory, step, saved, want) -> str:
     )
 
 
+def _is_disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in the chain: an OSError, or tensorstore's RESOURCE_EXHAUSTED text."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        text = str(e)
+        if "No space left on device" in text or "os_error_code='28'" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _storage_error(what, directory, e) -> StorageError:
-    err = e
-    while err is not None and not isinstance(err, OSError):
-        err = err.__cause__ or err.__context__
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        free = shutil.disk_usage(directory).free if directory.exists() else 0
+    if _is_disk_full(e):
+        try:
+            free = shutil.disk_usage(directory).free
+        except OSError:
+            free = 0
         return StorageError(
             errno.ENOSPC,
             f"resilax checkpoints: {what} in {str(directory)!r} failed: the disk is full ({free} bytes free); "

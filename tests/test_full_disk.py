@@ -1,0 +1,56 @@
+"""A real full disk (a tiny tmpfs) under the checkpoint directory: a clear error, nothing lost."""
+
+import subprocess
+
+import jax
+import pytest
+
+import resilax
+from resilax import _example as ex
+from helpers import SMALL, state_equal
+
+TOPO = resilax.Topology.emulated(2, 4)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    d = tmp_path / "tiny"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(d)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.decode().strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def _step(ckpt):
+    template = ex.make_state(SMALL)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
+                        config=resilax.Config(checkpoint_dir=str(ckpt), checkpoint_every=2, checkpoint_keep=50))
+    return template, step
+
+
+def test_full_disk_is_a_clear_error_and_committed_checkpoints_survive(tiny_fs):
+    template, step = _step(tiny_fs / "ckpt")
+    data = ex.make_iterator(SMALL)
+    s = step.init(template, data=data)
+    states = {}
+    with pytest.raises(resilax.StorageError, match=r"the disk is full .* committed checkpoints are intact"):
+        for _ in range(200):
+            s, _ = step(s, next(data))
+            states[step.step] = jax.device_get(s)
+            if step.step % 2 == 0:
+                step.checkpoints.wait()  # surface a failed background write at once
+    try:
+        step.close()
+    except resilax.StorageError:
+        pass
+    committed = step.checkpoints.steps()
+    assert committed, "some checkpoints fit before the disk filled"
+    # a new run restores the newest committed checkpoint, intact
+    template, again = _step(tiny_fs / "ckpt")
+    restored = again.init(template)
+    assert again.step == max(committed)
+    assert state_equal(jax.device_get(restored), states[again.step])
