@@ -26,6 +26,8 @@ class Config:
       donate_state: donate the input state buffers to the step (saves a copy of the state).
       overhead_budget: failure-free overhead resilax may spend on protection, as a share of
         step time (0.01 = 1%).
+      run_dir: where ``goodput.json`` (time accounting, events) is written; default
+        ``checkpoint_dir``; ``None`` with no checkpoint_dir writes nothing.
     """
 
     checkpoint_dir: str | None = None
@@ -35,11 +37,13 @@ class Config:
     seed: int = 0
     donate_state: bool = True
     overhead_budget: float = 0.01
+    run_dir: str | None = None
 
     def __post_init__(self):
-        _check_type("checkpoint_dir", self.checkpoint_dir, (str, os.PathLike, type(None)))
-        if isinstance(self.checkpoint_dir, os.PathLike):
-            object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
+        for name in ("checkpoint_dir", "run_dir"):
+            _check_type(name, getattr(self, name), (str, os.PathLike, type(None)))
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         for name in ("checkpoint_every", "checkpoint_keep", "seed"):
             _check_type(name, getattr(self, name), (int,))
         for name in ("async_checkpointing", "donate_state"):

@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from ._errors import ResilaxError
+
 __all__ = [
     "BUCKETS", "ML_GOODPUT_NAMES", "GOODPUT_FILE", "GoodputFileError",
     "GoodputRecorder", "load_goodput",
@@ -73,7 +75,7 @@ _FORMAT = "resilax.goodput"
 _VERSION = 1
 
 
-class GoodputFileError(ValueError):
+class GoodputFileError(ResilaxError, ValueError):
     """A goodput.json file is missing, truncated, corrupt or of an unknown format."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -17,6 +18,7 @@ from ._config import Config
 from ._errors import WrapError
 from ._events import Event, event
 from ._faults import FaultPlan
+from ._goodput import GoodputRecorder
 from ._split import Split
 from ._topology import Topology
 
@@ -173,6 +175,11 @@ class ResilientStep:
         self._state_sh = None
         self._batch_sh = None
         self._closed = False
+        # Time accounting from wrap to close; the training loop's time is `productive`
+        # unless a nested span (compile, checkpoint save, recovery...) claims it.
+        self.goodput_recorder = GoodputRecorder()
+        self._loop_span = contextlib.ExitStack()
+        self._loop_open = False
 
     # --------------------------------------------------------------- set-up
     def init(self, state, *, data=None):
@@ -214,17 +221,48 @@ class ResilientStep:
                 lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), state, self._state_sh
             )
             t0 = time.perf_counter()
-            restored = self._ckpt.restore_newest(abstract)
+            with self.goodput_recorder.span("checkpoint_restore"):
+                restored = self._ckpt.restore_newest(abstract)
             if restored is not None:
                 self.step = restored.step
                 if data is not None and restored.meta.get("data_state") is not None:
                     data.set_state(decode_data_state(restored.meta["data_state"]))
-                self.events.append(event(
+                self._event(
                     "restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
                     skipped=[{"step": s, "reason": r} for s, r in restored.skipped],
-                ))
+                )
                 return restored.state
         return place_copy(state, self._state_sh)
+
+    def _start_loop(self):
+        """From the first step on, loop time is productive unless a nested span claims it."""
+        self._loop_span.close()
+        self._loop_span.enter_context(self.goodput_recorder.span("productive"))
+        self._loop_open = True
+
+    def _event(self, kind: str, step: int, **fields) -> Event:
+        """Records an event in ``self.events`` and on the goodput timeline."""
+        ev = event(kind, step, **fields)
+        self.events.append(ev)
+        self.goodput_recorder.event(kind, step=int(step), **fields)
+        return ev
+
+    def goodput(self) -> dict[str, float]:
+        """Seconds of wall time (since `wrap`) per bucket; they sum to the wall time.
+
+        ``productive`` is time in the training loop not claimed by another bucket (compile,
+        checkpoint_save, checkpoint_restore, protection, detection, recovery, replay, lost).
+        ``goodput_recorder.goodput()`` is productive / wall.
+        """
+        return self.goodput_recorder.totals()
+
+    @property
+    def run_dir(self) -> str | None:
+        return self.config.run_dir or self.config.checkpoint_dir
+
+    def _save_goodput(self) -> None:
+        if self.run_dir:
+            self.goodput_recorder.save(self.run_dir)
 
     def _build(self, state, batch):
         self._batch_sh = resolve_shardings(self._batch_spec, batch, self.mesh, "batch_sharding")
@@ -249,12 +287,13 @@ class ResilientStep:
                     f"{b.shape} {b.dtype}; the state must keep its shapes and dtypes"
                 )
         metrics_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), metrics)
-        self._jitted = jax.jit(
-            fn,
-            in_shardings=(self._state_sh, self._batch_sh, step_sh),
-            out_shardings=(self._state_sh, metrics_sh),
-            donate_argnums=(0,) if self.config.donate_state else (),
-        )
+        with self.goodput_recorder.span("compile"):
+            self._jitted = jax.jit(
+                fn,
+                in_shardings=(self._state_sh, self._batch_sh, step_sh),
+                out_shardings=(self._state_sh, metrics_sh),
+                donate_argnums=(0,) if self.config.donate_state else (),
+            ).lower(state, batch, np.uint32(self.step)).compile()
 
     def _step_fn(self, state, batch, step_no):
         new_state, metrics, _ = self._split.full(state, batch, step_no)
@@ -275,6 +314,8 @@ class ResilientStep:
             )
         if self.faults:
             self.faults.fire("before_step", self.step, self)
+        if not self._loop_open:
+            self._start_loop()
         if self._jitted is None:
             self._build(state, batch)
         batch = jax.device_put(batch, self._batch_sh)
@@ -295,7 +336,10 @@ class ResilientStep:
         if self._data is not None:
             meta["data_state"] = encode_data_state(self._data.get_state())
         after = (lambda: self.faults.fire("during_save", self.step, self)) if self.faults else None
-        return self._ckpt.save(self.step, state, meta, after_dispatch=after)
+        with self.goodput_recorder.span("checkpoint_save", step=self.step):
+            dt = self._ckpt.save(self.step, state, meta, after_dispatch=after)
+        self._save_goodput()
+        return dt
 
     @property
     def checkpoints(self) -> CheckpointStore | None:
@@ -306,8 +350,13 @@ class ResilientStep:
         if self._closed:
             return
         self._closed = True
-        if self._ckpt is not None:
-            self._ckpt.close()
+        try:
+            if self._ckpt is not None:
+                with self.goodput_recorder.span("checkpoint_save", phase="final wait"):
+                    self._ckpt.close()
+        finally:
+            self._loop_span.close()
+            self._save_goodput()
 
     def __enter__(self):
         return self

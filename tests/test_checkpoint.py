@@ -135,3 +135,17 @@ def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monk
     with pytest.warns(RuntimeWarning, match=r"10: CorruptCheckpointError: checksum mismatch in leaves \['.step'"):
         step.init(template)
     assert step.step == 5
+
+
+def test_goodput_buckets_sum_to_wall_and_are_saved(tmp_path):
+    from resilax._goodput import load_goodput
+
+    _, step, _ = run(tmp_path, 10, every=5)
+    saved = load_goodput(tmp_path)  # written at close, checksummed, frozen at that moment
+    t = saved.totals()
+    assert sum(t.values()) == pytest.approx(saved.wall(), abs=1e-9)
+    assert t["compile"] > 0 and t["checkpoint_save"] > 0 and t["productive"] > 0
+    assert step.goodput()["checkpoint_save"] == pytest.approx(t["checkpoint_save"], rel=1e-6)
+    _, again, _ = run(tmp_path, 12, every=5)
+    assert again.goodput()["checkpoint_restore"] > 0
+    assert [e["kind"] for e in load_goodput(tmp_path).events] == ["restore"]

@@ -158,4 +158,3 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     assert set(data["strategies"]) == {"checkpoint-only", "in-memory", "resilax"}
     assert len(data["sweep"]["chips"]) == len(data["sweep"]["goodput"]["resilax"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "jax" not in sys.modules
