@@ -1,7 +1,6 @@
 """Test set-up: 8 CPU devices (two or four emulated slices), requested once, before JAX starts."""
 
 import os
-import sys
 
 import jax
 
@@ -14,21 +13,3 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
 
-import pytest  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def child_env():
-    """Environment for `python -m resilax ...` subprocesses: the repo importable, unbuffered output."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    return env
-
-
-@pytest.fixture
-def python():
-    return sys.executable

@@ -1,5 +1,7 @@
 """Small shared pieces for tests: the example model at test size, and state comparison."""
 
+import os
+
 import jax
 import numpy as np
 
@@ -15,3 +17,11 @@ def state_equal(a, b) -> bool:
 
 def flat_equal(a: dict, b: dict) -> bool:
     return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env() -> dict:
+    """Environment for `python -m resilax ...` subprocesses: this checkout importable, unbuffered output."""
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")

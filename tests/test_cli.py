@@ -4,13 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
-
-
-def _env():
-    import os
-
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+from helpers import child_env as _env
 
 
 def test_demo_kills_resumes_and_matches_bitwise(tmp_path):

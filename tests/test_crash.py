@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import flat_equal
+from helpers import child_env as _env, flat_equal
 
 STEPS, EVERY = 30, 5
 
@@ -33,12 +33,6 @@ def reference(tmp_path_factory):
     r = subprocess.run(train_cmd(d / "ckpt", "--out", str(d / "ref.npz")), env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     return load(d / "ref.npz")
-
-
-def _env():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
-    return env
 
 
 def committed(ckpt):
