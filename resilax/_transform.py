@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -180,6 +181,7 @@ class ResilientStep:
         self.goodput_recorder = GoodputRecorder()
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
+        self._goodput_warned = False
 
     # --------------------------------------------------------------- set-up
     def init(self, state, *, data=None):
@@ -261,8 +263,15 @@ class ResilientStep:
         return self.config.run_dir or self.config.checkpoint_dir
 
     def _save_goodput(self) -> None:
-        if self.run_dir:
+        """Writes goodput.json; accounting must never stop training, so a failed write warns."""
+        if not self.run_dir:
+            return
+        try:
             self.goodput_recorder.save(self.run_dir)
+        except OSError as e:
+            if not self._goodput_warned:
+                self._goodput_warned = True
+                warnings.warn(f"resilax: could not write goodput.json to {self.run_dir!r}: {e}", RuntimeWarning, stacklevel=3)
 
     def _build(self, state, batch):
         self._batch_sh = resolve_shardings(self._batch_spec, batch, self.mesh, "batch_sharding")
