@@ -225,6 +225,7 @@ class Guard:
         self.log.wait()
         try:
             skipped_pos = self.log.read(j, "inputs").data_state
+            skipped_pos = None if skipped_pos is None else decode_data_state(skipped_pos)
         except ReplayLogError:
             skipped_pos = None
         self.log.discard_from(j, f"rollback: step {j} {cause}")
