@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--checkpoint-every", type=int, default=None, help="default: resilax.Config's default")
     b.set_defaults(func=_cmd_bench)
 
+    from . import _bench_replay
+
+    br = sub.add_parser("bench-replay", help="benchmark: replay cost per mode, log bytes, logging overhead")
+    _bench_replay.add_arguments(br)
+    br.set_defaults(func=_bench_replay.run)
+
     for mod in ("_simulate", "_report"):
         try:
             m = __import__(f"resilax.{mod}", fromlist=["register_cli"])
