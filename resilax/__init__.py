@@ -7,6 +7,7 @@
     step.close()
 """
 
+from ._anomaly import AnomalyError as AnomalyError
 from ._config import Config as Config
 from ._errors import (
     CheckpointError as CheckpointError,
@@ -28,6 +29,7 @@ from ._transform import ResilientStep as ResilientStep, wrap as wrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnomalyError",
     "CheckpointError",
     "Config",
     "ConfigError",

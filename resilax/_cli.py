@@ -13,7 +13,7 @@ def _cmd_train(args) -> int:
     summary = train(
         steps=args.steps, topology=args.topology, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, faults=tuple(args.fault), out=args.out,
-        log_every=args.log_every, progress=not args.quiet,
+        log_every=args.log_every, progress=not args.quiet, replay_log=args.replay_log, anomaly=args.anomaly,
     )
     if args.summary:
         import os
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--summary", default=None, help="write a JSON summary here")
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--quiet", action="store_true")
+    t.add_argument("--replay-log", choices=["grads", "inputs", "off"], default="off",
+                   help="log each step so a crash resumes at the step it died (not the last checkpoint)")
+    t.add_argument("--anomaly", action="store_true", help="roll back and skip batches that give NaN/Inf or loss spikes")
     t.set_defaults(func=_cmd_train)
 
     d = sub.add_parser("demo", help="train, crash (SIGKILL), resume, compare bitwise with an uninterrupted run")
@@ -71,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--topology", default="cpu-2x4")
     b.add_argument("--checkpoint-every", type=int, default=None, help="default: resilax.Config's default")
     b.set_defaults(func=_cmd_bench)
+
+    from . import _bench_replay
+
+    br = sub.add_parser("bench-replay", help="benchmark: replay cost per mode, log bytes, logging overhead")
+    _bench_replay.add_arguments(br)
+    br.set_defaults(func=_bench_replay.run)
 
     for mod in ("_simulate", "_report"):
         try:

@@ -38,6 +38,15 @@ class Config:
     donate_state: bool = True
     overhead_budget: float = 0.01
     run_dir: str | None = None
+    replay_log: str = "off"
+    replay_log_dir: str | None = None
+    log_budget_bytes: int | None = 1 << 30
+    replay_max_lag: int = 2
+    anomaly: bool = False
+    on_anomaly: str = "skip"
+    spike_zscore: float = 6.0
+    spike_window: int = 50
+    anomaly_metric: str = "loss"
 
     def __post_init__(self):
         for name in ("checkpoint_dir", "run_dir"):
@@ -53,6 +62,32 @@ class Config:
             raise ConfigError(f"resilax.Config: checkpoint_every must be >= 0, but got {self.checkpoint_every}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"resilax.Config: checkpoint_keep must be >= 1, but got {self.checkpoint_keep}")
+        _check_type("replay_log_dir", self.replay_log_dir, (str, os.PathLike, type(None)))
+        if isinstance(self.replay_log_dir, os.PathLike):
+            object.__setattr__(self, "replay_log_dir", os.fspath(self.replay_log_dir))
+        _check_type("log_budget_bytes", self.log_budget_bytes, (int, type(None)))
+        _check_type("replay_max_lag", self.replay_max_lag, (int,))
+        _check_type("spike_window", self.spike_window, (int,))
+        _check_type("anomaly", self.anomaly, (bool,))
+        _check_type("spike_zscore", self.spike_zscore, (int, float))
+        _check_type("anomaly_metric", self.anomaly_metric, (str,))
+        for name, allowed in (("replay_log", ("grads", "inputs", "off")), ("on_anomaly", ("skip", "stop"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"resilax.Config: {name} must be one of {allowed}, but got {getattr(self, name)!r}")
+        if self.log_budget_bytes is not None and self.log_budget_bytes < 0:
+            raise ConfigError(f"resilax.Config: log_budget_bytes must be >= 0 or None, but got {self.log_budget_bytes}")
+        if self.replay_max_lag < 0:
+            raise ConfigError(f"resilax.Config: replay_max_lag must be >= 0, but got {self.replay_max_lag}")
+        if self.spike_window < 3 or not self.spike_zscore > 0:
+            raise ConfigError(
+                f"resilax.Config: spike_window must be >= 3 and spike_zscore > 0, but got {self.spike_window} and "
+                f"{self.spike_zscore}"
+            )
+        if self.anomaly and self.replay_log == "off":
+            raise ConfigError(
+                "resilax.Config: anomaly=True rolls back by replaying the log, so it needs replay_log='grads' or "
+                "'inputs', but replay_log is 'off'"
+            )
         if not 0 <= self.overhead_budget < 1:
             raise ConfigError(
                 f"resilax.Config: overhead_budget is a share of step time in [0, 1), but got {self.overhead_budget}"

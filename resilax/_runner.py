@@ -57,6 +57,8 @@ def train(
     log_every: int = 10,
     progress: bool = True,
     spec=None,
+    replay_log: str = "off",
+    anomaly: bool = False,
 ) -> dict:
     """Trains the example model to ``steps`` completed steps (resuming if checkpoints exist).
 
@@ -78,7 +80,8 @@ def train(
         topology=topo,
         state_sharding=ex.fsdp_specs(state, inner, topo.axis_sizes[1]),
         batch_sharding=jax.sharding.PartitionSpec(topo.elastic_axis),
-        config=resilax.Config(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every),
+        config=resilax.Config(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                              replay_log=replay_log, anomaly=anomaly),
         faults=resilax.FaultPlan(faults),
     )
     t_start = time.perf_counter()
@@ -86,7 +89,9 @@ def train(
         state = step.init(state, data=data)
         start_step = step.step
         if start_step:
-            print(f"resumed from checkpoint at step {start_step} (data position restored)", flush=True)
+            replayed = [e for e in step.events if e.kind == "replay"]
+            how = f" (checkpoint + {replayed[-1].fields['steps']} steps replayed from the log)" if replayed else " (checkpoint)"
+            print(f"resumed at step {start_step}{how}, data position restored", flush=True)
         bar = _progress(steps, start_step, progress)
         loss = acc = float("nan")
         last_t, last_s = time.perf_counter(), step.step

@@ -20,6 +20,7 @@ from ._errors import WrapError
 from ._events import Event, event
 from ._faults import FaultPlan
 from ._goodput import GoodputRecorder
+from ._guard import Guard
 from ._split import Split
 from ._topology import Topology
 
@@ -167,6 +168,7 @@ class ResilientStep:
         self._state_spec = state_sharding
         self._batch_spec = P(topology.elastic_axis) if batch_sharding is None else batch_sharding
         self._split = Split(train_step, config.seed)
+        self._guard = Guard(config, self._split) if config.replay_log != "off" else None
         self.step = 0
         self.mesh = None
         self.events: list[Event] = []
@@ -233,8 +235,9 @@ class ResilientStep:
                     "restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
                     skipped=[{"step": s, "reason": r} for s, r in restored.skipped],
                 )
-                return restored.state
-        return place_copy(state, self._state_sh)
+                return restored.state if self._guard is None else self._guard.on_init(self, restored.state)
+        state = place_copy(state, self._state_sh)
+        return state if self._guard is None else self._guard.on_init(self, state)
 
     def _start_loop(self):
         """From the first step on, loop time is productive unless a nested span claims it."""
@@ -278,12 +281,12 @@ class ResilientStep:
         step_sh = NamedSharding(self.mesh, P())
         abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
         abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype), batch)
-        fn = self._step_fn
+        fn = self._step_fn if self._guard is None else self._guard.step_fn
         try:
             out = jax.eval_shape(fn, abstract_state, abstract_batch, jax.ShapeDtypeStruct((), np.uint32))
         except WrapError:
             raise
-        new_state, metrics = out
+        new_state, metrics = out[:2]
         if jax.tree.structure(new_state) != jax.tree.structure(abstract_state):
             raise WrapError(
                 "resilax.wrap: train_step must return (state, metrics) with the state's structure unchanged, but the "
@@ -300,7 +303,7 @@ class ResilientStep:
             self._jitted = jax.jit(
                 fn,
                 in_shardings=(self._state_sh, self._batch_sh, step_sh),
-                out_shardings=(self._state_sh, metrics_sh),
+                out_shardings=(self._state_sh, metrics_sh) + ((None,) if self._guard is not None else ()),
                 donate_argnums=(0,) if self.config.donate_state else (),
             ).lower(state, batch, np.uint32(self.step)).compile()
 
@@ -325,11 +328,14 @@ class ResilientStep:
             self.faults.fire("before_step", self.step, self)
         if not self._loop_open:
             self._start_loop()
-        if self._jitted is None:
-            self._build(state, batch)
-        batch = jax.device_put(batch, self._batch_sh)
-        state, metrics = self._jitted(state, batch, np.uint32(self.step))
-        self.step += 1
+        if self._guard is not None:  # replay log and anomaly rollback (see _guard)
+            state, metrics = self._guard.run(self, state, batch)
+        else:
+            if self._jitted is None:
+                self._build(state, batch)
+            batch = jax.device_put(batch, self._batch_sh)
+            state, metrics = self._jitted(state, batch, np.uint32(self.step))
+            self.step += 1
         if self.faults:
             self.faults.fire("after_step", self.step, self)
         every = self.config.checkpoint_every
@@ -341,6 +347,8 @@ class ResilientStep:
         """Checkpoints ``state`` as step ``self.step`` (async); returns seconds blocked."""
         if self._ckpt is None:
             raise WrapError("resilax.ResilientStep.save: Config.checkpoint_dir is not set")
+        if self._guard is not None:
+            self._guard.on_save(self, state)
         meta = {"seed": self.config.seed, "topology": self.topology.name}
         if self._data is not None:
             meta["data_state"] = encode_data_state(self._data.get_state())
@@ -360,12 +368,16 @@ class ResilientStep:
             return
         self._closed = True
         try:
-            if self._ckpt is not None:
-                with self.goodput_recorder.span("checkpoint_save", phase="final wait"):
-                    self._ckpt.close()
+            if self._guard is not None:
+                self._guard.close()
         finally:
-            self._loop_span.close()
-            self._save_goodput()
+            try:
+                if self._ckpt is not None:
+                    with self.goodput_recorder.span("checkpoint_save", phase="final wait"):
+                        self._ckpt.close()
+            finally:
+                self._loop_span.close()
+                self._save_goodput()
 
     def __enter__(self):
         return self

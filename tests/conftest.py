@@ -13,3 +13,20 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
 
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+from helpers import child_env as _child_env  # noqa: E402
+
+
+@pytest.fixture
+def child_env():
+    """Environment for `python -m resilax ...` subprocesses (see helpers.child_env)."""
+    return _child_env()
+
+
+@pytest.fixture
+def python():
+    return sys.executable

@@ -1,0 +1,517 @@
+"""The replay log and replay: redo steps exactly from what the original steps recorded.
+
+Two kinds of entries, one file each, per step ``i`` (the step that takes the state from
+``i`` to ``i + 1``):
+
+- ``inputs``: the data-iterator position before and after batch ``i`` (grain's JSON
+  state) and the on-device checksums of the state step ``i`` started from. The RNG needs
+  no logging (``fold_in(key(seed), i)``). Replaying it reruns the whole step on the batch
+  the iterator yields from that position: exact when the data pipeline is deterministic.
+- ``grads``: the values given to `resilax.record` (batch-mean gradients, and whatever else
+  the update consumes) as raw arrays. Replaying it runs only `Split.update`: the forward
+  and backward pass are dead code and XLA removes them.
+
+In ``grads`` mode both files are written; the selective policy (`SelectivePolicy`) keeps
+grads files for the newest steps within ``log_budget_bytes`` and deletes older grads
+files, leaving their inputs files: log bytes traded against replay time.
+
+File format (no pickle): ``MAGIC | u64 header length | JSON header | payload | sha256 of
+all before``. A flipped or missing byte fails the sha256; the header names the step, so
+the error can too. Files are written through tensorstore's file kvstore under a temporary
+name, then renamed into place (atomic), and the directory is fsynced. An existing file is
+never overwritten: a stale one is moved to ``quarantine/`` first.
+
+Durability: the copy to host and the write run on a background thread. After
+``step(state, batch)`` returns for step ``k``, entries up to ``k - max_lag`` are durable
+(the caller blocks if the writer falls further behind); `ReplayLog.wait` makes all of
+them durable. After a crash, resume reaches the newest entry in an unbroken run of good
+ones after the restored checkpoint; steps after it are trained again from the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import queue
+import struct
+import threading
+import time
+import uuid
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tensorstore as ts
+
+from ._errors import ReplayLogError, StorageError
+
+MAGIC = b"RXLOG01\n"
+FORMAT = 1
+KINDS = ("grads", "inputs")
+QUARANTINE = "quarantine"
+_SUFFIX = ".rxl"
+
+
+# ---------------------------------------------------------------- batch templates
+def batch_signature(batch) -> list:
+    """``[[path, shape, dtype], ...]`` where path is ``[["d", key] | ["s", index], ...]``.
+
+    Grads-mode replay after a restart has no batch, but tracing the user's step needs one
+    of the right structure (its values are dead code). Dicts, lists and tuples are supported.
+    """
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        elems = []
+        for k in path:
+            if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, (str, int)):
+                elems.append(["d", k.key])
+            elif isinstance(k, jax.tree_util.SequenceKey):
+                elems.append(["s", k.idx])
+            else:
+                raise ReplayLogError(
+                    f"resilax replay log: grads-mode replay rebuilds a batch template from its structure, so a batch "
+                    f"must be a nest of dicts/lists/tuples of arrays, but it has a {type(k).__name__} at "
+                    f"{jax.tree_util.keystr(path)}; use replay_log='inputs' or a dict batch"
+                )
+        out.append([elems, list(np.shape(x)), str(np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)])
+    return out
+
+
+def batch_template(sig):
+    """A nest of ``jax.ShapeDtypeStruct`` rebuilt from `batch_signature`."""
+    if len(sig) == 1 and not sig[0][0]:
+        return jax.ShapeDtypeStruct(tuple(sig[0][1]), jnp.dtype(sig[0][2]))
+    root: Any = None
+
+    def put(node, elems, leaf):
+        kind, key = elems[0]
+        if node is None:
+            node = {} if kind == "d" else []
+        if kind == "s":
+            while len(node) <= key:
+                node.append(None)
+        if len(elems) == 1:
+            node[key] = leaf
+        else:
+            node[key] = put(node[key] if (kind == "s" or key in node) else None, elems[1:], leaf)
+        return node
+
+    for elems, shape, dtype in sig:
+        root = put(root, elems, jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)))
+    return root
+
+
+# ---------------------------------------------------------------- entries
+@dataclasses.dataclass(frozen=True)
+class LogEntry:
+    """One step's entry, as read back (checksum verified)."""
+
+    step: int
+    kind: str
+    data_state: Any  # encoded iterator position before batch `step` (None without data)
+    data_next: Any  # ... and after it
+    state_sums: np.ndarray | None  # [n_leaves, 2] checksums of the state the step started from
+    batch_sig: list | None
+    recorded: list[np.ndarray] | None  # grads: recorded leaves in tree order
+    recorded_paths: list[str] | None
+
+
+def encode_entry(header: dict, arrays: list[np.ndarray] = ()) -> bytes:
+    leaves, chunks, off = [], [], 0
+    for a in arrays:
+        b = np.ascontiguousarray(a).tobytes()
+        leaves.append({"shape": list(a.shape), "dtype": str(a.dtype), "offset": off, "nbytes": len(b)})
+        chunks.append(b)
+        off += len(b)
+    header = dict(header, format=FORMAT, arrays=leaves, payload_bytes=off)
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    body = MAGIC + struct.pack("<Q", len(hb)) + hb + b"".join(chunks)
+    return body + hashlib.sha256(body).digest()
+
+
+def decode_entry(data: bytes, *, where: str) -> tuple[dict, list[np.ndarray]]:
+    """Parses and verifies one entry file. Raises ReplayLogError naming ``where``."""
+    n = len(data)
+    if n < len(MAGIC) + 8 + 32 or data[: len(MAGIC)] != MAGIC:
+        raise ReplayLogError(f"{where}: truncated or not a replay-log entry ({n} bytes)")
+    body, digest = data[:-32], data[-32:]
+    (hlen,) = struct.unpack("<Q", body[len(MAGIC): len(MAGIC) + 8])
+    start = len(MAGIC) + 8
+    if hashlib.sha256(body).digest() != digest:
+        hint = "truncated" if start + hlen > len(body) else "corrupt"
+        raise ReplayLogError(f"{where}: sha256 mismatch, the file is {hint} ({n} bytes)")
+    header = json.loads(body[start: start + hlen])
+    if header.get("format") != FORMAT:
+        raise ReplayLogError(f"{where}: unknown format {header.get('format')!r}")
+    payload = body[start + hlen:]
+    if len(payload) != header["payload_bytes"]:
+        raise ReplayLogError(f"{where}: payload is {len(payload)} bytes, header says {header['payload_bytes']}")
+    arrays = [
+        np.frombuffer(payload, dtype=jnp.dtype(a["dtype"]), count=int(np.prod(a["shape"], dtype=np.int64)),
+                      offset=a["offset"]).reshape(a["shape"])
+        for a in header["arrays"]
+    ]
+    return header, arrays
+
+
+def entry_name(step: int, kind: str) -> str:
+    return f"{step:010d}.{kind}{_SUFFIX}"
+
+
+def parse_name(name: str) -> tuple[int, str] | None:
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0].isdigit() and parts[1] in KINDS and "." + parts[2] == _SUFFIX:
+        return int(parts[0]), parts[1]
+    return None
+
+
+# ---------------------------------------------------------------- policy
+@dataclasses.dataclass(frozen=True)
+class SelectivePolicy:
+    """Keep grads entries for the newest steps within ``budget_bytes``; older steps keep
+    only their (tiny) inputs entry. ``budget_bytes=None``: keep every grads entry.
+
+    The trade-off: each step kept as grads costs its bytes and saves ``step_s - update_s``
+    seconds of replay (`tradeoff` tabulates it).
+    """
+
+    budget_bytes: int | None = None
+
+    def grads_window(self, grads_bytes_per_step: int) -> int | None:
+        """How many newest steps keep grads (None: all)."""
+        if self.budget_bytes is None:
+            return None
+        return int(self.budget_bytes // max(grads_bytes_per_step, 1))
+
+    @staticmethod
+    def tradeoff(*, steps: int, grads_bytes: int, inputs_bytes: int, update_s: float, step_s: float,
+                 points: int = 5) -> list[dict]:
+        """Log bytes vs expected replay seconds for ``steps`` steps since the last checkpoint,
+        keeping grads for the newest ``w`` of them, for a few ``w`` from 0 to ``steps``."""
+        out = []
+        for w in sorted({round(steps * i / (points - 1)) for i in range(points)}):
+            out.append({
+                "grads_steps": w,
+                "log_bytes": w * grads_bytes + steps * inputs_bytes,
+                "replay_s": w * update_s + (steps - w) * step_s,
+            })
+        return out
+
+
+# ---------------------------------------------------------------- the log
+class ReplayLog:
+    """Per-step entries on local storage, written in the background.
+
+    Args:
+      directory: where entry files live (created if missing).
+      policy: `SelectivePolicy` for grads entries.
+      max_lag: entries that may be in flight before `append` blocks (bounds host memory and
+        how many steps a crash can lose from the log).
+
+    Thread-safety: `append` and the query methods are called from the training thread;
+    one writer thread does the host copies and file writes.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, policy: SelectivePolicy | None = None, max_lag: int = 2):
+        self.directory = pathlib.Path(directory).absolute()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"resilax replay log: cannot create {str(self.directory)!r}: {e}") from e
+        self.policy = policy or SelectivePolicy()
+        self.max_lag = max(int(max_lag), 0)
+        self._kv = ts.KvStore.open({"driver": "file", "path": str(self.directory) + "/"}).result()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._q: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.bytes_written = {k: 0 for k in KINDS}
+        self.entries_written = {k: 0 for k in KINDS}
+        self._grads_sizes: dict[int, int] = {}
+        for step, kind in self._files():
+            if kind == "grads":
+                self._grads_sizes[step] = (self.directory / entry_name(step, kind)).stat().st_size
+
+    # ---------------------------------------------------------- writing
+    def append(self, step: int, *, recorded=None, state_sums=None, data_state=None, data_next=None,
+               batch_sig=None) -> None:
+        """Queues entry ``step`` (grads too when ``recorded`` is given). Starts the
+        device-to-host copies now; the writer thread waits for them. Blocks only while more
+        than ``max_lag`` entries are in flight. Raises the writer's error, if any."""
+        self._raise_error()
+        leaves = [] if recorded is None else jax.tree.leaves(recorded)
+        paths = None if recorded is None else [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(recorded)[0]]
+        for x in leaves + ([state_sums] if state_sums is not None else []):
+            if isinstance(x, jax.Array):
+                x.copy_to_host_async()
+        with self._cv:
+            while self._pending > self.max_lag and self._error is None:
+                self._cv.wait()
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._writer, name="resilax-replay-log", daemon=True)
+            self._thread.start()
+        self._q.put((int(step), leaves, paths, state_sums, data_state, data_next, batch_sig))
+
+    def _writer(self):
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            step, leaves, paths, sums, ds, dn, bsig = job
+            try:
+                if self._error is None:
+                    head = {"step": step, "data_state": ds, "data_next": dn,
+                            "state_sums": None if sums is None else np.asarray(sums).tolist()}
+                    self._write(step, "inputs", encode_entry(dict(head, kind="inputs")))
+                    if paths is not None:
+                        arrays = [np.asarray(x) for x in leaves]  # waits for the async copies
+                        data = encode_entry(dict(head, kind="grads", paths=paths, batch_sig=bsig), arrays)
+                        self._write(step, "grads", data)
+                        with self._lock:
+                            self._grads_sizes[step] = len(data)
+                        self._apply_budget()
+            except BaseException as e:  # surfaced on the training thread by the next call
+                self._error = e
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def _write(self, step: int, kind: str, data: bytes) -> None:
+        name = entry_name(step, kind)
+        final = self.directory / name
+        if final.exists():
+            self._quarantine([final], "a newer entry for the same step was written")
+        tmp = f".tmp.{name}.{uuid.uuid4().hex[:8]}"
+        try:
+            self._kv.write(tmp, data).result()
+            os.replace(self.directory / tmp, final)
+            fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except Exception as e:
+            raise StorageError(f"resilax replay log: writing entry {step} ({kind}) to {str(final)!r} failed: {e}") from e
+        self.bytes_written[kind] += len(data)
+        self.entries_written[kind] += 1
+
+    def _apply_budget(self):
+        budget = self.policy.budget_bytes
+        if budget is None:
+            return
+        with self._lock:
+            total = sum(self._grads_sizes.values())
+            for step in sorted(self._grads_sizes):
+                if total <= budget or len(self._grads_sizes) <= 1:
+                    break
+                total -= self._grads_sizes.pop(step)
+                (self.directory / entry_name(step, "grads")).unlink(missing_ok=True)
+
+    def _raise_error(self):
+        if self._error is not None:
+            e = self._error
+            raise e if isinstance(e, StorageError) else StorageError(f"resilax replay log: background write failed: {e}")
+
+    def wait(self, max_pending: int = 0) -> None:
+        """Blocks until at most ``max_pending`` entries are in flight (0: all durable)."""
+        with self._cv:
+            while self._pending > max_pending and self._error is None:
+                self._cv.wait()
+        self._raise_error()
+
+    def close(self) -> None:
+        """Makes every queued entry durable and stops the writer. Idempotent."""
+        if self._thread is not None:
+            try:
+                self.wait()
+            finally:
+                self._q.put(None)
+                self._thread.join()
+                self._thread = None
+
+    # ---------------------------------------------------------- reading
+    def _files(self) -> list[tuple[int, str]]:
+        out = []
+        for name in os.listdir(self.directory):
+            p = parse_name(name)
+            if p is not None:
+                out.append(p)
+        return sorted(out)
+
+    def steps(self, kind: str | None = None) -> list[int]:
+        """Steps with an entry file of ``kind`` (any kind when None), oldest first."""
+        return sorted({s for s, k in self._files() if kind is None or k == kind})
+
+    def read(self, step: int, kind: str) -> LogEntry:
+        """Reads and verifies entry ``step``. Raises ReplayLogError naming the step."""
+        path = self.directory / entry_name(step, kind)
+        where = f"resilax replay log: entry for step {step} ({kind}, {str(path)!r})"
+        try:
+            data = bytes(self._kv.read(entry_name(step, kind)).result().value)
+        except Exception as e:
+            raise ReplayLogError(f"{where}: cannot be read: {e}") from e
+        if not data:
+            raise ReplayLogError(f"{where}: missing or empty")
+        header, arrays = decode_entry(data, where=where)
+        if header.get("step") != step or header.get("kind") != kind:
+            raise ReplayLogError(f"{where}: header names step {header.get('step')} ({header.get('kind')})")
+        sums = header.get("state_sums")
+        return LogEntry(step, kind, header.get("data_state"), header.get("data_next"),
+                        None if sums is None else np.asarray(sums, np.uint32).reshape(-1, 2),
+                        header.get("batch_sig"), arrays if kind == "grads" else None, header.get("paths"))
+
+    def nbytes(self, kind: str | None = None) -> int:
+        return sum((self.directory / entry_name(s, k)).stat().st_size
+                   for s, k in self._files() if kind is None or k == kind)
+
+    # ---------------------------------------------------------- truncation
+    def truncate_before(self, step: int) -> int:
+        """Deletes entries for steps ``< step`` (a checkpoint or peer copy at ``step``
+        makes them unnecessary). Returns how many files were removed."""
+        n = 0
+        with self._lock:
+            for s, k in self._files():
+                if s < step:
+                    (self.directory / entry_name(s, k)).unlink(missing_ok=True)
+                    self._grads_sizes.pop(s, None)
+                    n += 1
+        return n
+
+    def discard_from(self, step: int, reason: str) -> list[str]:
+        """Moves entries for steps ``>= step`` to ``quarantine/`` (never deleted): after a
+        rollback or a resume they describe steps that will be run again."""
+        self.wait()
+        with self._lock:
+            paths = [self.directory / entry_name(s, k) for s, k in self._files() if s >= step]
+            for s, _ in self._files():
+                if s >= step:
+                    self._grads_sizes.pop(s, None)
+        return self._quarantine(paths, reason)
+
+    def _quarantine(self, paths, reason: str) -> list[str]:
+        if not paths:
+            return []
+        qdir = self.directory / QUARANTINE
+        qdir.mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        moved = []
+        for p in paths:
+            dst = qdir / f"{p.name}.{stamp}.{uuid.uuid4().hex[:6]}"
+            os.replace(p, dst)
+            moved.append(str(dst))
+        warnings.warn(f"resilax replay log: moved {len(moved)} entr{'y' if len(moved) == 1 else 'ies'} to "
+                      f"{str(qdir)!r} ({reason})", RuntimeWarning, stacklevel=3)
+        return moved
+
+
+# ---------------------------------------------------------------- replay
+@dataclasses.dataclass(frozen=True)
+class Replayed:
+    """What `replay` did: the state at ``step``, how each step was replayed, what failed."""
+
+    state: Any
+    step: int
+    modes: tuple[str, ...]  # per replayed step: "grads" or "inputs"
+    seconds: float
+    failed: tuple[tuple[int, str], ...] = ()  # (step, reason) of the first step that could not be replayed
+    data_next: Any = None  # iterator position after the last replayed batch
+
+
+def replay(
+    state,
+    log: ReplayLog,
+    start: int,
+    stop: int | None = None,
+    *,
+    update: Callable[[Any, int, list[np.ndarray], list | None], Any],
+    full: Callable[[Any, Any, int], Any] | None = None,
+    data=None,
+    decode_data_state: Callable[[Any], Any] = lambda s: s,
+    checksums: Callable[[Any], np.ndarray] | None = None,
+    strict: bool = True,
+) -> Replayed:
+    """Replays steps ``start .. stop-1`` from the log onto ``state`` (the state at ``start``).
+
+    Per step it prefers the grads entry (``update(state, step, recorded_leaves, batch_sig)``,
+    no gradient computation) and falls back to the inputs entry (``full(state, batch, step)``
+    on the batch ``data`` yields from the logged position; needs ``data`` and ``full``).
+
+    Args:
+      stop: last step + 1; ``None``: as far as the log has an unbroken run of good entries.
+      checksums: ``state -> [n, 2]`` checksums; when given, the start state is checked
+        against the checksums the original step logged (a log written for another state
+        raises), and so is the final state when the log has the entry that follows it.
+      strict: with ``stop`` given, raise when a step cannot be replayed.
+
+    Returns:
+      `Replayed`. ``state`` is donated to the update/step functions: use the returned one.
+
+    Raises:
+      ReplayLogError: the start state does not match the log; or (strict, ``stop`` given)
+        an entry is missing or corrupt: the message names the steps that could not be
+        replayed; ``err.replayed`` holds the `Replayed` reached so far.
+    """
+    t0 = time.perf_counter()
+    step, modes, failed, data_next = start, [], [], None
+    have = set(log.steps())
+    limit = stop if stop is not None else (max(have) + 1 if have else start)
+    first = True
+    while step < limit:
+        entry, reasons = None, []
+        for kind in ("grads", "inputs"):
+            if kind == "inputs" and (full is None or data is None):
+                reasons.append("inputs entry unusable without a data iterator")
+                continue
+            try:
+                entry = log.read(step, kind)
+                break
+            except ReplayLogError as e:
+                reasons.append(str(e))
+        if entry is None:
+            failed.append((step, "; ".join(reasons)))
+            break
+        if first and checksums is not None and entry.state_sums is not None:
+            got = np.asarray(checksums(state))
+            if not np.array_equal(got, entry.state_sums):
+                raise ReplayLogError(
+                    f"resilax replay: the state at step {step} does not match the state the replay log at "
+                    f"{str(log.directory)!r} was recorded from (checksums differ); this log belongs to another run"
+                )
+        first = False
+        if entry.kind == "grads":
+            state = update(state, step, entry.recorded, entry.batch_sig)
+        else:
+            data.set_state(decode_data_state(entry.data_state))
+            state = full(state, next(data), step)
+        data_next = entry.data_next
+        modes.append(entry.kind)
+        step += 1
+    if checksums is not None and step > start and step in have:
+        try:
+            after = log.read(step, "inputs")
+        except ReplayLogError:
+            after = None
+        if after is not None and after.state_sums is not None:
+            if not np.array_equal(np.asarray(checksums(state)), after.state_sums):
+                raise ReplayLogError(
+                    f"resilax replay: replaying steps {start}..{step - 1} did not reproduce the state the original "
+                    f"run had at step {step} (checksums differ): replay is not deterministic here"
+                )
+    out = Replayed(state, step, tuple(modes), time.perf_counter() - t0, tuple(failed), data_next)
+    if strict and stop is not None and step < stop:
+        err = ReplayLogError(
+            f"resilax replay: replayed steps {start}..{step - 1} but could not replay steps {step}..{stop - 1}: "
+            f"{failed[0][1] if failed else 'no entry'}"
+        )
+        err.replayed = out
+        raise err
+    return out

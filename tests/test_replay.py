@@ -1,0 +1,252 @@
+"""Replay log and replay: bitwise-exact resume in grads and inputs modes, corrupt and
+truncated entries, the selective policy, and a real SIGKILL mid-run."""
+
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import resilax
+from resilax import _example as ex
+from resilax._replay import ReplayLog, SelectivePolicy, decode_entry, encode_entry, replay
+
+SPEC = ex.ExampleSpec(features=16, hidden=32, depth=2, batch=16, examples=512)
+TOPO = resilax.Topology.emulated(slices=2, devices_per_slice=4)
+
+
+# ---------------------------------------------------------------- models
+class BNNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(32)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        return nn.Dense(SPEC.classes)(nn.relu(x))
+
+
+class BNState(train_state.TrainState):
+    batch_stats: dict
+
+
+def make_bn_state():
+    model = BNNet()
+    v = model.init(jax.random.key(0), jnp.zeros((1, SPEC.features)), train=False)
+    return BNState.create(apply_fn=model.apply, params=v["params"], batch_stats=v["batch_stats"], tx=optax.adamw(3e-3))
+
+
+def bn_loss(params, state, batch):
+    logits, upd = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, batch["x"], train=True,
+                                 mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, upd["batch_stats"]
+
+
+def bn_step(state, batch):
+    # The contract for non-param state: record everything the update consumes.
+    (loss, new_bs), grads = jax.value_and_grad(bn_loss, has_aux=True)(state.params, state, batch)
+    grads, new_bs = resilax.record((grads, new_bs))
+    return state.apply_gradients(grads=grads).replace(batch_stats=new_bs), {"loss": loss}
+
+
+def bn_step_bad(state, batch):
+    # Records only the gradients: the update still needs the batch for batch_stats.
+    (loss, new_bs), grads = jax.value_and_grad(bn_loss, has_aux=True)(state.params, state, batch)
+    grads = resilax.record(grads)
+    return state.apply_gradients(grads=grads).replace(batch_stats=new_bs), {"loss": loss}
+
+
+MODELS = {
+    "adamw": (lambda: ex.make_state(SPEC), ex.train_step),
+    "sgd_momentum_schedule": (
+        lambda: ex.make_state(SPEC, optax.sgd(optax.exponential_decay(0.05, 3, 0.7), momentum=0.9)), ex.train_step),
+    "batchnorm": (make_bn_state, bn_step),
+}
+
+
+def flat(state):
+    return ex.flat_state(state)
+
+
+def assert_bitwise(a, b):
+    assert sorted(a) == sorted(b)
+    diff = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not diff, f"leaves differ: {diff[:5]}"
+
+
+def make_step(model, cfg, faults=()):
+    _, fn = MODELS[model]
+    return resilax.wrap(fn, topology=TOPO, config=cfg, faults=resilax.FaultPlan(faults))
+
+
+def train(model, cfg, steps, *, until=None):
+    """Runs to ``steps`` steps; returns (flat final state, ResilientStep)."""
+    make, _ = MODELS[model]
+    data = ex.make_iterator(SPEC)
+    step = make_step(model, cfg)
+    with step:
+        state = step.init(make(), data=data)
+        while step.step < (until or steps):
+            state, _ = step(state, next(data))
+        out = flat(state)
+    return out, step
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("mode", ["grads", "inputs"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_resume_replays_log_bitwise(tmp_path, model, mode):
+    """Run 9 steps with checkpoints at 4 and 8; drop 8, so a new init restores 4 and
+    replays 4..8 from the log; the state equals the original run's at 9."""
+    cfg = resilax.Config(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=4, replay_log=mode,
+                         async_checkpointing=False)
+    at9, _ = train(model, cfg, 9)
+    # Resume: checkpoint 8 exists; remove it so the log must carry steps 4..8.
+    import shutil
+    shutil.rmtree(tmp_path / "ck" / "8")
+    make, _ = MODELS[model]
+    data = ex.make_iterator(SPEC)
+    step = make_step(model, cfg)
+    with step:
+        state = step.init(make(), data=data)
+        assert step.step == 9, step.events
+        ev = [e for e in step.events if e.kind == "replay"][-1]
+        assert (ev.fields["from_step"], ev.fields["steps"]) == (4, 5)
+        assert ev.fields[f"{mode}_steps"] == 5
+        assert_bitwise(flat(state), at9)
+        assert data.get_state() == {"next_index": 9}
+
+
+def test_update_only_replay_has_no_dots(tmp_path):
+    """The program replay runs for a grads entry has no dot ops: the forward and backward
+    passes are gone (timings are in `resilax bench replay`)."""
+    cfg = resilax.Config(replay_log="grads", replay_log_dir=str(tmp_path / "log"))
+    train("adamw", cfg, 3)
+    step = make_step("adamw", cfg)
+    with step:
+        s = step.init(MODELS["adamw"][0]())  # replays 0..2 from the log, update part only
+        assert step.step == 3
+        (upd, treedef, _), = step._guard._updates.values()
+        rep = jax.sharding.NamedSharding(step.mesh, jax.sharding.PartitionSpec())
+        rec = jax.tree.unflatten(treedef, [jax.device_put(a, rep) for a in step._guard.log.read(1, "grads").recorded])
+        txt_upd = upd.lower(s, np.uint32(1), rec).compile().as_text()
+        full = jax.jit(step._split.full)
+        txt_full = full.lower(s, next(ex.make_iterator(SPEC)), np.uint32(1)).compile().as_text()
+    assert txt_full.count(" dot(") >= 3
+    assert txt_upd.count(" dot(") == 0
+
+
+def test_update_reading_batch_is_rejected_in_grads_mode(tmp_path):
+    step = resilax.wrap(bn_step_bad, topology=TOPO, config=resilax.Config(replay_log="grads",
+                                                                           replay_log_dir=str(tmp_path)))
+    state = step.init(make_bn_state())
+    with pytest.raises(resilax.WrapError, match=r"still reads batch\['x'\]"):
+        step(state, next(ex.make_iterator(SPEC)))
+    step.close()
+
+
+def _log_run(tmp_path, steps=6):
+    cfg = resilax.Config(replay_log="grads", replay_log_dir=str(tmp_path / "log"))
+    final, _ = train("adamw", cfg, steps)
+    return cfg, final
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_entry_stops_replay_there_naming_the_step(tmp_path, damage):
+    cfg, _ = _log_run(tmp_path)
+    log = ReplayLog(tmp_path / "log")
+    path = log.directory / "0000000003.grads.rxl"
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0xFF
+    else:
+        raw = raw[: len(raw) - 100]
+    path.write_bytes(bytes(raw))
+    with pytest.raises(resilax.ReplayLogError, match=r"step 3 \(grads.*(corrupt|truncated)"):
+        log.read(3, "grads")
+    # Replay without data: stops at step 3 and names steps 3..5 as not replayable.
+    step = make_step("adamw", cfg)
+    state = step.init(MODELS["adamw"][0]())
+    assert step.step == 3
+    ev = [e for e in step.events if e.kind == "replay"][-1]
+    assert ev.fields["unreplayable"][0]["step"] == 3
+    assert "sha256 mismatch" in ev.fields["unreplayable"][0]["reason"]
+    with pytest.raises(resilax.ReplayLogError, match=r"could not replay steps 3\.\.5"):
+        replay(state, ReplayLog(tmp_path / "log"), 3, 6, update=lambda *a: a[0])
+    # Nothing deleted: the bad entry (and the ones after it) are in quarantine.
+    assert any(p.name.startswith("0000000003.grads") for p in (log.directory / "quarantine").iterdir())
+    step.close()
+
+
+def test_damaged_grads_entry_falls_back_to_inputs_with_data(tmp_path):
+    cfg, final = _log_run(tmp_path)
+    path = tmp_path / "log" / "0000000002.grads.rxl"
+    path.write_bytes(path.read_bytes()[:-7])
+    data = ex.make_iterator(SPEC)
+    step = make_step("adamw", cfg)
+    with step:
+        state = step.init(MODELS["adamw"][0](), data=data)
+        assert step.step == 6
+        ev = [e for e in step.events if e.kind == "replay"][-1]
+        assert (ev.fields["grads_steps"], ev.fields["inputs_steps"]) == (5, 1)
+        assert_bitwise(flat(state), final)
+        assert data.get_state() == {"next_index": 6}
+
+
+def test_entry_format_roundtrip_and_no_overwrite(tmp_path):
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array([1, 2], np.int32)]
+    data = encode_entry({"step": 7, "kind": "grads"}, arrays)
+    h, back = decode_entry(data, where="x")
+    assert h["step"] == 7 and all(np.array_equal(a, b) for a, b in zip(arrays, back))
+    log = ReplayLog(tmp_path)
+    log.append(0, data_state={"next_index": 0})
+    log.wait()
+    first = (tmp_path / "0000000000.inputs.rxl").read_bytes()
+    with pytest.warns(RuntimeWarning, match="quarantine"):
+        log.append(0, data_state={"next_index": 5})
+        log.wait()
+    assert list((tmp_path / "quarantine").iterdir())[0].read_bytes() == first
+    log.close()
+
+
+def test_selective_policy_keeps_newest_grads_within_budget(tmp_path):
+    probe = tmp_path / "probe"
+    cfg = resilax.Config(replay_log="grads", replay_log_dir=str(probe))
+    train("adamw", cfg, 1)
+    per = (probe / "0000000000.grads.rxl").stat().st_size
+    cfg = cfg.replace(replay_log_dir=str(tmp_path / "log"), log_budget_bytes=int(3.5 * per))
+    final, step = train("adamw", cfg, 8)
+    log = ReplayLog(tmp_path / "log")
+    assert log.steps("grads") == [5, 6, 7] and log.steps("inputs") == list(range(8))
+    assert log.nbytes("grads") <= 3.5 * per
+    rows = SelectivePolicy.tradeoff(steps=8, grads_bytes=per, inputs_bytes=300, update_s=0.001, step_s=0.01)
+    assert rows[0]["log_bytes"] < rows[-1]["log_bytes"] and rows[0]["replay_s"] > rows[-1]["replay_s"]
+    # Mixed replay (inputs for 0..4, grads for 5..7) is still exact.
+    data = ex.make_iterator(SPEC)
+    step = make_step("adamw", cfg)
+    with step:
+        state = step.init(MODELS["adamw"][0](), data=data)
+        ev = [e for e in step.events if e.kind == "replay"][-1]
+        assert (ev.fields["inputs_steps"], ev.fields["grads_steps"]) == (5, 3)
+        assert_bitwise(flat(state), final)
+
+
+def test_truncate_after_checkpoint(tmp_path):
+    cfg = resilax.Config(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=3, replay_log="grads")
+    train("adamw", cfg, 10)
+    log = ReplayLog(tmp_path / "ck" / "replay_log")
+    # Saves at 3, 6, 9: at the save of 9 the log was truncated before 6 (checkpoint 6 committed).
+    assert log.steps() == list(range(6, 10))
+
+
+def test_wrong_start_state_is_refused(tmp_path):
+    cfg, _ = _log_run(tmp_path, steps=2)
+    step = make_step("adamw", cfg)
+    other = ex.make_state(ex.ExampleSpec(**{**SPEC.__dict__, "seed": 1}))
+    with pytest.raises(resilax.ReplayLogError, match="belongs to another run"):
+        step.init(other)
+    step.close()
+
+
