@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--checkpoint-every", type=int, default=None, help="default: resilax.Config's default")
     b.set_defaults(func=_cmd_bench)
 
-    for mod in ("_simulate", "_report"):
+    for mod in ("_simulate", "_report", "_validate"):
         try:
             m = __import__(f"resilax.{mod}", fromlist=["register_cli"])
         except ImportError:
