@@ -67,21 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=None)
     d.set_defaults(func=_cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks: overhead")
-    b.add_argument("which", choices=["overhead"])
-    b.add_argument("--json", default=None, help="write results here")
-    b.add_argument("--steps", type=int, default=300)
-    b.add_argument("--topology", default="cpu-2x4")
-    b.add_argument("--checkpoint-every", type=int, default=None, help="default: resilax.Config's default")
-    b.set_defaults(func=_cmd_bench)
+    b = sub.add_parser("bench", help="benchmarks: overhead, replay, recovery (print a table, write JSON)")
+    bsub = b.add_subparsers(dest="which", required=True)
+    o = bsub.add_parser("overhead", help="wrapped vs plain jitted step, interleaved; checkpoint blocking vs plain Orbax")
+    o.add_argument("--json", default=None, help="write results here")
+    o.add_argument("--steps", type=int, default=300)
+    o.add_argument("--topology", default="cpu-2x4")
+    o.add_argument("--checkpoint-every", type=int, default=None, help="default: resilax.Config's default")
+    o.set_defaults(func=_cmd_bench)
+    for name, mod, help_ in (
+        ("replay", "_bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
+        ("recovery", "_bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
+    ):
+        try:
+            m = __import__(f"resilax.{mod}", fromlist=["add_arguments", "run"])
+        except ImportError:
+            continue
+        sp = bsub.add_parser(name, help=help_)
+        m.add_arguments(sp)
+        sp.set_defaults(func=m.run)
 
-    from . import _bench_replay
-
-    br = sub.add_parser("bench-replay", help="benchmark: replay cost per mode, log bytes, logging overhead")
-    _bench_replay.add_arguments(br)
-    br.set_defaults(func=_bench_replay.run)
-
-    for mod in ("_simulate", "_report"):
+    for mod in ("_simulate", "_report", "_validate"):
         try:
             m = __import__(f"resilax.{mod}", fromlist=["register_cli"])
         except ImportError:

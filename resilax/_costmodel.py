@@ -70,6 +70,8 @@ class CostModel:
     # -- fixed costs (s) --------------------------------------------------
     checkpoint_fixed_s: float = _f(2.0, "assumed: barrier + metadata per async save")
     blocking_s_measured: float | None = _f(None, "bench: blocking_s (None: derived from bytes)")
+    persist_s_measured: float | None = _f(None, "None: derived from bytes (persist_s)")
+    restore_s_measured: float | None = _f(None, "None: derived from bytes (restore_persistent_s)")
     restore_fixed_s: float = _f(60.0, "assumed: open, metadata and barriers of a large restore")
     detection_s: float = _f(60.0, "assumed: heartbeat / liveness-probe timeout; same for "
                             "every strategy")
@@ -89,6 +91,11 @@ class CostModel:
                                       "loss spike some hours later")
     persistent_interval_s: float = _f(3600.0, "assumed: persistent tier cadence for "
                                       "in-memory and resilax strategies")
+    # -- whole-job costs: negligible over days, dominant over a minute --
+    launch_s: float = _f(0.0, "assumed: job start (launch to first step) left out of "
+                         "long-run simulations")
+    shutdown_s: float = _f(0.0, "assumed: job end (final checkpoint wait, process exit) "
+                           "left out of long-run simulations")
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -132,11 +139,15 @@ class CostModel:
     @property
     def persist_s(self) -> float:
         """Background write until a persistent checkpoint is durable."""
+        if self.persist_s_measured is not None:
+            return self.persist_s_measured
         return max(self.bytes_per_domain / self.storage_write_bytes_s,
                    self.state_bytes / self.storage_aggregate_bytes_s)
 
     @property
     def restore_persistent_s(self) -> float:
+        if self.restore_s_measured is not None:
+            return self.restore_s_measured
         return self.restore_fixed_s + max(
             self.bytes_per_domain / self.storage_read_bytes_s,
             self.state_bytes / self.storage_aggregate_bytes_s)

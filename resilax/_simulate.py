@@ -203,7 +203,9 @@ def _cyclic(trace: FailureTrace, horizon: float, cm: CostModel, tau: float, delt
         else:
             events.append((t, k, None))
     events.sort(key=lambda e: e[0])
-    ready, rec_start, phases = 0.0, 0.0, []
+    # job start (launch to first step); the job's end is cut off the horizon by the caller
+    phases = [("other", cm.launch_s)] if cm.launch_s > 0 else []
+    ready, rec_start = sum(s for _, s in phases), 0.0
 
     def run(length: float, fail: bool, corrupt_at: float | None) -> None:
         n = math.floor(length / cycle)
@@ -321,6 +323,8 @@ def _resilax(trace: FailureTrace, horizon: float, cm: CostModel,
         run_since_restart = 0.0
 
     events = [(float(t), k, int(d)) for t, k, d in zip(trace.times, trace.kinds, trace.domains)]
+    if cm.launch_s > 0:
+        pause(0.0, [("other", cm.launch_s)])
     i = 0
     while True:
         nxt_fail = events[i][0] if i < len(events) else math.inf
@@ -400,10 +404,32 @@ def _summary(led: _Ledger, horizon: float, **extra: Any) -> dict:
     }
 
 
+def _rescale(summary: dict, train_s: float, horizon_s: float) -> dict:
+    """A summary over ``train_s`` seen over ``horizon_s``: the rest is ``other``."""
+    out = dict(summary)
+    out["goodput"] = summary["goodput"] * train_s / horizon_s
+    out["overhead_share"] = summary["overhead_share"] * train_s / horizon_s
+    b = dict(summary["buckets_hours"])
+    b["other"] += (horizon_s - train_s) / HOUR
+    out["buckets_hours"] = b
+    return out
+
+
 def simulate_strategy(strategy: str, trace: FailureTrace, horizon_s: float, cm: CostModel,
                       *, mtbf_s: float, interval_s: float | None = None,
                       rng: np.random.Generator | None = None) -> dict:
-    """One strategy against one trace; returns its summary (see :func:`simulate`)."""
+    """One strategy against one trace; returns its summary (see :func:`simulate`).
+
+    The job pays ``cm.launch_s`` at t=0 and ``cm.shutdown_s`` at the horizon's
+    end (booked as ``other``); both default to 0, which long runs can ignore.
+    """
+    train_s = max(0.0, horizon_s - cm.shutdown_s)
+    if train_s < horizon_s:
+        # the ledger covers the training part; the summary's wall is the whole job
+        out = simulate_strategy(strategy, trace, train_s,
+                                dataclasses.replace(cm, shutdown_s=0.0), mtbf_s=mtbf_s,
+                                interval_s=interval_s, rng=rng)
+        return _rescale(out, train_s, horizon_s)
     if strategy == "checkpoint-only":
         delta = cm.checkpoint_blocking_s
         tau = interval_s or daly_interval(delta, mtbf_s)
