@@ -46,7 +46,7 @@ __all__ = ["measure_costs", "cost_model", "run_measured_job", "validate", "forma
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STEP = re.compile(r"^step\s+(\d+)/(\d+)")
-_RESUMED = re.compile(r"^resumed from checkpoint at step (\d+)")
+_RESUMED = re.compile(r"^resumed at step (\d+)")
 Log = Callable[[str], None]
 
 
