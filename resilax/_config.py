@@ -26,6 +26,10 @@ class Config:
       donate_state: donate the input state buffers to the step (saves a copy of the state).
       overhead_budget: failure-free overhead resilax may spend on protection, as a share of
         step time (0.01 = 1%).
+      peers: keep peer copies of state that lives in one failure domain only (ring placement
+        over the elastic axis) and recover from them when a domain is lost.
+      peer_every: make the peer copy every this many steps; 0 = choose by measuring its cost
+        against ``overhead_budget`` (every step if it fits).
     """
 
     checkpoint_dir: str | None = None
@@ -35,18 +39,22 @@ class Config:
     seed: int = 0
     donate_state: bool = True
     overhead_budget: float = 0.01
+    peers: bool = True
+    peer_every: int = 0
 
     def __post_init__(self):
         _check_type("checkpoint_dir", self.checkpoint_dir, (str, os.PathLike, type(None)))
         if isinstance(self.checkpoint_dir, os.PathLike):
             object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
-        for name in ("checkpoint_every", "checkpoint_keep", "seed"):
+        for name in ("checkpoint_every", "checkpoint_keep", "seed", "peer_every"):
             _check_type(name, getattr(self, name), (int,))
-        for name in ("async_checkpointing", "donate_state"):
+        for name in ("async_checkpointing", "donate_state", "peers"):
             _check_type(name, getattr(self, name), (bool,))
         _check_type("overhead_budget", self.overhead_budget, (int, float))
         if self.checkpoint_every < 0:
             raise ConfigError(f"resilax.Config: checkpoint_every must be >= 0, but got {self.checkpoint_every}")
+        if self.peer_every < 0:
+            raise ConfigError(f"resilax.Config: peer_every must be >= 0 (0 = by budget), but got {self.peer_every}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"resilax.Config: checkpoint_keep must be >= 1, but got {self.checkpoint_keep}")
         if not 0 <= self.overhead_budget < 1:

@@ -16,6 +16,7 @@ from ._config import Config
 from ._errors import WrapError
 from ._events import Event, event
 from ._faults import FaultPlan
+from ._recovery import Guard
 from ._split import Split
 from ._topology import Topology
 
@@ -162,6 +163,15 @@ class ResilientStep:
         self._state_sh = None
         self._batch_sh = None
         self._closed = False
+        self._guard: Guard | None = None
+        if config.peers and topology.num_domains == 1:
+            import warnings
+
+            warnings.warn(
+                f"resilax.wrap: topology {topology.name!r} has one failure domain, so there are no peers to hold "
+                f"copies of the state; losing it is recoverable only from checkpoints (+ replay)",
+                RuntimeWarning, stacklevel=3,
+            )
 
     # --------------------------------------------------------------- set-up
     def init(self, state, *, data=None):
@@ -212,9 +222,23 @@ class ResilientStep:
                     "restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
                     skipped=[{"step": s, "reason": r} for s, r in restored.skipped],
                 ))
-                return restored.state
+                return self._protect(restored.state)
         # A real copy: the caller's arrays stay valid even though the step donates its input.
-        return jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), state, self._state_sh)
+        return self._protect(jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), state, self._state_sh))
+
+    def _protect(self, state):
+        if self.config.peers and self.topology.num_domains > 1:
+            self._guard = Guard(self, state)
+            return self._guard.attach(state)
+        return state
+
+    def _fire(self, phase, state):
+        """Fires ``phase``'s faults; if one lost a domain, returns the recovered state."""
+        if self.faults:
+            self.faults.fire(phase, self.step, self)
+        if self._guard is not None and self._guard.pending:
+            state = self._guard.recover(state)
+        return state
 
     def _build(self, state, batch):
         self._batch_sh = resolve_shardings(self._batch_spec, batch, self.mesh, "batch_sharding")
@@ -263,18 +287,25 @@ class ResilientStep:
                 "resilax.ResilientStep: call step.init(state) before step(state, batch)" if not self._closed
                 else "resilax.ResilientStep: this step was closed"
             )
-        if self.faults:
-            self.faults.fire("before_step", self.step, self)
+        if self._guard is not None:
+            self._guard.before_call()
+        state = self._fire("before_step", state)
         if self._jitted is None:
             self._build(state, batch)
-        batch = jax.device_put(batch, self._batch_sh)
-        state, metrics = self._jitted(state, batch, np.uint32(self.step))
+        if self._guard is not None:
+            state, metrics = self._guard.step(state, batch)
+        else:
+            batch = jax.device_put(batch, self._batch_sh)
+            state, metrics = self._jitted(state, batch, np.uint32(self.step))
         self.step += 1
-        if self.faults:
-            self.faults.fire("after_step", self.step, self)
+        state = self._fire("after_step", state)
         every = self.config.checkpoint_every
         if self._ckpt is not None and every and self.step % every == 0:
             self.save(state)
+            if self._guard is not None:
+                self._guard.note_checkpoint(self.step)
+                if self._guard.pending:  # a domain was lost while the save was in flight
+                    state = self._guard.recover(state)
         return state, metrics
 
     def save(self, state) -> float:
