@@ -114,27 +114,26 @@ def tree_arrays(*trees):
     return out
 
 
-def delete_on(arrays, dead: set) -> int:
-    """Deletes every buffer of ``arrays`` that lives on a ``dead`` device; returns bytes freed.
+def buffers(a) -> dict:
+    """``{device: single-device buffer}`` of a jax.Array (not yet partially deleted).
 
-    Arrays that live only on dead devices are deleted whole. Nothing may read these
-    buffers afterwards (reading a deleted buffer can crash the process).
+    Take this map *before* deleting anything: once one buffer of an array is deleted,
+    ``a.is_deleted()`` is true and ``a.addressable_shards`` refuses, although the other
+    devices' buffers are intact. The map's buffers are the array's own (not copies).
+    """
+    return {s.device: s.data for s in a.addressable_shards}
+
+
+def delete_on(bufmaps, dead: set) -> int:
+    """Deletes every buffer (of ``{device: buffer}`` maps) on a ``dead`` device; returns bytes.
+
+    Nothing may read these buffers afterwards (reading a deleted buffer can crash the
+    process), so callers drop their references to the arrays, not just the buffers.
     """
     freed = 0
-    for a in arrays:
-        if a.is_deleted():
-            continue
-        devs = a.devices()
-        if devs <= dead:
-            freed += sum(s.data.nbytes for s in a.addressable_shards)
-            a.delete()
-            continue
-        if not devs & dead:
-            continue
-        for s in a.addressable_shards:
-            if s.device in dead:
-                d = s.data
-                if not d.is_deleted():
-                    freed += d.nbytes
-                    d.delete()
+    for bufs in bufmaps:
+        for dev, b in bufs.items():
+            if dev in dead and not b.is_deleted():
+                freed += b.nbytes
+                b.delete()
     return freed

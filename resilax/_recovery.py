@@ -104,6 +104,8 @@ class Guard:
         self.k = rs.config.peer_every if rs.config.peer_every > 0 else None
         self._calib: dict[str, list[float]] = {"plain": [], "copy": []}
         self._failures: list[dict] = []
+        self._bufs: dict = {}
+        self._held: list = []
         self._zero_batch = None  # zeros shaped like a batch: compile ahead, replay's unused batch argument
         self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
         self._set_mesh(rs.mesh, m=1)
@@ -268,13 +270,16 @@ class Guard:
                 f"resilax fail_slice: target must be a failure domain index in [0, {len(self.all_domains)}), "
                 f"but got {domain}"
             )
-        held = _peers.tree_arrays(self.live)
-        if self.snap is not None:
-            held += _peers.tree_arrays(self.snap.local, self.snap.ring)
-        held += _peers.tree_arrays(*self.log.pending.values())
-        jax.block_until_ready([a for a in held if not a.is_deleted()])
+        if not self._failures:  # first failure since the last recovery: map what we hold
+            held = _peers.tree_arrays(self.live)
+            if self.snap is not None:
+                held += _peers.tree_arrays(self.snap.local, self.snap.ring)
+            held += self.log.drop_pending()
+            jax.block_until_ready(held)
+            self._bufs = {id(a): _peers.buffers(a) for a in held}
+            self._held = held  # keeps ids stable while the maps are in use
         dead = set(self.all_domains[domain])
-        freed = _peers.delete_on(held + self.log.drop_pending(), dead)
+        freed = _peers.delete_on(self._bufs.values(), dead)
         self.liveness.mark_dead(domain, dead)
         info = {"domain": domain, "phase": phase, "devices": sorted(d.id for d in dead), "bytes_deleted": freed,
                 "at": time.perf_counter()}
@@ -369,6 +374,8 @@ class Guard:
         jax.block_until_ready(new_state)
         t_replay = time.perf_counter()
         self.live, self.live_step = new_state, old_live_step
+        self._bufs, self._held = {}, []  # drop every reference to the dead arrays
+        self.snap = None
         self.log.host.clear()
         self._snapshot_now(new_state)
         if not self.protect:
@@ -450,8 +457,7 @@ class Guard:
         for ab, sh, leaf in zip(leaves, shs, picks):
             host = np.empty(ab.shape, ab.dtype)
             for idx, arr, dev, kind in leaf:
-                shard = next(s for s in arr.addressable_shards if s.device == dev)
-                data = np.array(shard.data, copy=True)  # a real copy: np.asarray can alias the buffer
+                data = np.array(self._bufs[id(arr)][dev], copy=True)  # a real copy: np.asarray can alias the buffer
                 host[idx] = data
                 moved += data.nbytes
                 if kind == "peer":
