@@ -89,3 +89,35 @@ def _mean(xs):
     for x in xs[1:]:
         acc = acc + x
     return acc / len(xs) if len(xs) > 1 else acc
+
+
+def fit_specs(specs, tree, mesh, axis: str):
+    """Per-leaf specs that fit ``mesh``; returns ``(specs, changed_paths)``.
+
+    A leaf sharded over the elastic axis may stop dividing when that axis shrinks (64 rows
+    over 4x2 devices fit, over 3x2 they do not). Such a leaf drops the elastic axis from its
+    spec: it stays sharded inside each domain and is replicated across domains (more memory
+    per device, and no peer copy needed). Leaves that still divide keep their spec.
+    """
+    is_p = lambda x: x is None or isinstance(x, P)  # noqa: E731
+    specs = jax.tree.map(lambda s: P() if s is None else s, specs, is_leaf=is_p)
+    full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs, tree, is_leaf=is_p)
+    changed = []
+
+    def size(entry):
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        return math.prod(mesh.shape[a] for a in axes if a is not None)
+
+    def one(path, spec, x):
+        shape = np.shape(x)
+        if all(shape[i] % size(e) == 0 for i, e in enumerate(spec)):
+            return spec
+        entries = []
+        for e in spec:
+            axes = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None and a != axis)
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        changed.append(jax.tree_util.keystr(path))
+        return P(*entries)
+
+    out = jax.tree_util.tree_map_with_path(one, full, tree, is_leaf=is_p)
+    return out, changed

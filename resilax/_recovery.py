@@ -116,7 +116,8 @@ class Guard:
 
         self.mesh = mesh
         self.m = m
-        self.shardings = resolve_shardings(self.rs._state_spec, self._abstract, mesh, "state_sharding")
+        specs, self.respecified = _elastic.fit_specs(self.rs._state_spec, self._abstract, mesh, self.axis)
+        self.shardings = resolve_shardings(specs, self._abstract, mesh, "state_sharding")
         self.places = _peers.placement(self.shardings, self.axis)
         self.protect = mesh.shape[self.axis] > 1
         self._fns: dict = {}
@@ -396,7 +397,7 @@ class Guard:
             seconds={"detect": t_detect - t0, "plan": t_plan - t_detect, "restore": t_restore - t_plan,
                      "compile": t_compile - t_restore, "replay": t_replay - t_compile},
             steps_replayed=replayed, steps_recomputed=recomputed, lost_steps=recomputed,
-            mesh=dict(new_mesh.shape), microbatches=m,
+            mesh=dict(new_mesh.shape), microbatches=m, replicated_across_domains_now=self.respecified,
             compiled_ahead=False,
         ))
         return new_state
