@@ -143,3 +143,75 @@ def test_slice_failure_recovers_bitwise_and_continues(topo_name, kind, phase, ta
     for s in range(n + 1, STEPS + 1):
         close(got[s], ref[s], f"{topo_name}-{kind}-{phase}")
     assert not bitwise(got[STEPS], ref[STEPS])  # the smaller mesh really ran (microbatches)
+
+
+@pytest.mark.parametrize("fault,replayed,recomputed,restored", [
+    ("fail_slice@5:before_step/1", 2, 0, 3),  # snapshot at 3, log 4 and 5 durable
+    ("fail_slice@4:mid_step/2", 1, 1, 3),     # entry of the in-flight step 5 died with the slice
+])
+def test_copy_every_k_steps_replays_the_log_between_copies(fault, replayed, recomputed, restored):
+    ref = reference("cpu-4x2", "sharded")
+    got, step = run("cpu-4x2", "sharded", [fault], peer_every=3)
+    (ev,) = [e for e in step.events if e.kind == "recovery"]
+    f = ev.fields
+    assert (f["steps_replayed"], f["steps_recomputed"], f["restored_step"]) == (replayed, recomputed, restored)
+    assert any("peer" in k for k in f["sources"])
+    (rebuilt,) = REBUILT
+    if recomputed == 0:
+        assert bitwise(rebuilt, ref[f["target_step"]])  # snapshot + logged update replay is exact
+    for s in range(f["target_step"], STEPS + 1):
+        close(got[s], ref[s], f"cpu-4x2-k3-{fault}")
+
+
+def test_failure_while_a_checkpoint_is_being_written(tmp_path):
+    ref = reference("cpu-2x4", "sharded")
+    got, step = run("cpu-2x4", "sharded", ["fail_slice@3:during_save/0"],
+                    checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    (ev,) = [e for e in step.events if e.kind == "recovery"]
+    assert ev.fields["source"] == "peer" and ev.fields["target_step"] == 3
+    assert bitwise(REBUILT[0], ref[3])
+    assert step.checkpoints.steps()[-1] == 6  # saving continued on the smaller mesh
+    for s in range(4, STEPS + 1):
+        close(got[s], ref[s], "cpu-2x4-during_save")
+
+
+def test_two_neighbouring_slices_lost_falls_back_to_checkpoint_and_recompute(tmp_path):
+    ref = reference("cpu-4x2", "sharded")
+    got, step = run("cpu-4x2", "sharded", ["fail_slice@5:after_step/1", "fail_slice@5:after_step/2"],
+                    checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    (ev,) = [e for e in step.events if e.kind == "recovery"]
+    f = ev.fields
+    assert f["failed_domains"] == [1, 2] and f["source"] == "checkpoint"
+    assert (f["restored_step"], f["steps_recomputed"], f["target_step"]) == (4, 1, 5)
+    assert bitwise(got[4], ref[4])
+    assert step.mesh.shape["data"] == 2
+    for s in range(5, STEPS + 1):
+        close(got[s], ref[s], "cpu-4x2-neighbours")
+
+
+def test_neighbouring_slices_lost_without_checkpoint_names_the_lost_leaves():
+    with pytest.raises(resilax.StateLostError, match=r"state lost: leaves \[.*params.*failed domain\(s\) \[2, 3\]"):
+        run("cpu-4x2", "sharded", ["fail_slice@2:mid_step/2", "fail_slice@2:mid_step/3"])
+
+
+def test_replicated_state_survives_neighbours_without_checkpoint():
+    ref = reference("cpu-4x2", "replicated")
+    got, step = run("cpu-4x2", "replicated", ["fail_slice@2:mid_step/2", "fail_slice@2:mid_step/3"])
+    assert bitwise(REBUILT[0], ref[3])
+    close(got[STEPS], ref[STEPS], "cpu-4x2-replicated-neighbours")
+
+
+def test_every_slice_lost_is_a_clear_error():
+    faults = [f"fail_slice@2:after_step/{i}" for i in range(2)]
+    with pytest.raises(resilax.StateLostError, match="every failure domain is lost"):
+        run("cpu-2x4", "sharded", faults)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_max_rel():
+    yield
+    if MAX_REL:
+        print("\nmax elementwise relative difference vs failure-free reference (after continuing):")
+        for k, v in sorted(MAX_REL.items()):
+            print(f"  {k}: {v:.3e}")
+        print(f"  overall: {max(MAX_REL.values()):.3e}")
