@@ -34,6 +34,10 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.which == "recovery":
+        from ._bench_recovery import run
+
+        return run(args)
     from ._bench import run_bench
 
     return run_bench(args)
@@ -64,12 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=None)
     d.set_defaults(func=_cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks: overhead")
-    b.add_argument("which", choices=["overhead"])
+    b = sub.add_parser("bench", help="benchmarks: overhead, recovery")
+    b.add_argument("which", choices=["overhead", "recovery"])
     b.add_argument("--json", default=None, help="write results here")
     b.add_argument("--steps", type=int, default=300)
     b.add_argument("--topology", default="cpu-2x4")
     b.add_argument("--checkpoint-every", type=int, default=None, help="default: resilax.Config's default")
+    from ._bench_recovery import add_arguments as _recovery_arguments
+
+    _recovery_arguments(b)
     b.set_defaults(func=_cmd_bench)
 
     for mod in ("_simulate", "_report"):

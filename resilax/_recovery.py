@@ -47,14 +47,21 @@ CALIBRATION_STEPS = 8  # timed steps (half with, half without the copy) when Con
 class MiniLog:
     """Recorded optimizer inputs per step, in host memory. Stand-in for `_replay`'s log.
 
-    ``append`` starts an asynchronous device-to-host copy; ``settle`` (called when the next
-    step starts) turns finished entries into numpy: only then are they durable. Entries
-    still on device when a domain dies are dropped (`drop_pending`).
+    ``append`` starts the device-to-host copy (``copy_to_host_async``); ``settle`` (called
+    when the next step starts) hands finished entries to a background thread that turns
+    them into numpy arrays owned by the controller: only then are they durable.
+    ``drop_pending`` (on a failure) first waits for conversions already running (they read
+    buffers of a completed step), then drops entries not yet handed over: those die with
+    the slice.
     """
 
     def __init__(self):
+        import concurrent.futures
+
         self.host: dict[int, Any] = {}
         self.pending: dict[int, Any] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-log")
+        self._converting: dict[int, Any] = {}
 
     def append(self, step: int, recorded) -> None:
         for x in jax.tree.leaves(recorded):
@@ -62,11 +69,20 @@ class MiniLog:
         self.pending[step] = recorded
 
     def settle(self) -> None:
+        self._collect()
         for step, tree in sorted(self.pending.items()):
-            self.host[step] = jax.tree.map(lambda x: np.array(x, copy=True), tree)
+            self._converting[step] = self._pool.submit(
+                lambda t: jax.tree.map(lambda x: np.array(x, copy=True), t), tree)
         self.pending.clear()
 
+    def _collect(self, wait: bool = False) -> None:
+        for step, fut in list(self._converting.items()):
+            if wait or fut.done():
+                self.host[step] = fut.result()
+                del self._converting[step]
+
     def drop_pending(self) -> list:
+        self._collect(wait=True)
         arrays = _peers.tree_arrays(*self.pending.values())
         self.pending.clear()
         return arrays
@@ -74,14 +90,20 @@ class MiniLog:
     def drop_through(self, step: int) -> None:
         for s in [s for s in self.host if s <= step]:
             del self.host[s]
+        for s in [s for s in self._converting if s <= step]:
+            self._converting.pop(s).cancel()
 
     def durable_run(self, start: int) -> list[int]:
         """Steps ``start+1, start+2, ...`` with durable entries, up to the first gap."""
+        self._collect(wait=True)
         out, s = [], start + 1
         while s in self.host:
             out.append(s)
             s += 1
         return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Guard:
@@ -348,16 +370,21 @@ class Guard:
             variants = [(False, False)] + ([(True, plan_k > 1)] if self.protect else [])
             for c, l in variants:
                 self._fn(c, l).lower(abs_s, abs_b, jax.ShapeDtypeStruct((), np.uint32)).compile()
+        upd = None
+        log_run = self.log.durable_run(start) if source == "peer" else []
+        if log_run:
+            rep = NamedSharding(new_mesh, P())
+            upd = jax.jit(rs._split.update, in_shardings=(self.shardings, None, None, rep))
+            abs_rec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.log.host[log_run[0]])
+            abs_full = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_example)
+            upd = upd.lower(abs_s, abs_full, jax.ShapeDtypeStruct((), np.uint32), abs_rec).compile()
         t_compile = time.perf_counter()
         # -- replay logged steps (bitwise), then recompute steps without a durable entry
         replayed = recomputed = 0
-        if source == "peer":
-            upd = None
-            for s in self.log.durable_run(start):
+        if upd is not None:
+            for s in log_run:
                 if s > old_live_step:
                     break
-                if upd is None:
-                    upd = jax.jit(rs._split.update, in_shardings=(self.shardings, None, None, None))
                 rec = jax.device_put(self.log.host[s], NamedSharding(new_mesh, P()))
                 new_state = upd(new_state, batch_example, np.uint32(s - 1), rec)
                 start = s
@@ -401,6 +428,9 @@ class Guard:
             compiled_ahead=False,
         ))
         return new_state
+
+    def close(self) -> None:
+        self.log.close()
 
     def _microbatches(self, batch, mesh) -> int:
         from ._transform import resolve_shardings

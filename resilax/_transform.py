@@ -327,6 +327,8 @@ class ResilientStep:
         if self._closed:
             return
         self._closed = True
+        if self._guard is not None:
+            self._guard.close()
         if self._ckpt is not None:
             self._ckpt.close()
 
