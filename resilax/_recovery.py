@@ -177,11 +177,17 @@ class Guard:
                 return new_state, metrics, (rec if want_rec else None), loc, ring
 
             rep = NamedSharding(self.mesh, P())
-            self._fns[key] = jax.jit(
+            jitted = jax.jit(
                 fn,
                 in_shardings=(self.shardings, self._batch_sh, rep),
                 donate_argnums=(0,) if self.rs.config.donate_state else (),
             )
+            # Compiled once, called directly: recovery compiles ahead and the step reuses it.
+            mb = _elastic.split_batch(self._zero_batch, m) if m > 1 else self._zero_batch
+            abs_b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mb)
+            abs_s = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                 self._abstract, self.shardings)
+            self._fns[key] = jitted.lower(abs_s, abs_b, jax.ShapeDtypeStruct((), np.uint32)).compile()
         return self._fns[key]
 
     # ------------------------------------------------------------------ failure-free path
@@ -369,7 +375,7 @@ class Guard:
             plan_k = self.k if self.k is not None else 2
             variants = [(False, False)] + ([(True, plan_k > 1)] if self.protect else [])
             for c, l in variants:
-                self._fn(c, l).lower(abs_s, abs_b, jax.ShapeDtypeStruct((), np.uint32)).compile()
+                self._fn(c, l)
         upd = None
         log_run = self.log.durable_run(start) if source == "peer" else []
         if log_run:
