@@ -30,6 +30,9 @@ class Config:
         over the elastic axis) and recover from them when a domain is lost.
       peer_every: make the peer copy every this many steps; 0 = choose by measuring its cost
         against ``overhead_budget`` (every step if it fits).
+      compile_ahead: once the cadence is known, compile the executables of every mesh that
+        losing one more domain would leave, so recovery does not wait for XLA (costs those
+        compiles up front).
     """
 
     checkpoint_dir: str | None = None
@@ -41,6 +44,7 @@ class Config:
     overhead_budget: float = 0.01
     peers: bool = True
     peer_every: int = 0
+    compile_ahead: bool = False
 
     def __post_init__(self):
         _check_type("checkpoint_dir", self.checkpoint_dir, (str, os.PathLike, type(None)))
@@ -48,7 +52,7 @@ class Config:
             object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         for name in ("checkpoint_every", "checkpoint_keep", "seed", "peer_every"):
             _check_type(name, getattr(self, name), (int,))
-        for name in ("async_checkpointing", "donate_state", "peers"):
+        for name in ("async_checkpointing", "donate_state", "peers", "compile_ahead"):
             _check_type(name, getattr(self, name), (bool,))
         _check_type("overhead_budget", self.overhead_budget, (int, float))
         if self.checkpoint_every < 0:

@@ -128,6 +128,8 @@ class Guard:
         self._failures: list[dict] = []
         self._bufs: dict = {}
         self._held: list = []
+        self._ahead: dict = {}  # survivors tuple -> mesh attributes with compiled executables
+        self._ahead_done = not rs.config.compile_ahead
         self._zero_batch = None  # zeros shaped like a batch: compile ahead, replay's unused batch argument
         self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
         self._set_mesh(rs.mesh, m=1)
@@ -144,10 +146,55 @@ class Guard:
         self.protect = mesh.shape[self.axis] > 1
         self._fns: dict = {}
         self._batch_sh = None
+        self._upd = None
         self._copy_only = jax.jit(
             lambda s: _peers.make_copies(s, self.shardings, self.places, self.axis, True),
             in_shardings=(self.shardings,),
         )
+
+    _MESH_ATTRS = ("mesh", "m", "shardings", "places", "protect", "_fns", "_batch_sh", "_upd", "_copy_only",
+                   "respecified")
+
+    def _compile_mesh(self, with_update: bool) -> None:
+        """Compiles the current mesh's executables: plain, with copy, copy-only, update."""
+        self._batch_sh = self._batch_shardings(self._zero_batch)
+        plan_k = self.k if self.k is not None else 2
+        for c, l in [(False, False)] + ([(True, plan_k > 1)] if self.protect else []):
+            self._fn(c, l)
+        abs_s = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                             self._abstract, self.shardings)
+        if self.protect and not hasattr(self._copy_only, "input_shardings"):
+            self._copy_only = self._copy_only.lower(abs_s).compile()
+        if with_update and self._upd is None:
+            abs_b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._zero_batch)
+            u32 = jax.ShapeDtypeStruct((), np.uint32)
+            abs_rec = jax.eval_shape(self.rs._split.grad, self._abstract, abs_b, u32)[0]
+            rep = NamedSharding(self.mesh, P())
+            abs_rec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), abs_rec)
+            self._upd = jax.jit(self.rs._split.update, in_shardings=(self.shardings, None, None, rep)).lower(
+                abs_s, abs_b, u32, abs_rec).compile()
+
+    def compile_ahead(self) -> float:
+        """Compiles the executables of every mesh one more domain loss would leave.
+
+        Costs one set of compiles per surviving domain, now, instead of during recovery.
+        Returns the seconds spent.
+        """
+        t0 = time.perf_counter()
+        saved = {a: getattr(self, a) for a in self._MESH_ATTRS}
+        try:
+            for lost in self.alive:
+                survivors = tuple(i for i in self.alive if i != lost)
+                if not survivors or survivors in self._ahead:
+                    continue
+                mesh = self.rs.topology.mesh([self.all_domains[i] for i in survivors])
+                self._set_mesh(mesh, self._microbatches(self._zero_batch, mesh))
+                self._compile_mesh(with_update=True)
+                self._ahead[survivors] = {a: getattr(self, a) for a in self._MESH_ATTRS}
+        finally:
+            for a, v in saved.items():
+                setattr(self, a, v)
+        return time.perf_counter() - t0
 
     @property
     def ring_leaves(self) -> list[str]:
@@ -249,9 +296,13 @@ class Guard:
         """Dispatches one step; may fire ``mid_step``/``during_peer_copy`` and recover."""
         rs = self.rs
         n_after = rs.step + 1
-        copy, local, timed = self._plan_copy(n_after)
         if self._zero_batch is None:
             self._zero_batch = jax.tree.map(lambda x: np.zeros(np.shape(x), np.asarray(x).dtype), batch)
+        if not self._ahead_done and (self.k is not None or self.rs.config.peer_every) and self.protect:
+            self._ahead_done = True
+            rs.events.append(event("compile_ahead", rs.step, seconds=self.compile_ahead(),
+                                   meshes=[list(k) for k in self._ahead]))
+        copy, local, timed = self._plan_copy(n_after)
         if self._batch_sh is None:
             self._batch_sh = self._batch_shardings(batch)
         host_batch = batch
@@ -353,7 +404,14 @@ class Guard:
             1, math.ceil(self.full_domains / len(survivors)))
         old_live_step = self.live_step
         self.alive = survivors
-        self._set_mesh(new_mesh, m)
+        ahead = self._ahead.pop(tuple(survivors), None)
+        self._ahead.clear()  # compiled for the old set of survivors
+        if ahead is not None:
+            for a, v in ahead.items():
+                setattr(self, a, v)
+            new_mesh, m = self.mesh, self.m
+        else:
+            self._set_mesh(new_mesh, m)
         bytes_moved = 0
         source = "peer"
         if not lost:
@@ -366,24 +424,10 @@ class Guard:
             kinds = {p: "checkpoint" for p in kinds} if kinds else {"<state>": "checkpoint"}
         t_restore = time.perf_counter()
         # -- compile the degraded mesh's executables (plain, with copy)
-        if batch_example is not None:
-            self._batch_sh = self._batch_shardings(batch_example)
-            mb = _elastic.split_batch(batch_example, m) if m > 1 else batch_example
-            abs_b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), mb)
-            abs_s = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                 self._abstract, self.shardings)
-            plan_k = self.k if self.k is not None else 2
-            variants = [(False, False)] + ([(True, plan_k > 1)] if self.protect else [])
-            for c, l in variants:
-                self._fn(c, l)
-        upd = None
         log_run = self.log.durable_run(start) if source == "peer" else []
-        if log_run:
-            rep = NamedSharding(new_mesh, P())
-            upd = jax.jit(rs._split.update, in_shardings=(self.shardings, None, None, rep))
-            abs_rec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.log.host[log_run[0]])
-            abs_full = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_example)
-            upd = upd.lower(abs_s, abs_full, jax.ShapeDtypeStruct((), np.uint32), abs_rec).compile()
+        if batch_example is not None:
+            self._compile_mesh(with_update=bool(log_run))
+        upd = self._upd if log_run else None
         t_compile = time.perf_counter()
         # -- replay logged steps (bitwise), then recompute steps without a durable entry
         replayed = recomputed = 0
@@ -431,7 +475,7 @@ class Guard:
                      "compile": t_compile - t_restore, "replay": t_replay - t_compile},
             steps_replayed=replayed, steps_recomputed=recomputed, lost_steps=recomputed,
             mesh=dict(new_mesh.shape), microbatches=m, replicated_across_domains_now=self.respecified,
-            compiled_ahead=False,
+            compiled_ahead=ahead is not None,
         ))
         return new_state
 

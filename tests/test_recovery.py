@@ -145,6 +145,19 @@ def test_slice_failure_recovers_bitwise_and_continues(topo_name, kind, phase, ta
     assert not bitwise(got[STEPS], ref[STEPS])  # the smaller mesh really ran (microbatches)
 
 
+def test_compile_ahead_makes_recovery_skip_compiles():
+    ref = reference("cpu-2x4", "sharded")
+    got, step = run("cpu-2x4", "sharded", ["fail_slice@3:mid_step/0"], compile_ahead=True)
+    ahead = [e for e in step.events if e.kind == "compile_ahead"]
+    assert ahead and ahead[0].fields["meshes"] == [[1], [0]]
+    (ev,) = [e for e in step.events if e.kind == "recovery"]
+    assert ev.fields["compiled_ahead"] is True
+    assert ev.fields["seconds"]["compile"] < 0.5 * ahead[0].fields["seconds"]
+    assert bitwise(REBUILT[0], ref[4]) and bitwise(got[4], ref[4])
+    for s in range(5, STEPS + 1):
+        close(got[s], ref[s], "cpu-2x4-compile-ahead")
+
+
 @pytest.mark.parametrize("fault,replayed,recomputed,restored", [
     ("fail_slice@5:before_step/1", 2, 0, 3),  # snapshot at 3, log 4 and 5 durable
     ("fail_slice@4:mid_step/2", 1, 1, 3),     # entry of the in-flight step 5 died with the slice
