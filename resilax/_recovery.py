@@ -261,9 +261,10 @@ class Guard:
         self._trim_batches()
 
     def _trim_batches(self):
-        floor = min(self.snap.step if self.snap is not None else self.live_step, self.last_ckpt_step)
-        if self.rs._ckpt is None:
-            floor = self.snap.step if self.snap is not None else self.live_step
+        """Keeps the batches since the older of the last copy and the last checkpoint."""
+        floor = self.snap.step if self.snap is not None else self.live_step
+        if self.rs._ckpt is not None:
+            floor = min(floor, self.last_ckpt_step)
         for s in [s for s in self.batches if s <= floor]:
             del self.batches[s]
 

@@ -287,11 +287,11 @@ class ResilientStep:
                 "resilax.ResilientStep: call step.init(state) before step(state, batch)" if not self._closed
                 else "resilax.ResilientStep: this step was closed"
             )
+        if self._jitted is None:  # validates the step on the mesh it was wrapped for
+            self._build(state, batch)
         if self._guard is not None:
             self._guard.before_call()
         state = self._fire("before_step", state)
-        if self._jitted is None:
-            self._build(state, batch)
         if self._guard is not None:
             state, metrics = self._guard.step(state, batch)
         else:
@@ -302,10 +302,8 @@ class ResilientStep:
         every = self.config.checkpoint_every
         if self._ckpt is not None and every and self.step % every == 0:
             self.save(state)
-            if self._guard is not None:
-                self._guard.note_checkpoint(self.step)
-                if self._guard.pending:  # a domain was lost while the save was in flight
-                    state = self._guard.recover(state)
+            if self._guard is not None and self._guard.pending:  # a domain was lost while the save was in flight
+                state = self._guard.recover(state)
         return state, metrics
 
     def save(self, state) -> float:
@@ -316,7 +314,10 @@ class ResilientStep:
         if self._data is not None:
             meta["data_state"] = encode_data_state(self._data.get_state())
         after = (lambda: self.faults.fire("during_save", self.step, self)) if self.faults else None
-        return self._ckpt.save(self.step, state, meta, after_dispatch=after)
+        blocked = self._ckpt.save(self.step, state, meta, after_dispatch=after)
+        if self._guard is not None:
+            self._guard.note_checkpoint(self.step)
+        return blocked
 
     @property
     def checkpoints(self) -> CheckpointStore | None:

@@ -228,3 +228,13 @@ def report_max_rel():
         for k, v in sorted(MAX_REL.items()):
             print(f"  {k}: {v:.3e}")
         print(f"  overall: {max(MAX_REL.values()):.3e}")
+
+
+def test_failure_before_the_first_step():
+    ref = reference("cpu-4x2", "sharded")
+    got, step = run("cpu-4x2", "sharded", ["fail_slice@0:before_step/3"])
+    (ev,) = [e for e in step.events if e.kind == "recovery"]
+    assert ev.fields["target_step"] == 0 and ev.fields["source"] == "peer"
+    assert ev.fields["replicated_across_domains_now"]  # 64-row leaves no longer divide 3x2 devices
+    for s in range(1, STEPS + 1):
+        close(got[s], ref[s], "cpu-4x2-before-first-step")
