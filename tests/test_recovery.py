@@ -95,7 +95,6 @@ CASES = [
     ("cpu-4x2", "sharded", "mid_step", 2),
     ("cpu-4x2", "sharded", "after_step", 3),
     ("cpu-4x2", "sharded", "during_peer_copy", 0),
-    ("cpu-4x2", "replicated", "before_step", 1),
 ]
 
 
