@@ -111,7 +111,7 @@ class Verdict:
 # ---------------------------------------------------------------- fault kind `nan`
 def _poison(fault, ctx):
     """``nan@N``: the next step to run (step number ``N``) gets a batch whose float leaves are NaN."""
-    guard = getattr(ctx, "_guard", None)
+    guard = getattr(ctx, "_replay", None)
     if guard is None:
         raise ResilaxError("resilax fault 'nan' needs a ResilientStep (the fault fires inside step calls)")
     guard.poison_next = True

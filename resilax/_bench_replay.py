@@ -95,7 +95,7 @@ def bench_replay(*, steps: int = 60, topology: str = "cpu-2x4") -> dict:
         init_state = ex.make_state(spec)
         host = jax.tree.map(lambda x: np.array(x), init_state)
         rep.init(init_state, data=data)  # compiles and replays (warm-up)
-        g = rep._guard
+        g = rep._replay
         s0 = jax.tree.map(lambda x, sh: jax.device_put(x, sh), host, rep._state_sh)
         r = replay(s0, g.log, 0, None, update=g._update_fn(rep), full=g._full_fn(rep), data=data,
                    decode_data_state=decode_data_state)

@@ -28,6 +28,15 @@ class Config:
         step time (0.01 = 1%).
       run_dir: where ``goodput.json`` (time accounting, events) is written; default
         ``checkpoint_dir``; ``None`` with no checkpoint_dir writes nothing.
+      peers: keep peer copies of state that lives in one failure domain only (ring placement
+        over the elastic axis) and recover from them when a domain is lost. ``None`` (default)
+        = on unless ``replay_log`` is on: today the replay log and peer protection each own
+        the compiled step, so only one runs (``peers=True`` with a replay log is an error).
+      peer_every: make the peer copy every this many steps; 0 = choose by measuring its cost
+        against ``overhead_budget`` (every step if it fits).
+      compile_ahead: once the cadence is known, compile the executables of every mesh that
+        losing one more domain would leave, so recovery does not wait for XLA (costs those
+        compiles up front).
     """
 
     checkpoint_dir: str | None = None
@@ -47,19 +56,25 @@ class Config:
     spike_zscore: float = 6.0
     spike_window: int = 50
     anomaly_metric: str = "loss"
+    peers: bool | None = None
+    peer_every: int = 0
+    compile_ahead: bool = False
 
     def __post_init__(self):
         for name in ("checkpoint_dir", "run_dir"):
             _check_type(name, getattr(self, name), (str, os.PathLike, type(None)))
             if isinstance(getattr(self, name), os.PathLike):
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
-        for name in ("checkpoint_every", "checkpoint_keep", "seed"):
+        for name in ("checkpoint_every", "checkpoint_keep", "seed", "peer_every"):
             _check_type(name, getattr(self, name), (int,))
-        for name in ("async_checkpointing", "donate_state"):
+        for name in ("async_checkpointing", "donate_state", "compile_ahead"):
             _check_type(name, getattr(self, name), (bool,))
+        _check_type("peers", self.peers, (bool, type(None)))
         _check_type("overhead_budget", self.overhead_budget, (int, float))
         if self.checkpoint_every < 0:
             raise ConfigError(f"resilax.Config: checkpoint_every must be >= 0, but got {self.checkpoint_every}")
+        if self.peer_every < 0:
+            raise ConfigError(f"resilax.Config: peer_every must be >= 0 (0 = by budget), but got {self.peer_every}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"resilax.Config: checkpoint_keep must be >= 1, but got {self.checkpoint_keep}")
         _check_type("replay_log_dir", self.replay_log_dir, (str, os.PathLike, type(None)))
@@ -82,6 +97,11 @@ class Config:
             raise ConfigError(
                 f"resilax.Config: spike_window must be >= 3 and spike_zscore > 0, but got {self.spike_window} and "
                 f"{self.spike_zscore}"
+            )
+        if self.peers and self.replay_log != "off":
+            raise ConfigError(
+                f"resilax.Config: peers=True and replay_log={self.replay_log!r} cannot both own the step yet; "
+                "use peers=None (auto) or False with a replay log, or replay_log='off' with peers"
             )
         if self.anomaly and self.replay_log == "off":
             raise ConfigError(

@@ -6,7 +6,12 @@ the number of steps completed when it fires; phases are points in `ResilientStep
 - ``before_step``: before step ``step+1`` is dispatched;
 - ``after_step``: after the step that makes ``step`` steps completed;
 - ``during_save``: right after the checkpoint of ``step`` was dispatched (its background
-  write is in flight).
+  write is in flight);
+- ``mid_step``: step ``step+1`` was dispatched and is in flight;
+- ``during_peer_copy``: same, on a step that also makes the peer copy.
+
+``fail_slice`` (registered by ``_recovery``) loses failure domain ``target``: every buffer
+resilax holds there is deleted and the step continues on the surviving domains.
 
 ``kill_process`` is a real ``SIGKILL`` of this process: no handler, no cleanup, no flush.
 """
@@ -22,7 +27,7 @@ from typing import Callable, Iterable
 
 from ._errors import ConfigError
 
-PHASES = ("before_step", "after_step", "during_save")
+PHASES = ("before_step", "after_step", "during_save", "mid_step", "during_peer_copy")
 KINDS = ("kill_process",)
 
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<phase>[a-z_]+))?(?:/(?P<target>\d+))?$")

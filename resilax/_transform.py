@@ -20,7 +20,8 @@ from ._errors import WrapError
 from ._events import Event, event
 from ._faults import FaultPlan
 from ._goodput import GoodputRecorder
-from ._guard import Guard
+from ._guard import Guard as ReplayGuard
+from ._recovery import Guard as PeerGuard
 from ._split import Split
 from ._topology import Topology
 
@@ -168,7 +169,7 @@ class ResilientStep:
         self._state_spec = state_sharding
         self._batch_spec = P(topology.elastic_axis) if batch_sharding is None else batch_sharding
         self._split = Split(train_step, config.seed)
-        self._guard = Guard(config, self._split) if config.replay_log != "off" else None
+        self._replay = ReplayGuard(config, self._split) if config.replay_log != "off" else None
         self.step = 0
         self.mesh = None
         self.events: list[Event] = []
@@ -184,6 +185,13 @@ class ResilientStep:
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
         self._goodput_warned = False
+        self._peers: PeerGuard | None = None
+        if self._peers_wanted() and topology.num_domains == 1:
+            warnings.warn(
+                f"resilax.wrap: topology {topology.name!r} has one failure domain, so there are no peers to hold "
+                f"copies of the state; losing it is recoverable only from checkpoints (+ replay)",
+                RuntimeWarning, stacklevel=3,
+            )
 
     # --------------------------------------------------------------- set-up
     def init(self, state, *, data=None):
@@ -235,9 +243,30 @@ class ResilientStep:
                     "restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
                     skipped=[{"step": s, "reason": r} for s, r in restored.skipped],
                 )
-                return restored.state if self._guard is None else self._guard.on_init(self, restored.state)
-        state = place_copy(state, self._state_sh)
-        return state if self._guard is None else self._guard.on_init(self, state)
+                return self._protect(restored.state)
+        return self._protect(place_copy(state, self._state_sh))
+
+    def _peers_wanted(self) -> bool:
+        # None = auto: peer copies unless the replay log owns the step (see Config.peers)
+        return self.config.peers if self.config.peers is not None else self.config.replay_log == "off"
+
+    def _protect(self, state):
+        """Hands the placed state to the protection that owns the step: the replay log, or peers."""
+        if self._replay is not None:
+            return self._replay.on_init(self, state)
+        if self._peers_wanted() and self.topology.num_domains > 1:
+            self._peers = PeerGuard(self, state)
+            return self._peers.attach(state)
+        return state
+
+    def _fire(self, phase, state):
+        """Fires ``phase``'s faults; if one lost a domain, returns the recovered state."""
+        if self.faults:
+            self.faults.fire(phase, self.step, self)
+        if self._peers is not None and self._peers.pending:
+            with self.goodput_recorder.span("recovery"):
+                state = self._peers.recover(state)
+        return state
 
     def _start_loop(self):
         """From the first step on, loop time is productive unless a nested span claims it."""
@@ -281,7 +310,7 @@ class ResilientStep:
         step_sh = NamedSharding(self.mesh, P())
         abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
         abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype), batch)
-        fn = self._step_fn if self._guard is None else self._guard.step_fn
+        fn = self._step_fn if self._replay is None else self._replay.step_fn
         try:
             out = jax.eval_shape(fn, abstract_state, abstract_batch, jax.ShapeDtypeStruct((), np.uint32))
         except WrapError:
@@ -303,7 +332,7 @@ class ResilientStep:
             self._jitted = jax.jit(
                 fn,
                 in_shardings=(self._state_sh, self._batch_sh, step_sh),
-                out_shardings=(self._state_sh, metrics_sh) + ((None,) if self._guard is not None else ()),
+                out_shardings=(self._state_sh, metrics_sh) + ((None,) if self._replay is not None else ()),
                 donate_argnums=(0,) if self.config.donate_state else (),
             ).lower(state, batch, np.uint32(self.step)).compile()
 
@@ -324,37 +353,46 @@ class ResilientStep:
                 "resilax.ResilientStep: call step.init(state) before step(state, batch)" if not self._closed
                 else "resilax.ResilientStep: this step was closed"
             )
-        if self.faults:
-            self.faults.fire("before_step", self.step, self)
         if not self._loop_open:
             self._start_loop()
-        if self._guard is not None:  # replay log and anomaly rollback (see _guard)
-            state, metrics = self._guard.run(self, state, batch)
+        if self._replay is not None:  # replay log and anomaly rollback (see _guard)
+            state = self._fire("before_step", state)
+            state, metrics = self._replay.run(self, state, batch)
         else:
-            if self._jitted is None:
+            if self._jitted is None:  # validates the step on the mesh it was wrapped for
                 self._build(state, batch)
-            batch = jax.device_put(batch, self._batch_sh)
-            state, metrics = self._jitted(state, batch, np.uint32(self.step))
+            if self._peers is not None:
+                self._peers.before_call()
+            state = self._fire("before_step", state)
+            if self._peers is not None:
+                state, metrics = self._peers.step(state, batch)
+            else:
+                batch = jax.device_put(batch, self._batch_sh)
+                state, metrics = self._jitted(state, batch, np.uint32(self.step))
             self.step += 1
-        if self.faults:
-            self.faults.fire("after_step", self.step, self)
+        state = self._fire("after_step", state)
         every = self.config.checkpoint_every
         if self._ckpt is not None and every and self.step % every == 0:
             self.save(state)
+            if self._peers is not None and self._peers.pending:  # a domain was lost while the save was in flight
+                with self.goodput_recorder.span("recovery"):
+                    state = self._peers.recover(state)
         return state, metrics
 
     def save(self, state) -> float:
         """Checkpoints ``state`` as step ``self.step`` (async); returns seconds blocked."""
         if self._ckpt is None:
             raise WrapError("resilax.ResilientStep.save: Config.checkpoint_dir is not set")
-        if self._guard is not None:
-            self._guard.on_save(self, state)
+        if self._replay is not None:
+            self._replay.on_save(self, state)
         meta = {"seed": self.config.seed, "topology": self.topology.name}
         if self._data is not None:
             meta["data_state"] = encode_data_state(self._data.get_state())
         after = (lambda: self.faults.fire("during_save", self.step, self)) if self.faults else None
         with self.goodput_recorder.span("checkpoint_save", step=self.step):
             dt = self._ckpt.save(self.step, state, meta, after_dispatch=after)
+        if self._peers is not None:
+            self._peers.note_checkpoint(self.step)
         self._save_goodput()
         return dt
 
@@ -368,8 +406,9 @@ class ResilientStep:
             return
         self._closed = True
         try:
-            if self._guard is not None:
-                self._guard.close()
+            for guard in (self._replay, self._peers):
+                if guard is not None:
+                    guard.close()
         finally:
             try:
                 if self._ckpt is not None:

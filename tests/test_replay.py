@@ -128,9 +128,9 @@ def test_update_only_replay_has_no_dots(tmp_path):
     with step:
         s = step.init(MODELS["adamw"][0]())  # replays 0..2 from the log, update part only
         assert step.step == 3
-        (upd, treedef, _), = step._guard._updates.values()
+        (upd, treedef, _), = step._replay._updates.values()
         rep = jax.sharding.NamedSharding(step.mesh, jax.sharding.PartitionSpec())
-        rec = jax.tree.unflatten(treedef, [jax.device_put(a, rep) for a in step._guard.log.read(1, "grads").recorded])
+        rec = jax.tree.unflatten(treedef, [jax.device_put(a, rep) for a in step._replay.log.read(1, "grads").recorded])
         txt_upd = upd.lower(s, np.uint32(1), rec).compile().as_text()
         full = jax.jit(step._split.full)
         txt_full = full.lower(s, next(ex.make_iterator(SPEC)), np.uint32(1)).compile().as_text()
