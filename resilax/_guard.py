@@ -20,7 +20,6 @@ from ._anomaly import AnomalyError, SpikeDetector, Verdict, finite_flag, poison_
 from ._checkpoint import decode_data_state, encode_data_state
 from ._checksum import tree_checksums
 from ._errors import ReplayLogError, WrapError
-from ._events import event
 from ._replay import ReplayLog, SelectivePolicy, batch_signature, batch_template, replay
 from ._split import update_reads_batch
 
@@ -82,11 +81,11 @@ class Guard:
                 data.set_state(decode_data_state(r.data_next))
                 self._data_pos = r.data_next
             rs.step = r.step
-            rs.events.append(event(
+            rs._event(
                 "replay", r.step, source="replay_log", from_step=start, steps=r.step - start,
                 grads_steps=r.modes.count("grads"), inputs_steps=r.modes.count("inputs"), seconds=r.seconds,
                 unreplayable=[{"step": s, "reason": why} for s, why in r.failed],
-            ))
+            )
         # Entries from here on (corrupt, beyond a gap, or simply stale) will be written again.
         self.log.discard_from(rs.step, f"resumed at step {rs.step}; later entries will be recomputed")
         if cfg.anomaly:
@@ -239,11 +238,11 @@ class Guard:
             ) from e
         self._pending = None
         rs.step = j
-        rs.events.append(event(
+        rs._event(
             "rollback", j, cause=cause, detail=detail, source="checkpoint" if base_step and rs._ckpt else "retained",
             from_step=base_step, replayed_steps=j - base_step, seconds=time.perf_counter() - t0,
             batches_skipped=[{"step": j, "data_state": skipped_pos}],
-        ))
+        )
         state = r.state
         if rerun is None:
             if rs._data is not None and self._data_pos is not None:

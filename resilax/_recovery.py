@@ -37,7 +37,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import _elastic, _peers
 from ._errors import StateLostError, WrapError
-from ._events import event
 from ._faults import register_kind
 from ._health import Liveness
 
@@ -288,10 +287,10 @@ class Guard:
         budget = self.rs.config.overhead_budget * plain
         self.k = 1 if cost <= budget else min(10_000, math.ceil(cost / max(budget, 1e-12)))
         self._fns.clear()  # k==1 drops the recorded output
-        self.rs.events.append(event(
+        self.rs._event(
             "peer_cadence", self.rs.step, every=self.k, step_s=plain, copy_cost_s=cost,
             budget=self.rs.config.overhead_budget, ring_leaves=self.ring_leaves,
-        ))
+        )
 
     def step(self, state, batch):
         """Dispatches one step; may fire ``mid_step``/``during_peer_copy`` and recover."""
@@ -301,8 +300,8 @@ class Guard:
             self._zero_batch = jax.tree.map(lambda x: np.zeros(np.shape(x), np.asarray(x).dtype), batch)
         if not self._ahead_done and (self.k is not None or self.rs.config.peer_every) and self.protect:
             self._ahead_done = True
-            rs.events.append(event("compile_ahead", rs.step, seconds=self.compile_ahead(),
-                                   meshes=[list(k) for k in self._ahead]))
+            rs._event("compile_ahead", rs.step, seconds=self.compile_ahead(),
+                                   meshes=[list(k) for k in self._ahead])
         copy, local, timed = self._plan_copy(n_after)
         if self._batch_sh is None:
             self._batch_sh = self._batch_shardings(batch)
@@ -368,6 +367,11 @@ class Guard:
         return info
 
     def recover(self, state_arg=None):
+        """Rebuilds the state after a domain loss (see `_recover`); its time is goodput's `recovery`."""
+        with self.rs.goodput_recorder.span("recovery"):
+            return self._recover(state_arg)
+
+    def _recover(self, state_arg=None):
         """Rebuilds the state at the newest step a survivor completed, on the smaller mesh.
 
         Returns the rebuilt state (at ``self.rs.step`` after the caller's bookkeeping).
@@ -465,7 +469,7 @@ class Guard:
             )
         rs.mesh = new_mesh
         rs._state_sh = self.shardings
-        rs.events.append(event(
+        rs._event(
             "recovery", old_live_step,
             failed_domains=failed, failed_devices=sorted(d.id for d in dead),
             phases_failed=[f["phase"] for f in failures], source=source,
@@ -477,7 +481,7 @@ class Guard:
             steps_replayed=replayed, steps_recomputed=recomputed, lost_steps=recomputed,
             mesh=dict(new_mesh.shape), microbatches=m, replicated_across_domains_now=self.respecified,
             compiled_ahead=ahead is not None,
-        ))
+        )
         return new_state
 
     def close(self) -> None:

@@ -264,8 +264,7 @@ class ResilientStep:
         if self.faults:
             self.faults.fire(phase, self.step, self)
         if self._peers is not None and self._peers.pending:
-            with self.goodput_recorder.span("recovery"):
-                state = self._peers.recover(state)
+            state = self._peers.recover(state)
         return state
 
     def _start_loop(self):
@@ -375,8 +374,7 @@ class ResilientStep:
         if self._ckpt is not None and every and self.step % every == 0:
             self.save(state)
             if self._peers is not None and self._peers.pending:  # a domain was lost while the save was in flight
-                with self.goodput_recorder.span("recovery"):
-                    state = self._peers.recover(state)
+                state = self._peers.recover(state)
         return state, metrics
 
     def save(self, state) -> float:
