@@ -142,7 +142,10 @@ class Guard:
         specs, self.respecified = _elastic.fit_specs(self.rs._state_spec, self._abstract, mesh, self.axis)
         self.shardings = resolve_shardings(specs, self._abstract, mesh, "state_sharding")
         self.places = _peers.placement(self.shardings, self.axis)
-        self.protect = mesh.shape[self.axis] > 1
+        # Copies (and the log between them) are needed only for leaves that live in one domain:
+        # state replicated across the elastic axis is its own backup, at no per-step cost.
+        self.protect = mesh.shape[self.axis] > 1 and _peers.RING in jax.tree.leaves(self.places)
+        self.replicas_only = mesh.shape[self.axis] > 1 and not self.protect
         self._fns: dict = {}
         self._batch_sh = None
         self._upd = None
@@ -151,7 +154,7 @@ class Guard:
             in_shardings=(self.shardings,),
         )
 
-    _MESH_ATTRS = ("mesh", "m", "shardings", "places", "protect", "_fns", "_batch_sh", "_upd", "_copy_only",
+    _MESH_ATTRS = ("mesh", "m", "shardings", "places", "protect", "replicas_only", "_fns", "_batch_sh", "_upd", "_copy_only",
                    "respecified")
 
     def _compile_mesh(self, with_update: bool) -> None:
@@ -214,7 +217,9 @@ class Guard:
             split, m = self.rs._split, self.m
             core = _elastic.accumulate(split, m) if m > 1 else split.full
             shardings, places, axis = self.shardings, self.places, self.axis
-            want_rec = self.k is None or self.k > 1
+            # Recorded values cover the steps between copies; state replicated across domains
+            # (nothing to protect) is its own backup and needs neither them nor the batches.
+            want_rec = self.protect and (self.k is None or self.k > 1)
 
             def fn(state, batch, step_no):
                 new_state, metrics, rec = core(state, batch, step_no)
@@ -243,9 +248,13 @@ class Guard:
         self._snapshot_now(state)
         return state
 
+    def _live_snapshot(self, step):
+        """The live state itself is the consistent copy (every leaf is on every domain)."""
+        return _peers.Snapshot(step, self.mesh, self.shardings, None, jax.tree.map(lambda _: None, self.shardings))
+
     def _snapshot_now(self, state):
         if not self.protect:
-            self.snap = None
+            self.snap = self._live_snapshot(self.live_step) if self.replicas_only else None
             return
         local, ring = self._copy_only(state)
         self.snap = _peers.Snapshot(self.live_step, self.mesh, self.shardings, local, ring)
@@ -308,7 +317,8 @@ class Guard:
         host_batch = batch
         dev_batch = _elastic.split_batch(batch, self.m) if self.m > 1 else batch
         dev_batch = jax.device_put(dev_batch, self._batch_sh)
-        self.batches[n_after] = host_batch
+        if self.protect:
+            self.batches[n_after] = host_batch
         t0 = time.perf_counter()
         new_state, metrics, rec, loc, ring = self._fn(copy, local)(state, dev_batch, np.uint32(rs.step))
         if timed:
@@ -317,7 +327,9 @@ class Guard:
         elif self.k is None:
             self._calib["copy" if copy else "plain"].append(0.0)
         self.live, self.live_step = new_state, n_after
-        if copy:
+        if self.replicas_only:
+            self.snap = self._live_snapshot(n_after)
+        elif copy:
             self.snap = _peers.Snapshot(n_after, self.mesh, self.shardings, loc, ring)
             self.log.drop_through(n_after)
             self._trim_batches()
