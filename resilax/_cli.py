@@ -14,6 +14,7 @@ def _cmd_train(args) -> int:
         steps=args.steps, topology=args.topology, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, faults=tuple(args.fault), out=args.out,
         log_every=args.log_every, progress=not args.quiet, replay_log=args.replay_log, anomaly=args.anomaly,
+        layout=args.layout,
     )
     if args.summary:
         import os
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--summary", default=None, help="write a JSON summary here")
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--quiet", action="store_true")
+    t.add_argument("--layout", choices=["fsdp", "sharded"], default="fsdp",
+                   help="fsdp: state sharded within a slice, replicated across slices; sharded: over every device")
     t.add_argument("--replay-log", choices=["grads", "inputs", "off"], default="off",
                    help="log each step so a crash resumes at the step it died (not the last checkpoint)")
     t.add_argument("--anomaly", action="store_true", help="roll back and skip batches that give NaN/Inf or loss spikes")

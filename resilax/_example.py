@@ -99,8 +99,9 @@ def train_step(state, batch):
     return state.apply_gradients(grads=grads), {"loss": loss, "accuracy": acc}
 
 
-def fsdp_specs(state, axis: str = "fsdp", size: int = 4):
-    """Shards each array's first dimension over ``axis`` where it divides; replicates the rest."""
+def fsdp_specs(state, axis: str | tuple[str, ...] = "fsdp", size: int = 4):
+    """Shards each array's first dimension over ``axis`` (one mesh axis, or several together,
+    of ``size`` devices) where it divides; replicates the rest."""
     from jax.sharding import PartitionSpec as P
 
     def one(x):

@@ -59,8 +59,13 @@ def train(
     spec=None,
     replay_log: str = "off",
     anomaly: bool = False,
+    layout: str = "fsdp",
 ) -> dict:
     """Trains the example model to ``steps`` completed steps (resuming if checkpoints exist).
+
+    ``layout``: ``fsdp`` shards state within a slice (replicated across slices: the live
+    replicas are the backup); ``sharded`` shards it over every device (each slice holds a
+    distinct part, so resilax keeps peer copies on the next slice).
 
     Returns a summary dict; writes the final state to ``out`` (``.npz``, no pickle) if given.
     """
@@ -78,7 +83,8 @@ def train(
     step = resilax.wrap(
         ex.train_step,
         topology=topo,
-        state_sharding=ex.fsdp_specs(state, inner, topo.axis_sizes[1]),
+        state_sharding=(ex.fsdp_specs(state, inner, topo.axis_sizes[1]) if layout == "fsdp"
+                        else ex.fsdp_specs(state, tuple(topo.axis_names), topo.num_devices)),
         batch_sharding=jax.sharding.PartitionSpec(topo.elastic_axis),
         config=resilax.Config(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                               replay_log=replay_log, anomaly=anomaly),
@@ -161,27 +167,35 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
     rng = random.Random(seed)
     kill_at = kill_at if kill_at is not None else rng.randrange(steps // 3, 2 * steps // 3)
     common = ["--steps", str(steps), "--topology", topology, "--checkpoint-every", str(checkpoint_every), "--log-every", "25"]
+    logged = [*common, "--replay-log", "grads"]  # optimizer inputs logged: a restart resumes where it died
     print(f"resilax demo: an MLP on generated data, {topology} (emulated CPU slices), {steps} steps, "
           f"Orbax checkpoint every {checkpoint_every} steps; workdir {work}")
     ckpt, ref = work / "ckpt", work / "ref_ckpt"
     for d in (ckpt, ref):
         shutil.rmtree(d, ignore_errors=True)
     t0 = time.perf_counter()
-    print(f"\n[1/3] training; the process will be killed with SIGKILL after step {kill_at}")
-    r = subprocess.run(_child_cmd([*common, "--checkpoint-dir", str(ckpt), "--fault", f"kill_process@{kill_at}:after_step"]))
+    print(f"\n[1/4] training; the process will be killed with SIGKILL after step {kill_at}")
+    r = subprocess.run(_child_cmd([*logged, "--checkpoint-dir", str(ckpt), "--fault", f"kill_process@{kill_at}:after_step"]))
     died = r.returncode == -signal.SIGKILL
     print(f"      process exited with {'SIGKILL' if died else r.returncode}")
     if not died:
         print("demo: the training process was expected to die by SIGKILL", file=sys.stderr)
         return 1
-    print("\n[2/3] starting it again: it resumes from the newest good checkpoint")
-    r = subprocess.run(_child_cmd([*common, "--checkpoint-dir", str(ckpt), "--out", str(work / "resumed.npz"),
+    print("\n[2/4] starting it again: it restores the newest good checkpoint and replays the log")
+    r = subprocess.run(_child_cmd([*logged, "--checkpoint-dir", str(ckpt), "--out", str(work / "resumed.npz"),
                                    "--summary", str(work / "resumed.json")]))
     if r.returncode:
         return r.returncode
-    print("\n[3/3] an uninterrupted reference run, for comparison")
-    r = subprocess.run(_child_cmd([*common, "--checkpoint-dir", str(ref), "--out", str(work / "reference.npz"),
+    print("\n[3/4] an uninterrupted reference run, for comparison")
+    r = subprocess.run(_child_cmd([*logged, "--checkpoint-dir", str(ref), "--out", str(work / "reference.npz"),
                                    "--log-every", str(steps)]))
+    if r.returncode:
+        return r.returncode
+    fail_at = (3 * steps) // 4
+    print(f"\n[4/4] losing a whole slice: state sharded over all {topology} devices, slice 1 fails mid-step {fail_at + 1}")
+    r = subprocess.run(_child_cmd([*common, "--layout", "sharded", "--checkpoint-dir", str(work / "slice_ckpt"),
+                                   "--fault", f"fail_slice@{fail_at}:mid_step/1", "--out", str(work / "slice.npz"),
+                                   "--summary", str(work / "slice.json")]))
     if r.returncode:
         return r.returncode
     a, b = np.load(work / "resumed.npz", allow_pickle=False), np.load(work / "reference.npz", allow_pickle=False)
@@ -189,12 +203,29 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
     summ = json.loads((work / "resumed.json").read_text())
     print("\nsummary")
     print(f"  killed after step        {kill_at} (SIGKILL)")
-    print(f"  resumed from step        {summ['resumed_from']} (newest good checkpoint)")
+    replayed = [e for e in summ["events"] if e["kind"] == "replay"]
+    restored = [e for e in summ["events"] if e["kind"] == "restore"]
+    print(f"  resumed at step          {summ['resumed_from']} (checkpoint {restored[0]['step'] if restored else '-'}"
+          f" + {replayed[-1]['steps'] if replayed else 0} steps replayed from the log; "
+          f"{kill_at - summ['resumed_from']} recomputed)")
     print(f"  final step               {summ['steps']}")
     print(f"  final loss / accuracy    {summ['final_loss']:.4f} / {summ['final_accuracy']:.3f}")
     print(f"  checkpoints kept         {summ['checkpoints']}")
     print(f"  checkpoint blocking      {summ['checkpoint_blocking_s'] * 1e3:.1f} ms in total (resumed run)")
     print(f"  final state vs uninterrupted run: {'BITWISE IDENTICAL' if same else 'DIFFERENT'} ({len(a.files)} arrays)")
+    sliced = np.load(work / "slice.npz", allow_pickle=False)
+    rel = max(float(np.linalg.norm(sliced[k].astype(np.float64) - b[k]) / max(np.linalg.norm(b[k].astype(np.float64)), 1e-30))
+              for k in b.files if np.issubdtype(b[k].dtype, np.floating))
+    ev = next(e for e in json.loads((work / "slice.json").read_text())["events"] if e["kind"] == "recovery")
+    secs = ev["seconds"]
+    print(f"  slice lost at step       {fail_at + 1} (mid-step; devices {ev['failed_devices']} deleted)")
+    print(f"  recovered from           {ev['source']} copies: {ev['bytes_from_peers']:,} bytes moved, "
+          f"{ev['steps_replayed']} logged steps replayed, {ev['lost_steps']} in-flight step recomputed")
+    print(f"  recovery by phase        " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in secs.items()))
+    print(f"  continued on             mesh {ev['mesh']} with {ev['microbatches']} microbatches per step "
+          f"(same global batch)")
+    print(f"  final state vs uninterrupted run: max relative difference {rel:.1e} "
+          f"(floating-point reassociation on the smaller mesh)")
     print(f"  wall time                {time.perf_counter() - t0:.1f} s")
     if own:
         shutil.rmtree(work, ignore_errors=True)
