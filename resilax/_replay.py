@@ -465,6 +465,7 @@ def replay(
     have = set(log.steps())
     limit = stop if stop is not None else (max(have) + 1 if have else start)
     first = True
+    at = None  # encoded position the iterator is at, once replay has moved it
     while step < limit:
         entry, reasons = None, []
         for kind in ("grads", "inputs"):
@@ -490,8 +491,12 @@ def replay(
         if entry.kind == "grads":
             state = update(state, step, entry.recorded, entry.batch_sig)
         else:
-            data.set_state(decode_data_state(entry.data_state))
+            # Consecutive inputs steps read consecutive batches: position the iterator once
+            # (grain's set_state costs ~10 steps' time) and then iterate.
+            if at is None or at != entry.data_state:
+                data.set_state(decode_data_state(entry.data_state))
             state = full(state, next(data), step)
+            at = entry.data_next
         data_next = entry.data_next
         modes.append(entry.kind)
         step += 1
