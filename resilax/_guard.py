@@ -137,7 +137,7 @@ class Guard:
                 raise ReplayLogError(f"resilax replay: the grads entry for step {step} does not fit what the step records")
             rep = NamedSharding(rs.mesh, P())
             if isinstance(leaves, list):  # host arrays from the log
-                leaves = jax.tree.unflatten(treedef, [jax.device_put(a, rep) for a in leaves])
+                leaves = jax.tree.unflatten(treedef, jax.device_put(leaves, [rep] * len(leaves)))
             return jitted(state, np.uint32(step), leaves)
         return update
 
