@@ -29,6 +29,19 @@ def _copy(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
 
 
+def recorded_shardings(state, state_sh, recorded, mesh):
+    """Where the recorded values live between the two programs (and in replay): each leaf
+    gets the sharding of the first state leaf of its shape (the param it is the gradient
+    of), else replicated. Replicating them all cost an all-gather per step under FSDP.
+    A pure function of shapes and the state's shardings, so the original step and a replay
+    feed the update executable identically laid-out inputs."""
+    table = {}
+    for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(state_sh)):
+        table.setdefault(tuple(np.shape(x)), sh)
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(lambda r: table.get(tuple(r.shape), rep), recorded)
+
+
 class Guard:
     """Replay log + anomaly rollback for one `ResilientStep` (see the module docstring)."""
 
@@ -135,9 +148,9 @@ class Guard:
             flat = leaves if isinstance(leaves, list) else jax.tree.leaves(leaves)
             if len(flat) != len(shapes) or any(a.shape != s.shape for a, s in zip(flat, shapes)):
                 raise ReplayLogError(f"resilax replay: the grads entry for step {step} does not fit what the step records")
-            rep = NamedSharding(rs.mesh, P())
             if isinstance(leaves, list):  # host arrays from the log
-                leaves = jax.tree.unflatten(treedef, jax.device_put(leaves, [rep] * len(leaves)))
+                where = jax.tree.leaves(recorded_shardings(state, rs._state_sh, shapes, rs.mesh))
+                leaves = jax.tree.unflatten(treedef, jax.device_put(leaves, where))
             return jitted(state, np.uint32(step), leaves)
         return update
 
@@ -158,9 +171,11 @@ class Guard:
                     extras["loss"] = jnp.asarray(metrics[self.config.anomaly_metric], jnp.float32)
             return rec, metrics, extras
 
-        metrics_sh = jax.tree.map(lambda _: rep, jax.eval_shape(
-            grad_part, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), rs._abstract_args))[1])
-        gj = jax.jit(grad_part, in_shardings=(rs._state_sh, rs._batch_sh, rep), out_shardings=(rep, metrics_sh, None))
+        rec_shape, metrics_shape, _ = jax.eval_shape(
+            grad_part, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), rs._abstract_args))
+        metrics_sh = jax.tree.map(lambda _: rep, metrics_shape)
+        rec_sh = recorded_shardings(rs._abstract_args[0], rs._state_sh, rec_shape, rs.mesh)
+        gj = jax.jit(grad_part, in_shardings=(rs._state_sh, rs._batch_sh, rep), out_shardings=(rec_sh, metrics_sh, None))
         update = self._update_fn(rs)
 
         def step(state, batch, step_no):
