@@ -28,6 +28,19 @@ def _copy(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
 
 
+def recorded_shardings(state, state_sh, recorded, mesh):
+    """Where the recorded values live between the two programs (and in replay): each leaf
+    gets the sharding of the first state leaf of its shape (the param it is the gradient
+    of), else replicated. Replicating them all cost an all-gather per step under FSDP.
+    A pure function of shapes and the state's shardings, so the original step and a replay
+    feed the update executable identically laid-out inputs."""
+    table = {}
+    for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(state_sh)):
+        table.setdefault(tuple(np.shape(x)), sh)
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(lambda r: table.get(tuple(r.shape), rep), recorded)
+
+
 class Guard:
     """Replay log + anomaly rollback for one `ResilientStep` (see the module docstring)."""
 
@@ -44,15 +57,15 @@ class Guard:
         self._batch_sig = None
         self._updates: dict = {}
         self._last_save = None
+        self._sum_steps: set[int] = set()  # steps whose entry carries the input state's checksums
 
     # ---------------------------------------------------------- compiled step
     def step_fn(self, state, batch, step_no):
         """The whole step in one program, returning ``(state, metrics, extras)``; extras
-        hold the recorded values (grads mode), the input state's checksums, and the finite
-        flag and loss for the lagged anomaly check."""
-        sums = tree_checksums(state)
+        hold the recorded values (grads mode) and the finite flag and loss for the lagged
+        anomaly check. The input state's checksums are not computed here: see `_sums`."""
         new_state, metrics, rec = self.split.full(state, batch, step_no)
-        extras = {"sums": sums, "rec": rec if self.mode == "grads" else None, "finite": None, "loss": None}
+        extras = {"rec": rec if self.mode == "grads" else None, "finite": None, "loss": None}
         if self.config.anomaly:
             extras["finite"] = finite_flag(rec, metrics)
             if isinstance(metrics, dict) and self.config.anomaly_metric in metrics:
@@ -91,7 +104,19 @@ class Guard:
         if cfg.anomaly:
             self._base = (rs.step, _copy(state))
         self._last_save = rs.step if rs._ckpt is not None and rs._ckpt.steps() else None
+        self._sum_steps = {rs.step}
         return state
+
+    def _sums(self, state, k):
+        """Checksums of the state step ``k`` starts from, only where a replay can start:
+        the step after init/resume and after each checkpoint (`on_save`); those are the
+        only start states `replay` checks. Every other step skips them: hashing the whole
+        state each step cost ~25% of a CPU step. Dispatched before the step, which
+        donates ``state`` afterwards (the runtime orders the two)."""
+        if k not in self._sum_steps:
+            return None
+        self._sum_steps.discard(k)
+        return tree_checksums(state)
 
     def _full_fn(self, rs):
         def full(state, batch, step):
@@ -122,9 +147,9 @@ class Guard:
             flat = leaves if isinstance(leaves, list) else jax.tree.leaves(leaves)
             if len(flat) != len(shapes) or any(a.shape != s.shape for a, s in zip(flat, shapes)):
                 raise ReplayLogError(f"resilax replay: the grads entry for step {step} does not fit what the step records")
-            rep = NamedSharding(rs.mesh, P())
             if isinstance(leaves, list):  # host arrays from the log
-                leaves = jax.tree.unflatten(treedef, [jax.device_put(a, rep) for a in leaves])
+                where = jax.tree.leaves(recorded_shardings(state, rs._state_sh, shapes, rs.mesh))
+                leaves = jax.tree.unflatten(treedef, jax.device_put(leaves, where))
             return jitted(state, np.uint32(step), leaves)
         return update
 
@@ -138,16 +163,18 @@ class Guard:
 
         def grad_part(state, batch, step_no):
             rec, metrics = self.split.grad(state, batch, step_no)
-            extras = {"sums": tree_checksums(state), "finite": None, "loss": None}
+            extras = {"finite": None, "loss": None}
             if self.config.anomaly:
                 extras["finite"] = finite_flag(rec, metrics)
                 if isinstance(metrics, dict) and self.config.anomaly_metric in metrics:
                     extras["loss"] = jnp.asarray(metrics[self.config.anomaly_metric], jnp.float32)
             return rec, metrics, extras
 
-        metrics_sh = jax.tree.map(lambda _: rep, jax.eval_shape(
-            grad_part, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), rs._abstract_args))[1])
-        gj = jax.jit(grad_part, in_shardings=(rs._state_sh, rs._batch_sh, rep), out_shardings=(rep, metrics_sh, None))
+        rec_shape, metrics_shape, _ = jax.eval_shape(
+            grad_part, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), rs._abstract_args))
+        metrics_sh = jax.tree.map(lambda _: rep, metrics_shape)
+        rec_sh = recorded_shardings(rs._abstract_args[0], rs._state_sh, rec_shape, rs.mesh)
+        gj = jax.jit(grad_part, in_shardings=(rs._state_sh, rs._batch_sh, rep), out_shardings=(rec_sh, metrics_sh, None))
         update = self._update_fn(rs)
 
         def step(state, batch, step_no):
@@ -189,9 +216,10 @@ class Guard:
             self._first_batch(rs, state, batch)
         before = self._data_pos
         after = encode_data_state(rs._data.get_state()) if rs._data is not None else None
+        sums = self._sums(state, k)
         new_state, metrics, ex = rs._jitted(state, jax.device_put(batch, rs._batch_sh), np.uint32(k))
         self._data_pos = after
-        self.log.append(k, recorded=ex["rec"], state_sums=ex["sums"], data_state=before, data_next=after,
+        self.log.append(k, recorded=ex["rec"], state_sums=sums, data_state=before, data_next=after,
                         batch_sig=self._batch_sig)
         rs.step = k + 1
         if not self.config.anomaly:
@@ -272,6 +300,7 @@ class Guard:
         if self._last_save is not None:
             self.log.truncate_before(self._last_save)
         self._last_save = rs.step
+        self._sum_steps.add(rs.step)
 
     def close(self):
         if self.log is not None:
