@@ -18,7 +18,7 @@ Consistency. A live leaf and its peer copy are outputs of one program, so they a
 same step; the input state is donated, but nothing needs it: a failure during step
 ``n+1`` is handled after the in-flight step finished on the survivors (emulating "the
 others finished it"), so recovery targets step ``n+1`` from the survivors' outputs. The
-replay log entry of a step becomes durable (host memory of the controller) when the next
+log entry of a step (on device, ring-copied: `DeviceLog`) becomes durable when the next
 call starts; an entry still in flight when a domain dies is lost with it, and that step
 is recomputed from its retained batch (counted in ``steps_recomputed``; not bitwise).
 """
