@@ -137,3 +137,78 @@ def delete_on(bufmaps, dead: set) -> int:
                 freed += b.nbytes
                 b.delete()
     return freed
+
+
+@dataclasses.dataclass(frozen=True)
+class RingPack:
+    """Layout of a *packed* ring copy: the local blocks of many leaves in one buffer.
+
+    One collective-permute per dtype instead of one per leaf: on XLA:CPU a collective is a
+    thread rendezvous, so its fixed cost dominates (21 leaves, 1.8 MB: 4.1 ms per leaf,
+    0.95 ms packed). ``slots[i]`` is ``(group, offset, block_shape)`` for leaf ``i`` of the
+    flattened tree (``None``: not a ring leaf); ``groups`` are the dtypes, in buffer order.
+    Every device's buffer of group ``g`` holds, at ``offset``, the block of leaf ``i`` that
+    its ring predecessor (previous along the elastic axis, same other coordinates) holds.
+    """
+
+    mesh: Any
+    axis: str
+    specs: tuple  # PartitionSpec per leaf
+    slots: tuple
+    groups: tuple  # dtype names
+    lengths: tuple  # per-device buffer length per group
+
+
+def ring_pack_layout(shapes, dtypes, shardings, places, axis: str) -> RingPack | None:
+    """`RingPack` for flat lists of leaf shapes/dtypes/NamedShardings/placements, or None."""
+    slots, groups, lengths = [], [], []
+    mesh = None
+    for shape, dtype, sh, place in zip(shapes, dtypes, shardings, places):
+        if place != RING:
+            slots.append(None)
+            continue
+        mesh = sh.mesh
+        name = np.dtype(dtype).name
+        if name not in groups:
+            groups.append(name)
+            lengths.append(0)
+        g = groups.index(name)
+        block = tuple(sh.shard_shape(tuple(shape)))
+        slots.append((g, lengths[g], block))
+        lengths[g] += int(np.prod(block, dtype=np.int64))
+    if mesh is None:
+        return None
+    return RingPack(mesh, axis, tuple(s.spec for s in shardings), tuple(slots), tuple(groups), tuple(lengths))
+
+
+def ring_pack(xs, pack: RingPack):
+    """Inside a jitted program: the packed ring copy of the flat list ``xs`` (a tuple of
+    one 1-D array per dtype group, each sharded over every mesh axis: device-local)."""
+    mesh, n = pack.mesh, pack.mesh.shape[pack.axis]
+    idx = [i for i, s in enumerate(pack.slots) if s is not None]
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(*blocks):
+        out = []
+        for g in range(len(pack.groups)):
+            parts = [b.reshape(-1) for i, b in zip(idx, blocks) if pack.slots[i][0] == g]
+            flat = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+            out.append(jax.lax.ppermute(flat, pack.axis, perm) if n > 1 else jnp.copy(flat))
+        return tuple(out)
+
+    every = P(tuple(mesh.axis_names))
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(pack.specs[i] for i in idx),
+                         out_specs=tuple(every for _ in pack.groups))(*[xs[i] for i in idx])
+
+
+def ring_block(pack: RingPack, buffers_of_group, i: int, device):
+    """Host copy of leaf ``i``'s block that ``device`` held, read from its ring holder's
+    packed buffer (``buffers_of_group[g]`` is a ``{device: buffer}`` map). None if the
+    holder's buffer is gone."""
+    g, off, block = pack.slots[i]
+    holder = ring_holder(pack.mesh, device, pack.axis)
+    buf = buffers_of_group[g].get(holder)
+    if buf is None or buf.is_deleted():
+        return None
+    n = int(np.prod(block, dtype=np.int64))
+    return np.array(np.asarray(buf)[off:off + n], copy=True).reshape(block)
