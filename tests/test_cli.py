@@ -21,7 +21,7 @@ def test_demo_kills_resumes_and_matches_bitwise(tmp_path):
     assert "final state vs uninterrupted run: BITWISE IDENTICAL" in r.stdout
     assert "recovered from           peer copies" in r.stdout
     rel = float(re.search(r"max relative difference ([0-9.e+-]+)", r.stdout)[1])
-    assert rel < 1e-3, rel
+    assert rel < 1e-4, rel  # same program with and without the failure: reassociation only
 
 
 def test_bench_overhead_writes_json(tmp_path):
