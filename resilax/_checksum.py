@@ -57,9 +57,3 @@ def tree_checksums(tree):
     if not leaves:
         return jnp.zeros((0, 2), jnp.uint32)
     return jnp.stack([_leaf_sum(x) for x in leaves])
-
-
-def host_checksums(tree) -> np.ndarray:
-    """Same checksums for host (numpy) data, computed on the CPU backend."""
-    cpu = jax.devices("cpu")[0]
-    return np.asarray(tree_checksums(jax.device_put(tree, cpu)))
