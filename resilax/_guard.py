@@ -186,7 +186,8 @@ class Guard:
 
     def _first_batch(self, rs, state, batch):
         rs._build(state, batch)
-        if self.mode != "grads":
+        if self.mode != "grads":  # inputs mode runs the one fused program: compile it now
+            rs._compile(state, batch)
             return
         self._batch_sig = batch_signature(batch)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)

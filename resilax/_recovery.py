@@ -25,6 +25,7 @@ is recomputed from its retained batch (counted in ``steps_recomputed``; not bitw
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -136,6 +137,7 @@ class Guard:
         self._held: list = []
         self._ahead: dict = {}  # survivors tuple -> mesh attributes with compiled executables
         self._ahead_done = not rs.config.compile_ahead
+        self._recovering = False
         self._zero_batch = None  # zeros shaped like a batch: compile ahead, replay's unused batch argument
         self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
         self._set_mesh(rs.mesh, m=1)
@@ -281,7 +283,10 @@ class Guard:
             abs_b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mb)
             abs_s = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                  self._abstract, self.shardings)
-            self._fns[key] = jitted.lower(abs_s, abs_b, jax.ShapeDtypeStruct((), np.uint32)).compile()
+            # outside recovery a compile is goodput's `compile`; inside, recovery's compile phase
+            span = contextlib.nullcontext() if self._recovering else self.rs.goodput_recorder.span("compile")
+            with span:
+                self._fns[key] = jitted.lower(abs_s, abs_b, jax.ShapeDtypeStruct((), np.uint32)).compile()
         return self._fns[key]
 
     # ------------------------------------------------------------------ failure-free path
@@ -445,8 +450,12 @@ class Guard:
 
     def recover(self, state_arg=None):
         """Rebuilds the state after a domain loss (see `_recover`); its time is goodput's `recovery`."""
-        with self.rs.goodput_recorder.span("recovery"):
-            return self._recover(state_arg)
+        self._recovering = True
+        try:
+            with self.rs.goodput_recorder.span("recovery"):
+                return self._recover(state_arg)
+        finally:
+            self._recovering = False
 
     def _recover(self, state_arg=None):
         """Rebuilds the state at the newest step a survivor completed, on the smaller mesh.

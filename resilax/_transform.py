@@ -220,7 +220,7 @@ class ResilientStep:
             )
         # Python scalars (TrainState.step starts as an int) become arrays, as the step returns them.
         state = jax.tree.map(_as_array, state)
-        self._domains = self.topology.domains()
+        self._domains = self.topology.domains()  # the peer guard maps devices to domains from it
         self.mesh = self.topology.mesh(self._domains)
         self._state_sh = resolve_shardings(self._state_spec, state, self.mesh, "state_sharding")
         self._data = data
@@ -308,12 +308,9 @@ class ResilientStep:
         self._batch_sh = resolve_shardings(self._batch_spec, batch, self.mesh, "batch_sharding")
         step_sh = NamedSharding(self.mesh, P())
         abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
-        abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype), batch)
+        abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)), batch)
         fn = self._step_fn if self._replay is None else self._replay.step_fn
-        try:
-            out = jax.eval_shape(fn, abstract_state, abstract_batch, jax.ShapeDtypeStruct((), np.uint32))
-        except WrapError:
-            raise
+        out = jax.eval_shape(fn, abstract_state, abstract_batch, jax.ShapeDtypeStruct((), np.uint32))
         new_state, metrics = out[:2]
         if jax.tree.structure(new_state) != jax.tree.structure(abstract_state):
             raise WrapError(
@@ -327,13 +324,18 @@ class ResilientStep:
                     f"{b.shape} {b.dtype}; the state must keep its shapes and dtypes"
                 )
         metrics_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), metrics)
+        # Lazy: the guards may run programs of their own instead (peers, grads-mode replay).
+        self._jitted = jax.jit(
+            fn,
+            in_shardings=(self._state_sh, self._batch_sh, step_sh),
+            out_shardings=(self._state_sh, metrics_sh) + ((None,) if self._replay is not None else ()),
+            donate_argnums=(0,) if self.config.donate_state else (),
+        )
+
+    def _compile(self, state, batch):
+        """Compiles ``self._jitted`` now, so its time lands in goodput's ``compile`` bucket."""
         with self.goodput_recorder.span("compile"):
-            self._jitted = jax.jit(
-                fn,
-                in_shardings=(self._state_sh, self._batch_sh, step_sh),
-                out_shardings=(self._state_sh, metrics_sh) + ((None,) if self._replay is not None else ()),
-                donate_argnums=(0,) if self.config.donate_state else (),
-            ).lower(state, batch, np.uint32(self.step)).compile()
+            self._jitted = self._jitted.lower(state, batch, np.uint32(self.step)).compile()
 
     def _step_fn(self, state, batch, step_no):
         new_state, metrics, _ = self._split.full(state, batch, step_no)
@@ -360,6 +362,8 @@ class ResilientStep:
         else:
             if self._jitted is None:  # validates the step on the mesh it was wrapped for
                 self._build(state, batch)
+                if self._peers is None:  # the peer guard compiles step variants of its own
+                    self._compile(state, batch)
             if self._peers is not None:
                 self._peers.before_call()
             state = self._fire("before_step", state)
