@@ -48,7 +48,7 @@ class Topology:
     axis_sizes: tuple[int, ...]
     bandwidth: Mapping[str, float] = dataclasses.field(default_factory=dict)
     bandwidth_sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    emulated: bool = False
+    is_emulated: bool = False
 
     def __post_init__(self):
         where = f"resilax.Topology {self.name!r}"
@@ -90,7 +90,7 @@ class Topology:
             axis_sizes=(slices, devices_per_slice),
             bandwidth={"ici": 10.0, "dcn": 10.0, "host": 10.0, "storage": 1.0},
             bandwidth_sources={k: "emulated: CPU devices share host RAM" for k in ("ici", "dcn", "host", "storage")},
-            emulated=True,
+            is_emulated=True,
         )
 
     @classmethod
@@ -127,7 +127,7 @@ class Topology:
                 axis_sizes=sizes,
                 bandwidth={k: float(v) for k, v in bw.items()},
                 bandwidth_sources=sources,
-                emulated=bool(raw.get("emulated", False)),
+                is_emulated=bool(raw.get("emulated", False)),
             )
         except KeyError as e:
             raise TopologyError(f"{where}: missing required field {e.args[0]!r}") from None
