@@ -8,22 +8,19 @@ compared too. Results: a table on stdout and JSON.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 
+from ._io import write_json
+
 
 def _write_json(path, obj):
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-    print(f"wrote {path}")
+    if path:
+        write_json(path, obj)
+        print(f"wrote {path}")
 
 
 def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int | None = None,

@@ -18,7 +18,6 @@ Prints a table and writes JSON (``--json PATH``).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -28,6 +27,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from ._io import write_json
 
 
 def add_arguments(parser) -> None:
@@ -219,10 +220,7 @@ def run(args) -> int:
     out["speedup"] = base_total / out["peers"]["recovery_s"]
     _table(out)
     if getattr(args, "json", None):
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=2)
-        os.replace(tmp, args.json)
+        write_json(args.json, out)
     return 0
 
 

@@ -15,14 +15,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 
-import numpy as np
+
+from ._io import write_json
 
 
 def add_arguments(p) -> None:
@@ -139,7 +139,7 @@ def print_table(r: dict) -> None:
     print(f"  {'replay / step time':28s}{r['replay_over_step']['grads']:14.3f}{r['replay_over_step']['inputs']:14.3f}")
     print(f"  {'log bytes/step':28s}{i['grads']:14.0f}{i['inputs']:14.0f}")
     print(f"  step time (wrapped, no log)   {r['step_s'] * 1e3:.2f} ms (median)")
-    print(f"  failure-free overhead, wrapped step / wrapped step without a log (two runs pooled; interleaved):")
+    print("  failure-free overhead, wrapped step / wrapped step without a log (two runs pooled; interleaved):")
     print(f"  {'':28s}{'ratio of medians':>18s}{'ratio of means':>16s}")
     labels = {"inputs": "inputs log, every step", "grads": "grads log, every step", "off_control": "A/A: no log / no log"}
     for k in ("inputs", "grads", "off_control"):
@@ -151,10 +151,7 @@ def run(args) -> int:
     r = bench_replay(steps=args.steps, topology=args.topology)
     print_table(r)
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(r, f, indent=2)
-        os.replace(tmp, args.json)
+        write_json(args.json, r)
     return 0
 
 

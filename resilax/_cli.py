@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 
@@ -17,12 +16,9 @@ def _cmd_train(args) -> int:
         layout=args.layout,
     )
     if args.summary:
-        import os
+        from ._io import write_json
 
-        tmp = args.summary + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(summary, f, indent=2)
-        os.replace(tmp, args.summary)
+        write_json(args.summary, summary)
     print(f"done: {summary['steps']} steps, loss {summary['final_loss']:.4f}, {summary['wall_s']:.1f} s", flush=True)
     return 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
-import json
 import math
 import os
 import sys
@@ -21,6 +20,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from ._io import write_json
 from ._costmodel import CostModel, read_topology_bandwidths
 from ._goodput import BUCKETS
 
@@ -598,7 +598,6 @@ def _cli_main(args: argparse.Namespace) -> int:
                        f"{args.model_params:.3g} params)")
             print(f"wrote {args.png}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
+        write_json(args.json, result, indent=1, sort_keys=True)
         print(f"wrote {args.json}")
     return 0

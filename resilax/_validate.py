@@ -25,7 +25,6 @@ train`` child with this checkout on ``PYTHONPATH``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -38,6 +37,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from ._io import write_json
 from ._costmodel import CostModel
 from ._goodput import BUCKETS, GoodputFileError, load_goodput
 
@@ -488,8 +488,7 @@ def validate(*, steps: int = 2000, checkpoint_every: int = 200,
     }
     log(format_table(result))
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, sort_keys=True, default=float)
+        write_json(json_path, result, indent=1, sort_keys=True, default=float)
         log(f"wrote {json_path}")
     if png_path:
         plot_validation(result, png_path)
