@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import errno
-import json
 import os
 import pathlib
 import shutil

@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 __all__ = ["CostModel", "GB", "read_topology_bandwidths"]
 

@@ -8,7 +8,6 @@ position), and checks the final state bitwise against an uninterrupted run.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -230,7 +229,7 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
     print(f"  slice lost at step       {fail_at + 1} (mid-step; devices {ev['failed_devices']} deleted)")
     print(f"  recovered from           {ev['source']} copies: {ev['bytes_from_peers']:,} bytes moved, "
           f"{ev['steps_replayed']} logged steps replayed, {ev['lost_steps']} in-flight step recomputed")
-    print(f"  recovery by phase        " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in secs.items()))
+    print("  recovery by phase        " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in secs.items()))
     print(f"  continued on             mesh {ev['mesh']} with {ev['microbatches']} microbatches per step "
           f"(same global batch)")
     print(f"  final state vs the same run without the failure: max relative difference {rel:.1e} "

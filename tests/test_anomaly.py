@@ -3,7 +3,6 @@ run rolls back to the newest good state, skips the batch and goes on."""
 
 import json
 
-import jax
 import numpy as np
 import pytest
 

@@ -2,7 +2,6 @@
 
 import os
 import pathlib
-import warnings
 
 import jax
 import numpy as np

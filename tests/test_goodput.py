@@ -1,6 +1,5 @@
 """Goodput accounting: buckets sum to wall time, nesting, files. No jax."""
 import json
-import math
 import os
 
 import pytest
@@ -170,7 +169,6 @@ def test_missing_file_and_wrong_format(tmp_path):
 
 def test_report_writes_png_and_table(tmp_path, capsys):
     import argparse
-    import sys
 
     from resilax._report import register_cli, report
 

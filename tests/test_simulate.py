@@ -2,7 +2,6 @@
 import argparse
 import json
 import math
-import sys
 
 import numpy as np
 import pytest

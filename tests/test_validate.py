@@ -4,7 +4,6 @@ import math
 
 import pytest
 
-from resilax._costmodel import CostModel
 from resilax._simulate import simulate
 from resilax._validate import cost_model, validate
 
