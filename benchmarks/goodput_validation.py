@@ -16,8 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from resilax._runner import configure_compilation_cache  # noqa: E402
-from resilax._validate import validate  # noqa: E402
+from resilax.tools.runner import configure_compilation_cache  # noqa: E402
+from resilax.tools.validate import validate  # noqa: E402
 
 
 def main(argv=None) -> int:

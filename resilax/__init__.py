@@ -7,9 +7,9 @@
     step.close()
 """
 
-from ._anomaly import AnomalyError as AnomalyError
-from ._config import Config as Config
-from ._errors import (
+from resilax._src.protect.anomaly import AnomalyError as AnomalyError
+from resilax._src.config import Config as Config
+from resilax._src.errors import (
     CheckpointError as CheckpointError,
     ConfigError as ConfigError,
     CorruptCheckpointError as CorruptCheckpointError,
@@ -20,11 +20,11 @@ from ._errors import (
     TopologyError as TopologyError,
     WrapError as WrapError,
 )
-from ._events import Event as Event
-from ._faults import Fault as Fault, FaultPlan as FaultPlan
-from ._record import record as record
-from ._topology import Topology as Topology
-from ._transform import ResilientStep as ResilientStep, wrap as wrap
+from resilax._src.events import Event as Event
+from resilax._src.runtime.faults import Fault as Fault, FaultPlan as FaultPlan
+from resilax._src.step.record import record as record
+from resilax._src.runtime.topology import Topology as Topology
+from resilax._src.step.driver import ResilientStep as ResilientStep, wrap as wrap
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ import os
 import jax
 import numpy as np
 
-from resilax import _example as ex
+from resilax.tools import example as ex
 
 SMALL = ex.ExampleSpec(hidden=64, depth=2, batch=32, features=16, examples=1024)
 

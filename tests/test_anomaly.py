@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import resilax
-from resilax import _example as ex
-from resilax._anomaly import SpikeDetector, robust_zscore
+from resilax.tools import example as ex
+from resilax._src.protect.anomaly import SpikeDetector, robust_zscore
 from test_replay import SPEC, TOPO, assert_bitwise, flat
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import resilax
-from resilax import _example as ex
+from resilax.tools import example as ex
 from helpers import SMALL, state_equal
 
 TOPO = resilax.Topology.emulated(2, 4)
@@ -116,8 +116,7 @@ def test_unwritable_checkpoint_dir(tmp_path):
 
 def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monkeypatch):
     """Bytes that decode fine but differ from what was saved (silent corruption) fail verification."""
-    from resilax import _checkpoint
-
+    from resilax._src.protect import checkpoint as _checkpoint
     run(tmp_path, 5, every=5)
     template = ex.make_state(SMALL)
     cfg = resilax.Config(checkpoint_dir=str(tmp_path), checkpoint_every=5)
@@ -137,7 +136,7 @@ def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monk
 
 
 def test_goodput_buckets_sum_to_wall_and_are_saved(tmp_path):
-    from resilax._goodput import load_goodput
+    from resilax._src.runtime.goodput import load_goodput
 
     _, step, _ = run(tmp_path, 10, every=5)
     saved = load_goodput(tmp_path)  # written at close, checksummed, frozen at that moment

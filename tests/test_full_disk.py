@@ -6,7 +6,7 @@ import jax
 import pytest
 
 import resilax
-from resilax import _example as ex
+from resilax.tools import example as ex
 from helpers import SMALL, state_equal
 
 TOPO = resilax.Topology.emulated(2, 4)

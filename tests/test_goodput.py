@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from resilax._goodput import (BUCKETS, ML_GOODPUT_NAMES, GoodputFileError,
+from resilax._src.runtime.goodput import (BUCKETS, ML_GOODPUT_NAMES, GoodputFileError,
                               GoodputRecorder, load_goodput)
 
 
@@ -170,7 +170,7 @@ def test_missing_file_and_wrong_format(tmp_path):
 def test_report_writes_png_and_table(tmp_path, capsys):
     import argparse
 
-    from resilax._report import register_cli, report
+    from resilax.tools.report import register_cli, report
 
     rec, clock = _recorder()
     with rec.span("compile"):

@@ -6,8 +6,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import resilax
-from resilax import _elastic, _peers
-from resilax._example import ExampleSpec, make_state, train_step
+from resilax._src.step import elastic as _elastic
+from resilax._src.protect import ring as _peers
+from resilax.tools.example import ExampleSpec, make_state, train_step
 
 
 def _mesh(name):
@@ -73,7 +74,7 @@ def test_accumulated_step_matches_full_step_within_reassociation():
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(48, spec.features)).astype(np.float32),
              "y": rng.integers(0, spec.classes, 48).astype(np.int32)}
-    from resilax._split import Split
+    from resilax._src.step.split import Split
 
     split = Split(train_step, 0)
     full, _, rec_full = jax.jit(split.full)(st, batch, np.uint32(0))

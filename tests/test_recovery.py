@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import resilax
-from resilax import _peers
-from resilax._example import ExampleSpec, fsdp_specs, make_iterator, make_state, train_step
+from resilax._src.protect import ring as _peers
+from resilax.tools.example import ExampleSpec, fsdp_specs, make_iterator, make_state, train_step
 
 SPEC = ExampleSpec(hidden=64, batch=48)
 STEPS = 7
@@ -104,8 +104,7 @@ REBUILT = []
 @pytest.fixture(autouse=True)
 def capture_rebuilt(monkeypatch):
     """Keeps a host copy of every state `Guard.recover` returns (before any later step)."""
-    from resilax import _recovery
-
+    from resilax._src.protect import legacy_recovery as _recovery
     orig = _recovery.Guard.recover
     REBUILT.clear()
 

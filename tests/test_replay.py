@@ -11,8 +11,8 @@ import pytest
 from flax.training import train_state
 
 import resilax
-from resilax import _example as ex
-from resilax._replay import ReplayLog, SelectivePolicy, decode_entry, encode_entry, replay
+from resilax.tools import example as ex
+from resilax._src.protect.replay_log import ReplayLog, SelectivePolicy, decode_entry, encode_entry, replay
 
 SPEC = ex.ExampleSpec(features=16, hidden=32, depth=2, batch=16, examples=512)
 TOPO = resilax.Topology.emulated(slices=2, devices_per_slice=4)

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from resilax._costmodel import CostModel
-from resilax._simulate import (PROFILES, custom_profile, daly_interval, draw_failures,
+from resilax.tools.costmodel import CostModel
+from resilax.tools.simulate import (PROFILES, custom_profile, daly_interval, draw_failures,
                                expected_goodput_checkpoint_only,
                                expected_goodput_exponential, register_cli, simulate,
                                simulate_strategy, young_daly_interval)

@@ -9,7 +9,7 @@ import ml_collections
 import pytest
 
 import resilax
-from resilax._topology import available_specs
+from resilax._src.runtime.topology import available_specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

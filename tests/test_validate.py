@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from resilax._simulate import simulate
-from resilax._validate import cost_model, validate
+from resilax.tools.simulate import simulate
+from resilax.tools.validate import cost_model, validate
 
 
 def _measured(**over):

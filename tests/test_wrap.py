@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import resilax
-from resilax import _example as ex
-from resilax._transform import resolve_shardings
+from resilax.tools import example as ex
+from resilax._src.step.driver import resolve_shardings
 from helpers import SMALL, state_equal
 
 TOPO = resilax.Topology.emulated(2, 4)

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from ._io import write_json
+from resilax._src.io import write_json
 
 
 def add_arguments(parser) -> None:
@@ -51,14 +51,14 @@ def add_arguments(parser) -> None:
 
 def _setup(args):
     import resilax
-    from resilax._runner import configure_cpu_devices
+    from resilax.tools.runner import configure_cpu_devices
 
     topo = resilax.Topology.load(args.topology)
     configure_cpu_devices(topo.num_devices)
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from resilax._example import ExampleSpec, make_iterator
+    from resilax.tools.example import ExampleSpec, make_iterator
     spec = ExampleSpec(hidden=args.hidden, batch=args.batch)
     it = make_iterator(spec)
     batches = [next(it) for _ in range(args.steps)]
@@ -72,7 +72,7 @@ def _setup(args):
 
 def _wrapped(topo, spec, layout, **cfg):
     import resilax
-    from resilax._example import make_state, train_step
+    from resilax.tools.example import make_state, train_step
 
     st = make_state(spec)
     faults = cfg.pop("faults", ())
@@ -87,8 +87,7 @@ def run(args) -> int:
     topo, spec, batches, layout = _setup(args)
     import jax
 
-    from resilax import _peers
-
+    from resilax._src.protect import ring as _peers
     out: dict = {"topology": topo.name, "steps": args.steps, "budget": args.budget, "model": {
         "hidden": spec.hidden, "depth": spec.depth, "batch": spec.batch}}
 

@@ -112,7 +112,7 @@ def train(
             step.save(state)
     wall = time.perf_counter() - t_start
     if out:
-        from ._example import flat_state
+        from resilax.tools.example import flat_state
 
         tmp = f"{out}.tmp.npz"
         np.savez(tmp, **flat_state(state))

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from ._record import record
+from resilax._src.step.record import record
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ._errors import WrapError
+from resilax._src.errors import WrapError
 
 
 def microbatch_count(batch_size: int, full_domains: int, mesh, batch_axes_size: int) -> int:

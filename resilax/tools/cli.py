@@ -7,7 +7,7 @@ import sys
 
 
 def _cmd_train(args) -> int:
-    from ._runner import train
+    from resilax.tools.runner import train
 
     summary = train(
         steps=args.steps, topology=args.topology, checkpoint_dir=args.checkpoint_dir,
@@ -16,7 +16,7 @@ def _cmd_train(args) -> int:
         layout=args.layout,
     )
     if args.summary:
-        from ._io import write_json
+        from resilax._src.io import write_json
 
         write_json(args.summary, summary)
     print(f"done: {summary['steps']} steps, loss {summary['final_loss']:.4f}, {summary['wall_s']:.1f} s", flush=True)
@@ -24,14 +24,14 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from ._runner import demo
+    from resilax.tools.runner import demo
 
     return demo(steps=args.steps, topology=args.topology, checkpoint_every=args.checkpoint_every,
                 workdir=args.workdir, kill_at=args.kill_at, seed=args.seed)
 
 
 def _cmd_bench(args) -> int:
-    from ._bench import run_bench
+    from resilax.tools.bench import run_bench
 
     return run_bench(args)
 
@@ -75,20 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--checkpoint-every", type=int, default=None, help="default: resilax.Config's default")
     o.set_defaults(func=_cmd_bench)
     for name, mod, help_ in (
-        ("replay", "_bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
-        ("recovery", "_bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
+        ("replay", "bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
+        ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
     ):
         try:
-            m = __import__(f"resilax.{mod}", fromlist=["add_arguments", "run"])
+            m = __import__(f"resilax.tools.{mod}", fromlist=["add_arguments", "run"])
         except ImportError:
             continue
         sp = bsub.add_parser(name, help=help_)
         m.add_arguments(sp)
         sp.set_defaults(func=m.run)
 
-    for mod in ("_simulate", "_report", "_validate"):
+    for mod in ("simulate", "report", "validate"):
         try:
-            m = __import__(f"resilax.{mod}", fromlist=["register_cli"])
+            m = __import__(f"resilax.tools.{mod}", fromlist=["register_cli"])
         except ImportError:
             continue
         m.register_cli(sub)
@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from ._errors import ResilaxError
-    from ._runner import configure_compilation_cache
+    from resilax._src.errors import ResilaxError
+    from resilax.tools.runner import configure_compilation_cache
 
     configure_compilation_cache()
 

@@ -20,8 +20,8 @@ import inspect
 
 import jax
 
-from . import _record
-from ._errors import WrapError
+from resilax._src.step import record as _record
+from resilax._src.errors import WrapError
 
 
 def takes_rng(fn) -> bool:

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from ._io import write_json
+from resilax._src.io import write_json
 
 
 def _write_json(path, obj):
@@ -32,8 +32,8 @@ def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_ev
 
     import resilax
     from . import _example as ex
-    from ._runner import configure_cpu_devices
-    from ._transform import resolve_shardings
+    from resilax.tools.runner import configure_cpu_devices
+    from resilax._src.step.driver import resolve_shardings
 
     topo = resilax.Topology.load(topology)
     configure_cpu_devices(topo.num_devices)

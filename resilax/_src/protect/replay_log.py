@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from ._errors import ReplayLogError, StorageError
+from resilax._src.errors import ReplayLogError, StorageError
 
 MAGIC = b"RXLOG01\n"
 FORMAT = 1

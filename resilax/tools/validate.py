@@ -37,9 +37,9 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from ._io import write_json
-from ._costmodel import CostModel
-from ._goodput import BUCKETS, GoodputFileError, load_goodput
+from resilax._src.io import write_json
+from resilax.tools.costmodel import CostModel
+from resilax._src.runtime.goodput import BUCKETS, GoodputFileError, load_goodput
 
 __all__ = ["measure_costs", "cost_model", "run_measured_job", "validate", "format_table",
            "register_cli"]
@@ -276,7 +276,7 @@ def _derive_costs(runs: dict[str, dict], E: int, *, fresh: str, restarted: Seque
 
 def _example_params() -> int:
     """Parameters of the example MLP (resilax._example.ExampleSpec defaults)."""
-    from ._example import ExampleSpec
+    from resilax.tools.example import ExampleSpec
 
     s = ExampleSpec()
     dims = [s.features] + [s.hidden] * s.depth + [s.classes]
@@ -295,7 +295,7 @@ def _model_failure_times(job: dict, cm: CostModel) -> list[float]:
     way what is validated is the accounting of launch, restarts, restores, compiles, saves,
     the persist window and lost work, against the measured wall time.
     """
-    from ._simulate import _restart_phases
+    from resilax.tools.simulate import _restart_phases
 
     every = job["checkpoint_every"]
     restart = sum(sec for _, sec in _restart_phases(cm, cm.restore_persistent_s))
@@ -407,7 +407,7 @@ def measured_buckets(job: dict) -> dict[str, float]:
 
 def _simulate_job(measured: dict, job: dict, seed: int) -> dict:
     """The job replayed in the simulator on ``measured`` costs; goodput as defined above."""
-    from ._simulate import simulate
+    from resilax.tools.simulate import simulate
 
     cm = cost_model(measured)
     wall = job["wall_s"]
@@ -525,7 +525,7 @@ def plot_validation(r: dict, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ._report import _COLORS
+    from resilax.tools.report import _COLORS
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 2.4]})
     vals = [100 * r["measured_goodput"], 100 * r["simulated_goodput"]]

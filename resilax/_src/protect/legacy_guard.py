@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._anomaly import AnomalyError, SpikeDetector, Verdict, finite_flag, poison_batch
-from ._checkpoint import decode_data_state, encode_data_state
-from ._checksum import tree_checksums
-from ._errors import ReplayLogError, WrapError
-from ._replay import ReplayLog, SelectivePolicy, batch_signature, batch_template, replay
-from ._split import update_reads_batch
+from resilax._src.protect.anomaly import AnomalyError, SpikeDetector, Verdict, finite_flag, poison_batch
+from resilax._src.protect.checkpoint import decode_data_state, encode_data_state
+from resilax._src.protect.checksum import tree_checksums
+from resilax._src.errors import ReplayLogError, WrapError
+from resilax._src.protect.replay_log import ReplayLog, SelectivePolicy, batch_signature, batch_template, replay
+from resilax._src.step.split import update_reads_batch
 
 
 def _copy(tree):

@@ -36,10 +36,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import _elastic, _peers
-from ._errors import StateLostError, WrapError
-from ._faults import register_kind
-from ._health import Liveness
+from resilax._src.step import elastic as _elastic
+from resilax._src.protect import ring as _peers
+from resilax._src.errors import StateLostError, WrapError
+from resilax._src.runtime.faults import register_kind
+from resilax._src.runtime.health import Liveness
 
 CALIBRATION_STEPS = 8  # timed steps (half with, half without the copy) when Config.peer_every == 0
 
@@ -144,7 +145,7 @@ class Guard:
 
     # ------------------------------------------------------------------ mesh-dependent parts
     def _set_mesh(self, mesh, m: int):
-        from ._transform import resolve_shardings
+        from resilax._src.step.driver import resolve_shardings
 
         self.mesh = mesh
         self.m = m
@@ -213,7 +214,7 @@ class Guard:
         return [jax.tree_util.keystr(p) for p, v in flat if v == _peers.RING]
 
     def _batch_shardings(self, batch):
-        from ._transform import resolve_shardings
+        from resilax._src.step.driver import resolve_shardings
 
         if self.m == 1:
             return resolve_shardings(self.rs._batch_spec, batch, self.mesh, "batch_sharding")
@@ -239,7 +240,7 @@ class Guard:
         """(treedef, shardings, ring pack) of the recorded values on the current mesh: each
         leaf in its parameter's sharding (`_guard.recorded_shardings`), ring-copied packed."""
         if self._recmeta is None:
-            from ._guard import recorded_shardings
+            from resilax._src.protect.legacy_guard import recorded_shardings
 
             abs_b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._zero_batch)
             abs_rec = jax.eval_shape(self.rs._split.grad, self._abstract, abs_b,
@@ -577,7 +578,7 @@ class Guard:
         self.log.close()
 
     def _microbatches(self, batch, mesh) -> int:
-        from ._transform import resolve_shardings
+        from resilax._src.step.driver import resolve_shardings
 
         shs = resolve_shardings(self.rs._batch_spec, batch, mesh, "batch_sharding")
         size = 1

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from ._errors import WrapError
+from resilax._src.errors import WrapError
 
 _local = threading.local()
 

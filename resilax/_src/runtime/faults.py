@@ -25,7 +25,7 @@ import signal
 import sys
 from typing import Callable, Iterable
 
-from ._errors import ConfigError
+from resilax._src.errors import ConfigError
 
 PHASES = ("before_step", "after_step", "during_save", "mid_step", "during_peer_copy")
 KINDS = ("kill_process",)

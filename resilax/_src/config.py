@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import gin
 
-from ._errors import ConfigError
+from resilax._src.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 
-from ._io import write_json
+from resilax._src.io import write_json
 
 
 def add_arguments(p) -> None:
@@ -49,10 +49,10 @@ def bench_replay(*, steps: int = 60, topology: str = "cpu-2x4") -> dict:
 
     import resilax
     from . import _example as ex
-    from ._checkpoint import decode_data_state
-    from ._replay import replay
-    from ._runner import configure_cpu_devices
-    from ._transform import place_copy
+    from resilax._src.protect.checkpoint import decode_data_state
+    from resilax._src.protect.replay_log import replay
+    from resilax.tools.runner import configure_cpu_devices
+    from resilax._src.step.driver import place_copy
 
     topo = resilax.Topology.load(topology)
     configure_cpu_devices(topo.num_devices)

@@ -14,16 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._checkpoint import CheckpointStore, decode_data_state, encode_data_state
-from ._config import Config
-from ._errors import WrapError
-from ._events import Event, event
-from ._faults import FaultPlan
-from ._goodput import GoodputRecorder
-from ._guard import Guard as ReplayGuard
-from ._recovery import Guard as PeerGuard
-from ._split import Split
-from ._topology import Topology
+from resilax._src.protect.checkpoint import CheckpointStore, decode_data_state, encode_data_state
+from resilax._src.config import Config
+from resilax._src.errors import WrapError
+from resilax._src.events import Event, event
+from resilax._src.runtime.faults import FaultPlan
+from resilax._src.runtime.goodput import GoodputRecorder
+from resilax._src.protect.legacy_guard import Guard as ReplayGuard
+from resilax._src.protect.legacy_recovery import Guard as PeerGuard
+from resilax._src.step.split import Split
+from resilax._src.runtime.topology import Topology
 
 
 def wrap(

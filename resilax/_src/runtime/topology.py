@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ._errors import TopologyError
+from resilax._src.errors import TopologyError
 
 _PLATFORMS = ("cpu", "tpu", "gpu")
 
@@ -192,9 +192,18 @@ class Topology:
         return Mesh(devs.reshape(shape), self.axis_names, axis_types=(AxisType.Auto,) * len(shape))
 
 
+def _packaged_specs() -> pathlib.Path:
+    """The specs shipped inside the package (``resilax.slices``, mapped from ``slices/``)."""
+    import importlib.resources
+
+    try:
+        return pathlib.Path(str(importlib.resources.files("resilax.slices")))
+    except (ModuleNotFoundError, TypeError):  # a source tree that was never installed
+        return pathlib.Path(__file__).resolve().parents[3] / "slices"
+
+
 def _spec_dirs() -> list[pathlib.Path]:
-    here = pathlib.Path(__file__).resolve().parent
-    dirs = [pathlib.Path.cwd() / "slices", here.parent / "slices", here / "slices"]
+    dirs = [pathlib.Path.cwd() / "slices", _packaged_specs()]
     extra = os.environ.get("RESILAX_SLICES")
     if extra:
         dirs.insert(0, pathlib.Path(extra))

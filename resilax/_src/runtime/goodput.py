@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from ._errors import ResilaxError
+from resilax._src.errors import ResilaxError
 
 __all__ = [
     "BUCKETS", "ML_GOODPUT_NAMES", "GOODPUT_FILE", "GoodputFileError",

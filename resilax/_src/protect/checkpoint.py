@@ -28,8 +28,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ._checksum import tree_checksums
-from ._errors import CheckpointError, CorruptCheckpointError, StorageError
+from resilax._src.protect.checksum import tree_checksums
+from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError
 
 FORMAT = 1
 QUARANTINE = "quarantine"

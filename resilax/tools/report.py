@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from ._goodput import BUCKETS, ML_GOODPUT_NAMES, GoodputFileError, load_goodput
+from resilax._src.runtime.goodput import BUCKETS, ML_GOODPUT_NAMES, GoodputFileError, load_goodput
 
 __all__ = ["report", "format_report", "plot_timeline", "plot_sweep", "register_cli"]
 

@@ -20,9 +20,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from ._io import write_json
-from ._costmodel import CostModel, read_topology_bandwidths
-from ._goodput import BUCKETS
+from resilax._src.io import write_json
+from resilax.tools.costmodel import CostModel, read_topology_bandwidths
+from resilax._src.runtime.goodput import BUCKETS
 
 __all__ = [
     "PROFILES", "STRATEGIES", "Profile", "FailureTrace", "young_daly_interval",
@@ -593,7 +593,7 @@ def _cli_main(args: argparse.Namespace) -> int:
         for j, c in enumerate(sw["chips"]):
             print(f"{c:<11,}" + "".join(f"{sw['goodput'][s][j]:>17.2%}" for s in sw["goodput"]))
         if args.png:
-            from ._report import plot_sweep
+            from resilax.tools.report import plot_sweep
             plot_sweep(sw, args.png, f"goodput vs chips ({kw['profile']}, "
                        f"{args.model_params:.3g} params)")
             print(f"wrote {args.png}")

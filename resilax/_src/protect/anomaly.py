@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import ResilaxError
-from ._faults import register_kind
+from resilax._src.errors import ResilaxError
+from resilax._src.runtime.faults import register_kind
 
 MAD_TO_SIGMA = 1.4826
 
