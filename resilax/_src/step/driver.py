@@ -375,8 +375,9 @@ class ResilientStep:
         with self.goodput_recorder.span("protection"):
             for p in self._protections:
                 p.after_step(self, rec)
-        self._fire("mid_step")
-        self._fire("during_peer_copy")  # the step in flight made the peer copy (if this step copies)
+        # ``mid_step@N``: N steps completed, step N+1 (index k = N) in flight
+        self._fire("mid_step", k)
+        self._fire("during_peer_copy", k)  # the step in flight made the peer copy (if this step copies)
         self.step_seconds(time.perf_counter() - t0)
         self._fire("after_step")
         if self._ckpt is not None and self._ckpt.due(self.step):
@@ -413,9 +414,9 @@ class ResilientStep:
         return self._log is not None and self._log.over_cap()
 
     # ---------------------------------------------------------------- faults
-    def _fire(self, phase):
+    def _fire(self, phase, at=None):
         if self.faults:
-            self.faults.fire(phase, self.step, self)
+            self.faults.fire(phase, self.step if at is None else at, self)
         if self._failures:
             self._recover()
 
