@@ -8,10 +8,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.topology = "cpu-2x4"
     c.steps = 200
     c.resilax = ml_collections.ConfigDict()
-    c.resilax.checkpoint_dir = "/tmp/resilax-example/ckpt"
-    c.resilax.checkpoint_every = 25
-    c.resilax.checkpoint_keep = 3
-    c.resilax.async_checkpointing = True
+    c.resilax.checkpoint = ml_collections.ConfigDict({"directory": "/tmp/resilax-example/ckpt", "every": 25, "keep": 3})
+    c.resilax.log = ml_collections.ConfigDict({"mode": "grads", "max_lag": 2})
+    c.resilax.peers = ml_collections.ConfigDict({"every": 1})
+    c.resilax.anomaly = ml_collections.ConfigDict({"on_anomaly": "skip"})
     c.resilax.seed = 0
     c.resilax.overhead_budget = 0.01
     return c

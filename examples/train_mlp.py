@@ -40,7 +40,7 @@ def main():
         topology=resilax.Topology.emulated(slices=2, devices_per_slice=4),
         state_sharding=ex.fsdp_specs(state, "fsdp", 4),  # shard the big dims within a slice
         batch_sharding=P("data"),
-        config=resilax.Config(checkpoint_dir=args.checkpoint_dir, checkpoint_every=25),
+        config=resilax.Config(checkpoint=resilax.CheckpointConfig(args.checkpoint_dir, every=25)),
     )
     with step:
         state = step.init(state, data=data)

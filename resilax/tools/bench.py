@@ -37,7 +37,7 @@ def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_ev
 
     topo = resilax.Topology.load(topology)
     configure_cpu_devices(topo.num_devices)
-    every = checkpoint_every if checkpoint_every is not None else resilax.Config().checkpoint_every
+    every = checkpoint_every if checkpoint_every is not None else resilax.CheckpointConfig("unused").every
     spec = ex.ExampleSpec(hidden=512, depth=4, batch=256, features=128)
     data = ex.make_iterator(spec)
     batches = [next(data) for _ in range(16)]
@@ -47,7 +47,7 @@ def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_ev
 
     # resilax
     wrapped = resilax.wrap(ex.train_step, topology=topo, state_sharding=specs,
-                           config=resilax.Config(checkpoint_dir=os.path.join(tmp, "resilax"), checkpoint_every=every))
+                           config=resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "resilax"), every=every)))
     w_state = wrapped.init(template)
 
     # plain: jit on the same mesh and shardings, plain Orbax at the same cadence

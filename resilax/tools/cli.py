@@ -12,7 +12,8 @@ def _cmd_train(args) -> int:
     summary = train(
         steps=args.steps, topology=args.topology, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, faults=tuple(args.fault), out=args.out,
-        log_every=args.log_every, progress=not args.quiet, replay_log=args.replay_log, anomaly=args.anomaly,
+        log_every=args.log_every, progress=not args.quiet, log_mode=None if args.no_log else args.log_mode,
+        peers=not args.no_peers, anomaly=not args.no_anomaly,
         layout=args.layout,
     )
     if args.summary:
@@ -52,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--layout", choices=["fsdp", "sharded"], default="fsdp",
                    help="fsdp: state sharded within a slice, replicated across slices; sharded: over every device")
-    t.add_argument("--replay-log", choices=["grads", "inputs", "off"], default="off",
-                   help="log each step so a crash resumes at the step it died (not the last checkpoint)")
-    t.add_argument("--anomaly", action="store_true", help="roll back and skip batches that give NaN/Inf or loss spikes")
+    t.add_argument("--log-mode", choices=["grads", "inputs"], default="grads",
+                   help="what the record log's disk entries hold (a crash resumes where it died)")
+    t.add_argument("--no-log", action="store_true", help="turn the record log off")
+    t.add_argument("--no-peers", action="store_true", help="turn peer copies off")
+    t.add_argument("--no-anomaly", action="store_true", help="turn NaN/spike skipping off")
     t.set_defaults(func=_cmd_train)
 
     d = sub.add_parser("demo", help="train, crash (SIGKILL), resume, compare bitwise with an uninterrupted run")

@@ -56,8 +56,9 @@ def train(
     log_every: int = 10,
     progress: bool = True,
     spec=None,
-    replay_log: str = "off",
-    anomaly: bool = False,
+    log_mode: str | None = "grads",
+    peers: bool = True,
+    anomaly: bool = True,
     layout: str = "fsdp",
 ) -> dict:
     """Trains the example model to ``steps`` completed steps (resuming if checkpoints exist).
@@ -85,8 +86,11 @@ def train(
         state_sharding=(ex.fsdp_specs(state, inner, topo.axis_sizes[1]) if layout == "fsdp"
                         else ex.fsdp_specs(state, tuple(topo.axis_names), topo.num_devices)),
         batch_sharding=jax.sharding.PartitionSpec(topo.elastic_axis),
-        config=resilax.Config(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                              replay_log=replay_log, anomaly=anomaly),
+        config=resilax.Config(
+            checkpoint=resilax.CheckpointConfig(checkpoint_dir, every=checkpoint_every) if checkpoint_dir else None,
+            log=resilax.LogConfig(mode=log_mode) if log_mode else None,
+            peers=resilax.PeersConfig() if peers else None,
+            anomaly=resilax.AnomalyConfig() if anomaly else None),
         faults=resilax.FaultPlan(faults),
     )
     t_start = time.perf_counter()
@@ -166,7 +170,7 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
     rng = random.Random(seed)
     kill_at = kill_at if kill_at is not None else rng.randrange(steps // 3, 2 * steps // 3)
     common = ["--steps", str(steps), "--topology", topology, "--checkpoint-every", str(checkpoint_every), "--log-every", "25"]
-    logged = [*common, "--replay-log", "grads"]  # optimizer inputs logged: a restart resumes where it died
+    logged = common  # every protection is on by default: the record log brings a restart back where it died
     print(f"resilax demo: an MLP on generated data, {topology} (emulated CPU slices), {steps} steps, "
           f"Orbax checkpoint every {checkpoint_every} steps; workdir {work}")
     ckpt, ref = work / "ckpt", work / "ref_ckpt"
@@ -227,8 +231,8 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
     ev = next(e for e in json.loads((work / "slice.json").read_text())["events"] if e["kind"] == "recovery")
     secs = ev["seconds"]
     print(f"  slice lost at step       {fail_at + 1} (mid-step; devices {ev['failed_devices']} deleted)")
-    print(f"  recovered from           {ev['source']} copies: {ev['bytes_from_peers']:,} bytes moved, "
-          f"{ev['steps_replayed']} logged steps replayed, {ev['lost_steps']} in-flight step recomputed")
+    print(f"  recovered from           {ev['source']} copies: {ev['bytes_moved']:,} bytes moved, "
+          f"{ev['steps_replayed']} logged steps replayed, {ev['lost_steps']} steps recomputed")
     print("  recovery by phase        " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in secs.items()))
     print(f"  continued on             mesh {ev['mesh']} with {ev['microbatches']} microbatches per step "
           f"(same global batch)")

@@ -68,9 +68,13 @@ class RecordLog(base.Protection):
     def over_cap(self) -> bool:
         return self.cfg.device_bytes is not None and self.device_bytes() > self.cfg.device_bytes
 
-    def after_step(self, run, rec):
-        self.device.update(self.pending)  # the previous step finished: its entry is durable
+    def settle(self) -> None:
+        """The step in flight finished: its device entry is durable."""
+        self.device.update(self.pending)
         self.pending.clear()
+
+    def after_step(self, run, rec):
+        self.settle()  # the previous step finished
         g = rec.gout
         self.verdicts[rec.step] = (g.ok, g.loss)
         self.batches[rec.step] = rec.batch

@@ -444,10 +444,15 @@ class ResilientStep:
             return None
         if not self._failures:  # first failure since the last recovery: map what we hold
             held = [x for x in jax.tree.leaves((self.live, self.guard)) if isinstance(x, jax.Array)]
+            if self._log is not None:
+                if phase in ("mid_step", "during_peer_copy"):
+                    held += self._log.drop_pending()  # the step in flight: its entry dies with the domain
+                else:
+                    self._log.settle()  # the step completed: its entry is durable
+                if self._log.disk is not None:
+                    self._log.disk.wait(max_pending=0)  # host copies already started land first
             for p in self._protections:
                 held += p.held()
-            if self._log is not None:
-                held += self._log.drop_pending()
             jax.block_until_ready(held)
             self._bufmaps = {id(a): _ring.buffers(a) for a in held}
             self._held = held  # keeps ids stable while the maps are in use
