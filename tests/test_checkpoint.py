@@ -19,7 +19,7 @@ def run(ckpt_dir, steps, *, every=5, keep=3, data=None, state=None):
     template = ex.make_state(SMALL)
     data = data if data is not None else ex.make_iterator(SMALL)
     step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
-                        config=resilax.Config(checkpoint_dir=str(ckpt_dir), checkpoint_every=every, checkpoint_keep=keep))
+                        config=resilax.Config(checkpoint=resilax.CheckpointConfig(str(ckpt_dir), every=every, keep=keep)))
     with step:
         s = step.init(template, data=data)
         while step.step < steps:
@@ -68,7 +68,7 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path, damage):
         victim.write_bytes(bytes(raw))
     template = ex.make_state(SMALL)
     step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
-                        config=resilax.Config(checkpoint_dir=str(tmp_path / "c"), checkpoint_every=5))
+                        config=resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path / "c"), every=5)))
     with pytest.warns(RuntimeWarning, match=r"checkpoint\(s\) \[15\].*failed verification.*restored the previous good checkpoint 10"):
         s = step.init(template)
     assert step.step == 10
@@ -92,7 +92,7 @@ def test_all_corrupt_is_a_clear_error(tmp_path):
         for f in _newest_state_files(tmp_path, st):
             f.write_bytes(b"\0" * 10)
     template = ex.make_state(SMALL)
-    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(checkpoint_dir=str(tmp_path)))
+    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path))))
     with pytest.raises(resilax.CorruptCheckpointError, match=r"no good checkpoint in .*10: .*5: .*moved to"):
         step.init(template)
 
@@ -100,7 +100,7 @@ def test_all_corrupt_is_a_clear_error(tmp_path):
 def test_checkpoint_of_another_state_is_refused_and_kept(tmp_path):
     run(tmp_path, 5, every=5)
     other = ex.make_state(ex.ExampleSpec(hidden=32, depth=2, batch=32, features=16, examples=1024))
-    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(checkpoint_dir=str(tmp_path)))
+    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path))))
     with pytest.raises(resilax.CheckpointError, match="was written for a different state"):
         step.init(other)
     assert (tmp_path / "5").is_dir() and not (tmp_path / "quarantine").exists()
@@ -109,7 +109,7 @@ def test_checkpoint_of_another_state_is_refused_and_kept(tmp_path):
 def test_unwritable_checkpoint_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(checkpoint_dir=str(blocker / "ckpt")))
+    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(checkpoint=resilax.CheckpointConfig(str(blocker / "ckpt"))))
     with pytest.raises(resilax.StorageError, match="cannot create checkpoint_dir"):
         step.init(ex.make_state(SMALL))
 
@@ -119,7 +119,7 @@ def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monk
     from resilax._src.protect import checkpoint as _checkpoint
     run(tmp_path, 5, every=5)
     template = ex.make_state(SMALL)
-    cfg = resilax.Config(checkpoint_dir=str(tmp_path), checkpoint_every=5)
+    cfg = resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path), every=5))
     step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4), config=cfg)
     data = ex.make_iterator(SMALL)
     s = step.init(template, data=data)
@@ -159,7 +159,7 @@ def test_rng_key_in_state_is_checkpointed(tmp_path):
         return {"w": state["w"] - 0.1 * g["w"], "rng": k}, {}
 
     def go(d, steps):
-        st = resilax.wrap(step_fn, topology=TOPO, config=resilax.Config(checkpoint_dir=str(d), checkpoint_every=2))
+        st = resilax.wrap(step_fn, topology=TOPO, config=resilax.Config(checkpoint=resilax.CheckpointConfig(str(d), every=2)))
         with st:
             s = st.init({"w": jnp.zeros(8), "rng": jax.random.key(0)})
             while st.step < steps:

@@ -28,7 +28,7 @@ def tiny_fs(tmp_path):
 def _step(ckpt):
     template = ex.make_state(SMALL)
     step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
-                        config=resilax.Config(checkpoint_dir=str(ckpt), checkpoint_every=2, checkpoint_keep=50))
+                        config=resilax.Config(checkpoint=resilax.CheckpointConfig(str(ckpt), every=2, keep=50)))
     return template, step
 
 

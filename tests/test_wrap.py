@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import resilax
 from resilax.tools import example as ex
-from resilax._src.step.driver import resolve_shardings
+from resilax._src.step.sharding import resolve as resolve_shardings
 from helpers import SMALL, state_equal
 
 TOPO = resilax.Topology.emulated(2, 4)
