@@ -20,7 +20,8 @@ the wall time a failure-free, checkpoint-free run would need. The simulator's
 docs/goodput.md, "Validation".
 
 The parent only drives and times: each training process is a ``python -m resilax
-train`` child with this checkout on ``PYTHONPATH``.
+train`` child with this checkout on ``PYTHONPATH``, with checkpoints only
+(``--no-log --no-peers --no-anomaly``: the strategy the simulator's path models).
 """
 from __future__ import annotations
 
@@ -130,9 +131,15 @@ def _run_process(args: Sequence[str], ckpt: str, t0: float,
             "step_s": steps, "commit_s": commits, "goodput": gp, "stderr_tail": "".join(err)[-2000:]}
 
 
+# The validated strategy is the simulator's checkpoint-only path, so the job keeps
+# checkpoints and turns the other protections off: with the record log on (the default) a
+# kill would resume near the step it died at instead of the newest checkpoint.
+CHECKPOINT_ONLY = ("--no-log", "--no-peers", "--no-anomaly")
+
+
 def _train_args(steps: int, every: int, ckpt: str, topology: str, *extra: str) -> list[str]:
     return ["--steps", str(steps), "--checkpoint-every", str(every), "--checkpoint-dir", ckpt,
-            "--topology", topology, "--log-every", "1", *extra]
+            "--topology", topology, "--log-every", "1", *CHECKPOINT_ONLY, *extra]
 
 
 def _check_rc(run: dict, want: int, what: str) -> None:
