@@ -5,12 +5,12 @@ Three parts, each usable alone:
 * :func:`measure_costs` -- short real runs of ``resilax train`` (a fresh run, then a
   restarted one resuming from its checkpoints) measure every cost the simulator's
   checkpoint-only path charges; :func:`cost_model` turns them into a
-  :class:`~resilax._costmodel.CostModel` whose every field says how it was measured.
+  :class:`~resilax.tools.costmodel.CostModel` whose every field says how it was measured.
 * :func:`run_measured_job` -- the real job: ``resilax train`` killed by SIGKILL after
   each planned step (``--fault kill_process@N:after_step``) and started again at once,
   until it finishes. Measures the wall time from first launch to final exit and when
   each failure happened.
-* :func:`validate` -- both, then :func:`resilax._simulate.simulate` replays the measured
+* :func:`validate` -- both, then :func:`resilax.tools.simulate.simulate` replays the measured
   failure times against the measured costs over the measured wall time.
 
 Goodput, measured and simulated alike: ``steps * step_s / wall``, where ``step_s`` is
@@ -282,7 +282,7 @@ def _derive_costs(runs: dict[str, dict], E: int, *, fresh: str, restarted: Seque
 
 
 def _example_params() -> int:
-    """Parameters of the example MLP (resilax._example.ExampleSpec defaults)."""
+    """Parameters of the example MLP (resilax.tools.example.ExampleSpec defaults)."""
     from resilax.tools.example import ExampleSpec
 
     s = ExampleSpec()
