@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -133,6 +134,7 @@ def bench_replay(*, steps: int = 60, topology: str = "cpu-2x4") -> dict:
             out.setdefault("replay_errors", {})[mode] = (
                 f"init replayed {ev['steps']} of {steps} logged steps ({attempt}): {ev.get('unreplayable')}")
     out["replay_over_step"] = {m: None if v is None else v / out["step_s"] for m, v in out["replay_s_per_step"].items()}
+    shutil.rmtree(work, ignore_errors=True)
     return out
 
 
