@@ -31,7 +31,7 @@ def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_ev
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import resilax
-    from . import _example as ex
+    from resilax.tools import example as ex
     from resilax.tools.runner import configure_cpu_devices
     from resilax._src.step.driver import resolve_shardings
 

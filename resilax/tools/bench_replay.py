@@ -48,7 +48,7 @@ def bench_replay(*, steps: int = 60, topology: str = "cpu-2x4") -> dict:
     import jax
 
     import resilax
-    from . import _example as ex
+    from resilax.tools import example as ex
     from resilax._src.protect.checkpoint import decode_data_state
     from resilax._src.protect.replay_log import replay
     from resilax.tools.runner import configure_cpu_devices

@@ -71,7 +71,7 @@ def train(
     import jax
 
     import resilax
-    from . import _example as ex
+    from resilax.tools import example as ex
 
     topo = resilax.Topology.load(topology) if not isinstance(topology, resilax.Topology) else topology
     configure_cpu_devices(topo.num_devices)
