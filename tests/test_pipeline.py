@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import resilax
-from models import CASES, tree_rel_diff
+from resilax.tools.models import CASES, tree_rel_diff
 
 STEPS = 6
 TOL = 1e-4  # continuation on a smaller mesh: the same maths up to reduction order

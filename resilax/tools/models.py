@@ -1,4 +1,4 @@
-"""Four small models the example MLP is not, for the recovery tests: dropout, BatchNorm, a
+"""Four small models the example MLP is not, for the recovery tests and `resilax campaign`: dropout, BatchNorm, a
 token-weighted loss and a transformer LM with dropout and a token-normalised loss.
 
 Each `ModelCase` has ``make_state(seed)``, ``train_step(state, batch, rng)`` (calls
