@@ -157,6 +157,8 @@ def train(
     summary = {
         "steps": step.step,
         "resumed_from": start_step,
+        "checkpoint_step": next((e.step for e in step.events if e.kind == "restore"
+                                 and e.fields.get("source") == "checkpoint"), None),
         "final_loss": loss,
         "final_accuracy": acc,
         "wall_s": wall,
