@@ -148,6 +148,9 @@ class Program:
         # Ring copies are needed only for leaves that live in one domain: state replicated
         # across the elastic axis is its own backup, at no per-step cost.
         self.protects = mesh.shape[axis] > 1 and _ring.RING in jax.tree.leaves(self.places)
+        if full_mesh:  # the user's layout must fit the full mesh as given: a clear error, not a silent change
+            _sh.resolve(spec.batch_specs, spec.abstract_batch, mesh, "batch_sharding")
+        # a smaller mesh keeps the global batch; where it no longer divides, that leaf drops the elastic axis
         bspecs, _ = _sh.fit_specs(spec.batch_specs, spec.abstract_batch, mesh, axis)
         self.batch_specs = bspecs
         u32 = jax.ShapeDtypeStruct((), np.uint32)
