@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import resilax
+from resilax._src.step import record as _record
 from resilax.tools.models import CASES, tree_rel_diff
 
 STEPS = 6
@@ -80,26 +81,43 @@ def test_dropout_after_shrink_matches_failure_free(name):
     assert tree_rel_diff(got, ref) < TOL
 
 
-@pytest.mark.xfail(strict=True, reason="microbatches are unrolled in one program, so their compiled footprint "
-                   "does not shrink below the global batch's; needs scan accumulation (issue 8 open)")
 def test_microbatches_only_when_memory_requires_each_with_its_own_stream():
-    """A device memory cap forces microbatches; dropout masks then differ between them
-    (own streams), so the result is close in distribution, not equal; and it says so."""
+    """A device memory cap forces microbatches (a lax.scan: one microbatch's activations at a
+    time); microbatch ``i`` of step ``k`` draws its dropout bits from ``fold_in(key_k, i)``.
+    The recomputed step is checked against that maths done by hand, and against 0.1's bug
+    (the same key for every microbatch)."""
     name = "dropout_mlp"
+    case = CASES[name]
     cfg = resilax.Config(peers=resilax.PeersConfig(device_memory_bytes=1))  # nothing fits: smallest microbatch
     with pytest.raises(resilax.WrapError, match="does not fit"):
         run(name, ["fail_slice@2:mid_step/1"], config=cfg)
-    ref, _, _ = reference(name)
     prog_bytes = _grad_bytes_on_half_mesh(name)
     cfg = resilax.Config(peers=resilax.PeersConfig(device_memory_bytes=int(prog_bytes * 0.9)))
-    got, step, _, mets = run(name, ["fail_slice@2:mid_step/1"], config=cfg)
+    got, step, kept, mets = run(name, ["fail_slice@2:mid_step/1"], config=cfg, keep=(3, 4))
     ev = recovery(step)[0]
-    assert ev.fields["microbatches"] > 1
-    assert all(np.isfinite(m["loss"]) for m in mets)
-    # the same masks in every microbatch (0.1's bug) would make microbatch gradients of
-    # identical inputs identical; own streams make the update differ from that, and from the
-    # full mesh only by dropout noise
-    assert 0 < tree_rel_diff(got, ref) < 0.5
+    m = ev.fields["microbatches"]
+    assert m > 1  # steps 3.. run on one slice in m microbatches
+    assert step.program.memory[m] <= int(prog_bytes * 0.9) < step.program.memory[1]
+    assert all(np.isfinite(m_["loss"]) for m_ in mets)
+
+    batch = case.make_batches(STEPS)[3]
+    st3 = jax.tree.map(jax.numpy.asarray, kept[3])
+
+    def by_hand(keys):
+        grads = []
+        for i, k in enumerate(keys):
+            mb = jax.tree.map(lambda x: x[i * (len(x) // m):(i + 1) * (len(x) // m)], batch)
+            with _record.capturing() as frame:
+                case.train_step(st3, mb, k)
+            grads.append(frame.value)
+        mean = jax.tree.map(lambda *g: sum(g[1:], g[0]) / m, *grads)
+        return host(st3.apply_gradients(grads=mean))
+
+    step_key = jax.random.fold_in(jax.random.key(0), 3)
+    want = by_hand([jax.random.fold_in(step_key, i) for i in range(m)])
+    assert tree_rel_diff(kept[4], want) < TOL
+    same_key = by_hand([step_key] * m)  # 0.1: every microbatch drew the same masks
+    assert tree_rel_diff(kept[4], same_key) > 100 * TOL
 
 
 def _grad_bytes_on_half_mesh(name):
@@ -115,8 +133,6 @@ def _footprint(step):
 
 
 # ------------------------------------------------------------ 2: weighted means
-@pytest.mark.xfail(strict=True, reason="microbatches are unrolled in one program, so their compiled footprint "
-                   "does not shrink below the global batch's; needs scan accumulation (issue 8 open)")
 def test_token_weighted_loss_combines_by_record_weight():
     """lm1b-style loss normalised by its token count: microbatches combine by weight, and a
     sum-type metric (the denominator) is summed, not averaged."""

@@ -201,18 +201,34 @@ class Program:
         def core(state, batch, step_no):
             if m == 1:
                 return split.grad(state, batch, step_no)
+            # m microbatches in a lax.scan: one microbatch's activations live at a time (the
+            # point of microbatching), the recorded values accumulate as sum(w_i * r_i) left
+            # to right, per-microbatch metrics and weights are stacked (scalars) and combined
+            # by their declared reductions afterwards.
             key = split.key(step_no) if split.rng else None
-            recs, ws, mets = [], [], []
-            for i in range(m):
-                mb = jax.tree.map(lambda x: x[i], batch)
+            zero_rec = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.abstract_rec)
+            zero_rec = jax.lax.with_sharding_constraint(zero_rec, rec_sh)
+
+            def body(acc, xs):
+                i, mb = xs
                 r, w, met = split.grad(state, mb, step_no, None if key is None else jax.random.fold_in(key, i))
-                recs.append(r)
-                ws.append(w)
-                mets.append(met)
-            weights = None if ws[0] is None else ws
-            rec = jax.tree.map(lambda *xs: _combine(list(xs), weights), *recs)
-            metrics = combine_metrics(mets, weights, spec.metric_reductions)
-            weight = None if weights is None else sum(ws[1:], ws[0])
+                if w is None:
+                    acc = jax.tree.map(lambda a, x: a + x, acc, r)
+                else:
+                    acc = jax.tree.map(lambda a, x: a + x * w.astype(x.dtype), acc, r)
+                acc = jax.lax.with_sharding_constraint(acc, rec_sh)
+                return acc, (w, met)
+
+            acc, (ws, mets) = jax.lax.scan(body, zero_rec, (jnp.arange(m, dtype=jnp.uint32), batch))
+            if ws is None:
+                rec = jax.tree.map(lambda a: a / m, acc)
+                weights, weight = None, None
+            else:
+                weight = jnp.sum(ws)
+                rec = jax.tree.map(lambda a: a / weight.astype(a.dtype), acc)
+                weights = [ws[i] for i in range(m)]
+            metrics = combine_metrics([jax.tree.map(lambda x: x[i], mets) for i in range(m)], weights,
+                                      spec.metric_reductions)
             return rec, weight, metrics
 
         def fn(state, guard, batch, step_no):
