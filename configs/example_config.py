@@ -25,5 +25,4 @@ def get_config() -> ml_collections.ConfigDict:
     c.resilax.anomaly = ml_collections.ConfigDict()
     c.resilax.anomaly.on_anomaly = "skip"
     c.resilax.seed = 0
-    c.resilax.overhead_budget = 0.01
     return c

@@ -181,7 +181,6 @@ class Config:
       seed: base of the per-step RNG (``wrap(..., rng=True)``): step ``n`` gets
         ``fold_in(key(seed), n)``, so a resumed or replayed step sees the same key.
       donate_state: donate the input state to the step (saves a copy of the state).
-      overhead_budget: failure-free overhead protection may cost, as a share of step time.
       run_dir: where ``goodput.json`` goes; default the checkpoint directory.
     """
 
@@ -191,7 +190,6 @@ class Config:
     anomaly: AnomalyConfig | None = AnomalyConfig()
     seed: int = 0
     donate_state: bool = True
-    overhead_budget: float = 0.01
     run_dir: str | None = None
 
     def __post_init__(self):
@@ -206,11 +204,7 @@ class Config:
                     f"{value!r}")
         _check_type("Config", "seed", self.seed, (int,))
         _check_type("Config", "donate_state", self.donate_state, (bool,))
-        _check_type("Config", "overhead_budget", self.overhead_budget, (int, float))
         object.__setattr__(self, "run_dir", _path("Config", "run_dir", self.run_dir, optional=True))
-        if not 0 <= self.overhead_budget < 1:
-            raise ConfigError(
-                f"resilax.Config: overhead_budget is a share of step time in [0, 1), but got {self.overhead_budget}")
 
     @property
     def log_directory(self) -> str | None:

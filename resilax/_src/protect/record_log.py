@@ -24,6 +24,7 @@ import numpy as np
 
 from resilax._src.protect import base
 from resilax._src.protect.planner import LogStep
+from resilax._src.protect.checksum import tree_checksums
 from resilax._src.protect.replay_log import ReplayLog, SelectivePolicy, batch_signature
 
 
@@ -48,14 +49,25 @@ class RecordLog(base.Protection):
         self.batches: dict[int, Any] = {}
         self.covered = 0  # newest step a peer copy holds
         self.ckpt_step = None  # newest checkpoint step
+        self.now = 0  # steps completed
         self.disk = ReplayLog(directory, policy=SelectivePolicy(cfg.budget_bytes), max_lag=cfg.max_lag) \
             if directory else None
         self._batch_sig = None
+        self._anchor = None  # (step, device checksums of (state, guard) at that step)
 
     # ---------------------------------------------------------------- failure-free
+    def anchor(self, step: int, state, guard) -> None:
+        """Step ``step`` is where a restart may resume (the start, or a checkpoint): its disk
+        entry carries the checksums of the state it starts from, so a resume onto any other
+        state is refused instead of replaying the log onto it."""
+        if self.disk is not None:
+            self._anchor = (step, tree_checksums((state, guard)))
+
     def start(self, run, state):
+        self.anchor(run.step, state, run.guard)
         self.device.clear()
         self.pending.clear()
+        self.now = run.step
         self.covered = run.step if self.peers and run.program.protects else self.covered
         self._trim()
 
@@ -64,6 +76,12 @@ class RecordLog(base.Protection):
 
     def device_bytes(self) -> int:
         return sum(e.nbytes for e in self.device.values())
+
+    def retained(self) -> dict:
+        """What the log holds now: device entries (bytes) and host batches (steps, bytes)."""
+        host = sum(np.asarray(x).nbytes for b in self.batches.values() for x in jax.tree.leaves(b))
+        return {"device_log_bytes": self.device_bytes(), "host_batch_steps": sorted(self.batches),
+                "host_batch_bytes": int(host)}
 
     def over_cap(self) -> bool:
         return self.cfg.device_bytes is not None and self.device_bytes() > self.cfg.device_bytes
@@ -75,6 +93,11 @@ class RecordLog(base.Protection):
 
     def after_step(self, run, rec):
         self.settle()  # the previous step finished
+        self.now = rec.step + 1
+        if not rec.program.protects:
+            # nothing lives in one domain only: the live state is its own copy on every
+            # domain, so no step before this one is needed to rebuild it
+            self.covered = self.now
         g = rec.gout
         self.verdicts[rec.step] = (g.ok, g.loss)
         self.batches[rec.step] = rec.batch
@@ -85,7 +108,10 @@ class RecordLog(base.Protection):
         if self.disk is not None:
             if self._batch_sig is None:
                 self._batch_sig = batch_signature(rec.batch)
-            self.disk.append(rec.step, recorded=g.rec if self.cfg.mode == "grads" else None,
+            sums = None
+            if self._anchor is not None and self._anchor[0] == rec.step:
+                sums, self._anchor = self._anchor[1], None
+            self.disk.append(rec.step, recorded=g.rec if self.cfg.mode == "grads" else None, state_sums=sums,
                              data_state=rec.data_before, data_next=rec.data_after, batch_sig=self._batch_sig,
                              scalars={"verdict": g.ok, "value": g.loss, "copy": rec.copy})
         self._trim()
@@ -104,13 +130,14 @@ class RecordLog(base.Protection):
     def _trim(self):
         """Batches and verdicts are kept from the oldest start a recovery may need: the
         newest checkpoint when there is one (the fallback when copies die), else the newest
-        peer copy."""
-        floors = [self.covered] if self.peers else []
+        peer copy, else (no copies at all) only the live state's step. Bounded: at most the
+        steps since the newest checkpoint or peer copy are held."""
+        floors = [self.now]
+        if self.peers:
+            floors.append(self.covered)
         if self.checkpoints and self.ckpt_step is not None:
             floors.append(self.ckpt_step)
-        floor = min(floors) if floors else None
-        if floor is None:
-            return
+        floor = min(floors)
         for d in (self.batches, self.verdicts):
             for s in [s for s in d if s < floor]:
                 del d[s]
@@ -167,7 +194,7 @@ class RecordLog(base.Protection):
         self.device.clear()
         self.pending.clear()
         self.verdicts.clear()
-        self.covered = run.step
+        self.now = self.covered = run.step
         self._trim()
 
     def close(self):

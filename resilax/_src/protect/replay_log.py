@@ -304,13 +304,13 @@ class ReplayLog:
             step, leaves, paths, sums, ds, dn, bsig, scalars = job
             try:
                 if self._error is None:
-                    head = {"step": step, "data_state": ds, "data_next": dn,
+                    head = {"step": step, "data_state": ds, "data_next": dn, "batch_sig": bsig,
                             "state_sums": None if sums is None else np.asarray(sums).tolist(),
                             "scalars": {k: _json_scalar(v) for k, v in scalars.items()}}
                     files = [("inputs", encode_entry(dict(head, kind="inputs")))]
                     if paths is not None:
                         arrays = [np.asarray(x) for x in leaves]  # waits for the async copies
-                        files.append(("grads", encode_entry(dict(head, kind="grads", paths=paths, batch_sig=bsig), arrays)))
+                        files.append(("grads", encode_entry(dict(head, kind="grads", paths=paths), arrays)))
                     self._write(step, files)
                     if paths is not None:
                         with self._lock:

@@ -8,7 +8,10 @@ the number of steps completed when it fires; phases are points in `ResilientStep
 - ``during_save``: right after the checkpoint of ``step`` was dispatched (its background
   write is in flight);
 - ``mid_step``: step ``step+1`` was dispatched and is in flight;
-- ``during_peer_copy``: same, on a step that also makes the peer copy.
+- ``during_peer_copy``: same, on a step that also makes the peer copy (``N + 1`` a multiple
+  of ``PeersConfig.every``; checked at wrap). Where the mesh makes no copies at all (state
+  replicated across domains is its own backup) it is a mid-step failure, and the failure's
+  record says ``copy_in_flight: False``.
 
 Kinds:
 
@@ -131,6 +134,13 @@ class FaultPlan:
                                   f"before_step or after_step, not {f.phase}")
             if f.kind == "spike" and config.anomaly is not None and config.anomaly.spike_zscore is None:
                 raise ConfigError(f"{where}: spike detection is off (AnomalyConfig.spike_zscore is None)")
+            if f.phase == "during_peer_copy":
+                pc = config.peers
+                if pc is None:
+                    raise ConfigError(f"{where}: during_peer_copy needs peer copies (Config.peers is None)")
+                if (f.step + 1) % pc.every:
+                    raise ConfigError(f"{where}: step {f.step + 1} makes no peer copy (PeersConfig.every = "
+                                      f"{pc.every}); use a step N with N + 1 a multiple of it")
             if f.phase == "during_save":
                 ck = config.checkpoint
                 if ck is None:

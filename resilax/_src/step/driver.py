@@ -29,6 +29,7 @@ from resilax._src.protect import planner as _planner
 from resilax._src.protect import ring as _ring
 from resilax._src.protect.checkpoint import decode_data_state, encode_data_state
 from resilax._src.protect.checkpoints import Checkpoints
+from resilax._src.protect.checksum import tree_checksums
 from resilax._src.protect.peers import Peers
 from resilax._src.protect.record_log import RecordLog
 from resilax._src.protect.replay_log import batch_template, scalar_value
@@ -154,6 +155,7 @@ class ResilientStep:
         self._held: list = []
         self._grad_faults: dict[int, str] = {}
         self._step_s = None
+        self._copy_in_flight = False
         self.goodput_recorder = GoodputRecorder()
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
@@ -307,6 +309,31 @@ class ResilientStep:
         self._programs[key] = prog
         return prog, False
 
+    def _compile_ahead(self):
+        """``PeersConfig.compile_ahead``: compiles now the executables of every mesh one more
+        domain loss would leave, so that recovery does not wait for XLA (on this thread,
+        before the next step; an event says how long it took)."""
+        pc = self.config.peers
+        if pc is None or not pc.compile_ahead or len(self._alive) < 2:
+            return
+        t0 = time.perf_counter()
+        meshes = []
+        with self.goodput_recorder.span("compile"):
+            for i in self._alive:
+                prog, had = self._program_for([j for j in self._alive if j != i])
+                if had:
+                    continue
+                prog.grad(False)
+                prog.update(None)
+                if prog.protects:
+                    if pc.every == 1:
+                        prog.update("ring")
+                    else:
+                        prog.grad(True)
+                        prog.update("ring+local")
+                meshes.append(dict(prog.mesh.shape))
+        self.event("compile_ahead", self.step, meshes=meshes, seconds=time.perf_counter() - t0)
+
     # ================================================================ the step
     def __call__(self, state, batch):
         """Runs one step on the global ``batch``; returns ``(state, metrics)``.
@@ -352,6 +379,7 @@ class ResilientStep:
         if self.program is None:
             self.program = self._first_program(abstract_batch)
             self._start_protections(self.live)
+            self._compile_ahead()
         elif jax.tree.structure(abstract_batch) != jax.tree.structure(self.program.spec.abstract_batch) or any(
                 a.shape != b.shape or a.dtype != b.dtype for a, b in
                 zip(jax.tree.leaves(abstract_batch), jax.tree.leaves(self.program.spec.abstract_batch))):
@@ -376,8 +404,10 @@ class ResilientStep:
             for p in self._protections:
                 p.after_step(self, rec)
         # ``mid_step@N``: N steps completed, step N+1 (index k = N) in flight
+        self._copy_in_flight = copy is not None
         self._fire("mid_step", k)
-        self._fire("during_peer_copy", k)  # the step in flight made the peer copy (if this step copies)
+        self._fire("during_peer_copy", k)  # the step in flight makes the peer copy
+        self._copy_in_flight = False
         self.step_seconds(time.perf_counter() - t0)
         self._fire("after_step")
         if self._ckpt is not None and self._ckpt.due(self.step):
@@ -409,6 +439,14 @@ class ResilientStep:
     def log_covered(self, step: int):
         if self._log is not None:
             self._log.covered_through(step)
+
+    def retained(self) -> dict:
+        """What the record log holds for recovery now: ``device_log_bytes`` (entries between
+        peer copies), ``host_batch_steps`` and ``host_batch_bytes`` (batches kept since the
+        oldest start a recovery may need: the newest checkpoint or peer copy)."""
+        if self._log is None:
+            return {"device_log_bytes": 0, "host_batch_steps": [], "host_batch_bytes": 0}
+        return self._log.retained()
 
     def log_over_cap(self) -> bool:
         return self._log is not None and self._log.over_cap()
@@ -459,7 +497,7 @@ class ResilientStep:
         freed = _ring.delete_on(self._bufmaps.values(), devs)
         self._dead |= devs
         info = {"domain": domain, "phase": phase, "devices": sorted(d.id for d in devs), "bytes_deleted": freed,
-                "at": time.perf_counter()}
+                "copy_in_flight": bool(self._copy_in_flight), "at": time.perf_counter()}
         self._failures.append(info)
         return info
 
@@ -532,13 +570,15 @@ class ResilientStep:
             p.restart(self, state)
         self._bufmaps, self._held = {}, []  # drop every reference to the dead arrays
         del old_prog
+        self._programs = {k: v for k, v in self._programs.items() if set(k) <= set(survivors)}
         if not new_prog.protects and new_prog.mesh.shape[self.topology.elastic_axis] == 1:
             warnings.warn(
                 f"resilax: after losing domain(s) {failed} only one failure domain is left; there are no peers to "
                 f"hold copies, so a further failure is recoverable only from checkpoints", RuntimeWarning, stacklevel=4)
         self.event(
             "recovery", target, failed_domains=failed, failed_devices=sorted(d.id for d in self._dead),
-            phases_failed=[f["phase"] for f in failures], source=plan.source, restored_step=plan.start,
+            phases_failed=[f["phase"] for f in failures],
+            copy_in_flight=[f["copy_in_flight"] for f in failures], source=plan.source, restored_step=plan.start,
             target_step=target, rejected=[list(r) for r in plan.rejected], bytes_moved=moved,
             detected_s=t0 - t_fail,
             seconds={"detect": t0 - t_fail, "plan": t_plan - t0, "compile": t_compile,
@@ -546,6 +586,7 @@ class ResilientStep:
             steps_replayed=counts["device"] + counts["disk"], steps_recomputed=counts["batch"],
             lost_steps=counts["batch"], mesh=dict(new_prog.mesh.shape), microbatches=new_prog.m,
             replicated_across_domains_now=new_prog.respecified, compiled_ahead=ahead)
+        self._compile_ahead()  # for the next loss, on the new mesh
 
     def _restore(self, plan, cand, prog):
         shapes = [x.shape for x in jax.tree.leaves(self._abstract_state)]
@@ -618,6 +659,11 @@ class ResilientStep:
                 except ReplayLogError as e:
                     failed.append((s, str(e)))
                     break
+                if s == start:
+                    why = self._start_mismatch(entry, state)
+                    if why:
+                        failed.append((s, why))
+                        break
                 if self.program is None:
                     if entry.batch_sig is None:
                         failed.append((s, "the entry has no batch signature"))
@@ -648,6 +694,16 @@ class ResilientStep:
         log.discard_from(s, f"resumed at step {s}; later entries will be recomputed")
         return state
 
+    def _start_mismatch(self, entry, state) -> str | None:
+        """Why the log's first entry may not be replayed onto ``state`` (None: it may)."""
+        if entry.state_sums is None:
+            return "the entry does not record the state it started from, so it cannot be checked against this one"
+        got = np.asarray(tree_checksums((state, self.guard)))
+        if got.shape != entry.state_sums.shape or not np.array_equal(got, entry.state_sums):
+            return (f"the state at step {entry.step} differs from the one this log was recorded from (checksums "
+                    f"differ): the log belongs to another run or initial state")
+        return None
+
     # ================================================================ checkpoints, close
     def save(self, state=None) -> float:
         """Checkpoints the live state as step ``self.step`` (async); returns seconds blocked."""
@@ -659,6 +715,7 @@ class ResilientStep:
             dt = self._ckpt.save(self, state, after_dispatch=after)
         if self._log is not None:
             self._log.checkpointed(self.step)
+            self._log.anchor(self.step, state, self.guard)
             if self._log.disk is not None:
                 prev = self._ckpt.store.steps()
                 if len(prev) >= 2:  # entries behind the previous committed checkpoint are not needed
