@@ -278,8 +278,8 @@ class ReplayLog:
     def append(self, step: int, *, recorded=None, state_sums=None, data_state=None, data_next=None,
                batch_sig=None, scalars=None) -> None:
         """Queues entry ``step`` (grads too when ``recorded`` is given). Starts the
-        device-to-host copies now; the writer thread waits for them. Blocks only while more
-        than ``max_lag`` entries are in flight. Raises the writer's error, if any."""
+        device-to-host copies now; the writer thread waits for them. Returns once at most
+        ``max_lag`` entries are in flight (this one included). Raises the writer's error, if any."""
         self._raise_error()
         leaves = [] if recorded is None else jax.tree.leaves(recorded)
         paths = None if recorded is None else [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(recorded)[0]]
@@ -288,13 +288,15 @@ class ReplayLog:
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
         with self._cv:
-            while self._pending > self.max_lag and self._error is None:
-                self._cv.wait()
             self._pending += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._writer, name="resilax-replay-log", daemon=True)
             self._thread.start()
         self._q.put((int(step), leaves, paths, state_sums, data_state, data_next, batch_sig, scalars))
+        # at most max_lag entries in flight when this returns: entries up to step - max_lag are durable
+        with self._cv:
+            while self._pending > self.max_lag and self._error is None:
+                self._cv.wait()
 
     def _writer(self):
         while True:
