@@ -382,5 +382,5 @@ def _microbatch_candidates(abstract_batch, mesh, batch_specs):
     size = 1
     for s in specs:
         if len(s):
-            size = math.lcm(size, _sh._size(mesh, s[0]))
+            size = math.lcm(size, _sh.axis_size(mesh, s[0]))
     return [m for m in range(1, bsz + 1) if bsz % m == 0 and (bsz // m) % size == 0]

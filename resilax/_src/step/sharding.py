@@ -101,7 +101,7 @@ def full_specs(specs, tree, argname: str):
         ) from None
 
 
-def _size(mesh, entry) -> int:
+def axis_size(mesh, entry) -> int:
     axes = entry if isinstance(entry, tuple) else (entry,)
     return math.prod(mesh.shape[a] for a in axes if a is not None)
 
@@ -117,10 +117,10 @@ def resolve(specs, tree, mesh, argname: str):
                 f"resilax: {argname}{jax.tree_util.keystr(path)} is {spec} ({len(spec)} dims) but the value has shape {shape}"
             )
         for i, entry in enumerate(spec):
-            if shape[i] % _size(mesh, entry):
+            if shape[i] % axis_size(mesh, entry):
                 raise WrapError(
                     f"resilax: {argname}{jax.tree_util.keystr(path)}: dimension {i} of shape {shape} is not divisible "
-                    f"by mesh axes {entry} of total size {_size(mesh, entry)} (mesh {dict(mesh.shape)})"
+                    f"by mesh axes {entry} of total size {axis_size(mesh, entry)} (mesh {dict(mesh.shape)})"
                 )
         return NamedSharding(mesh, spec)
 
@@ -135,7 +135,7 @@ def fit_specs(specs, tree, mesh, axis: str):
 
     def one(path, spec, x):
         shape = np.shape(x)
-        if all(shape[i] % _size(mesh, e) == 0 for i, e in enumerate(spec)):
+        if all(shape[i] % axis_size(mesh, e) == 0 for i, e in enumerate(spec)):
             return spec
         entries = []
         for e in spec:
