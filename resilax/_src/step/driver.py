@@ -715,14 +715,16 @@ class ResilientStep:
             dt = self._ckpt.save(self, state, after_dispatch=after)
         if self._log is not None:
             self._log.checkpointed(self.step)
-            self._log.anchor(self.step, state, self.guard)
             if self._log.disk is not None:
                 prev = self._ckpt.store.steps()
                 if len(prev) >= 2:  # entries behind the previous committed checkpoint are not needed
                     self._log.disk.truncate_before(prev[-2])
         self._save_goodput()
         if self._failures:  # a domain was lost while the save was in flight
-            self._recover()
+            self._recover()  # nothing may read the state before this: some of its buffers are gone
+            state = self.live  # the same step, rebuilt bitwise
+        if self._log is not None:
+            self._log.anchor(self.step, state, self.guard)
         return dt
 
     @property
