@@ -16,7 +16,6 @@ import warnings
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
