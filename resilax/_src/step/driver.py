@@ -644,8 +644,15 @@ class ResilientStep:
         if log is None:
             return state
         start = self.step
-        log.truncate_before(start)
         steps = set(log.steps())
+        if start in steps:  # a foreign log is refused before anything in it is touched
+            try:
+                first = log.read(start, "grads") if start in set(log.steps("grads")) else log.read(start, "inputs")
+            except ReplayLogError:
+                first = None  # damaged: handled (and named) below
+            if first is not None:
+                self._start_mismatch(first, state)
+        log.truncate_before(start)
         if start not in steps:
             log.discard_from(start, f"resumed at step {start}; later entries will be recomputed")
             return state
@@ -656,9 +663,16 @@ class ResilientStep:
                 try:
                     entry = log.read(s, "grads") if s in set(log.steps("grads")) else log.read(s, "inputs")
                 except ReplayLogError as e:
-                    failed.append((s, str(e)))
-                    break
-                if s == start:
+                    entry = None
+                    if self.data is not None and s in set(log.steps("inputs")):
+                        try:  # a damaged grads entry: the step is recomputed from its inputs entry
+                            entry = log.read(s, "inputs")
+                        except ReplayLogError:
+                            pass
+                    if entry is None:
+                        failed.append((s, str(e)))
+                        break
+                if s == start:  # raises for a foreign log (the ReplayLogError below is for damage)
                     why = self._start_mismatch(entry, state)
                     if why:
                         failed.append((s, why))
@@ -699,8 +713,10 @@ class ResilientStep:
             return "the entry does not record the state it started from, so it cannot be checked against this one"
         got = np.asarray(tree_checksums((state, self.guard)))
         if got.shape != entry.state_sums.shape or not np.array_equal(got, entry.state_sums):
-            return (f"the state at step {entry.step} differs from the one this log was recorded from (checksums "
-                    f"differ): the log belongs to another run or initial state")
+            raise ReplayLogError(
+                f"resilax: the record log in {str(self._log.disk.directory)!r} was recorded from another state at "
+                f"step {entry.step} than the one init() has (checksums differ): it belongs to another run or initial "
+                f"state. Nothing was changed; move the log away or give this run another LogConfig.directory")
         return None
 
     # ================================================================ checkpoints, close
