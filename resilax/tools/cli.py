@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_arguments(sp)
         sp.set_defaults(func=m.run)
 
-    for mod in ("simulate", "report", "validate"):
+    for mod in ("simulate", "report", "validate", "campaign"):
         try:
             m = __import__(f"resilax.tools.{mod}", fromlist=["register_cli"])
         except ImportError:
