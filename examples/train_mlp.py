@@ -3,8 +3,10 @@
     python examples/train_mlp.py --steps 200 --checkpoint-dir /tmp/resilax-mlp
 
 Kill it at any moment (Ctrl-C, kill -9) and start it again: it resumes from the newest good
-checkpoint, with the data iterator where it was, and ends with the same bits as a run that
-was never interrupted.
+checkpoint, replays the record log written after it (so it continues within a couple of
+steps of where it died), with the data iterator where it was, and ends with the same bits
+as a run that was never interrupted. Every protection is on by default (record log, peer
+copies, NaN/spike skipping); checkpoints are on because a directory is given.
 """
 
 import argparse
@@ -17,7 +19,7 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import resilax  # noqa: E402
-from resilax import _example as ex  # noqa: E402  (the model and data; a user brings their own)
+from resilax.tools import example as ex  # noqa: E402  (the model and data; a user brings their own)
 
 
 def train_step(state, batch):
@@ -40,7 +42,7 @@ def main():
         topology=resilax.Topology.emulated(slices=2, devices_per_slice=4),
         state_sharding=ex.fsdp_specs(state, "fsdp", 4),  # shard the big dims within a slice
         batch_sharding=P("data"),
-        config=resilax.Config(checkpoint_dir=args.checkpoint_dir, checkpoint_every=25),
+        config=resilax.Config(checkpoint=resilax.CheckpointConfig(args.checkpoint_dir, every=25)),
     )
     with step:
         state = step.init(state, data=data)

@@ -8,7 +8,13 @@
 """
 
 from resilax._src.protect.anomaly import AnomalyError as AnomalyError
-from resilax._src.config import Config as Config
+from resilax._src.config import (
+    AnomalyConfig as AnomalyConfig,
+    CheckpointConfig as CheckpointConfig,
+    Config as Config,
+    LogConfig as LogConfig,
+    PeersConfig as PeersConfig,
+)
 from resilax._src.errors import (
     CheckpointError as CheckpointError,
     ConfigError as ConfigError,
@@ -29,7 +35,11 @@ from resilax._src.step.driver import ResilientStep as ResilientStep, wrap as wra
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnomalyConfig",
     "AnomalyError",
+    "CheckpointConfig",
+    "LogConfig",
+    "PeersConfig",
     "CheckpointError",
     "Config",
     "ConfigError",

@@ -43,3 +43,13 @@ def test_cli_reports_bad_input_clearly(tmp_path):
     r = subprocess.run([sys.executable, "-m", "resilax", "train", "--steps", "2", "--fault", "explode@3"],
                        env=_env(), capture_output=True, text=True)
     assert r.returncode == 2 and "kind must be one of" in r.stderr
+
+
+def test_cli_protection_flags_are_checked():
+    # a flag for a protection that is turned off, or a bad cadence, is a clear error before any step
+    r = subprocess.run([sys.executable, "-m", "resilax", "train", "--steps", "2", "--no-log", "--log-mode", "inputs"],
+                       env=_env(), capture_output=True, text=True)
+    assert r.returncode == 2 and "resilax: error: --log-mode inputs" in r.stderr and "--no-log" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "resilax", "train", "--steps", "2", "--peers-every", "0"],
+                       env=_env(), capture_output=True, text=True)
+    assert r.returncode == 2 and "resilax: error: resilax.PeersConfig: every must be >= 1" in r.stderr

@@ -19,7 +19,7 @@ from test_replay import assert_bitwise
 # ---------------------------------------------------------------- real crashes
 def _train_cmd(workdir, *extra, quiet=True):
     return [sys.executable, "-m", "resilax", "train", "--steps", "40", "--checkpoint-every", "10",
-            "--checkpoint-dir", str(workdir / "ck"), "--replay-log", "grads", *(["--quiet"] if quiet else []), *extra]
+            "--checkpoint-dir", str(workdir / "ck"), "--log-mode", "grads", *(["--quiet"] if quiet else []), *extra]
 
 
 def _final(path):

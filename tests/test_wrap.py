@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import resilax
 from resilax.tools import example as ex
-from resilax._src.step.driver import resolve_shardings
+from resilax._src.step.sharding import resolve as resolve_shardings
 from helpers import SMALL, state_equal
 
 TOPO = resilax.Topology.emulated(2, 4)
@@ -50,7 +50,7 @@ def test_batch_that_does_not_divide_is_named():
     step = resilax.wrap(ex.train_step, topology=TOPO)
     state = step.init(ex.make_state(SMALL))
     bad = {"x": np.zeros((3, SMALL.features), np.float32), "y": np.zeros((3,), np.int32)}
-    with pytest.raises(resilax.WrapError, match=r"batch_sharding\['x'\]: dimension 0 of shape \(3, 16\) is not divisible by mesh axes \('data',\) of total size 2"):
+    with pytest.raises(resilax.WrapError, match=r"batch_sharding\['x'\]: dimension 0 of shape \(3, 16\) is not divisible by mesh axes data of total size 2"):
         step(state, bad)
 
 
@@ -106,9 +106,9 @@ def test_wrapped_equals_plain_jit_bitwise(specs):
 def test_decorator_form_and_rng_argument():
     seen = []
 
-    @resilax.wrap(topology=TOPO)
+    @resilax.wrap(topology=TOPO, rng=True)
     def step_fn(state, batch, rng):
-        noise = jax.random.normal(rng, state["w"].shape)
+        noise = resilax.record(jax.random.normal(rng, state["w"].shape))
         return {"w": state["w"] + noise}, {"n": noise.sum()}
 
     assert isinstance(step_fn, resilax.ResilientStep)

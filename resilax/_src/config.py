@@ -1,4 +1,12 @@
-"""`resilax.Config`: one frozen dataclass of run-time knobs, from Python, ml_collections or gin."""
+"""`resilax.Config`: one frozen dataclass, in groups; from Python, ml_collections or gin.
+
+Each protection is a group: present means on, ``None`` means off. No tri-state flags and no
+cross-field exclusions: every combination of groups is valid.
+
+    Config()                                            # peers, record log, anomaly skip: all on
+    Config(checkpoint=CheckpointConfig("/ckpt"))        # ... and checkpoints (+ the log on disk)
+    Config(peers=None, anomaly=None)                    # only the record log (device/host)
+"""
 
 from __future__ import annotations
 
@@ -11,156 +19,255 @@ import gin
 from resilax._src.errors import ConfigError
 
 
+def _check_type(where, name, value, types):
+    # bool is an int in Python; a flag given for a count is a mistake worth naming.
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        expected = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        raise ConfigError(f"resilax.{where}: {name} must be {expected}, but got {type(value).__name__} {value!r}")
+
+
+def _path(where, name, value, *, optional):
+    _check_type(where, name, value, (str, os.PathLike, type(None)) if optional else (str, os.PathLike))
+    return None if value is None else os.fspath(value)
+
+
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """Knobs of a resilient run. Every field has a default that works on emulated CPU slices.
+class CheckpointConfig:
+    """Persistent tier: Orbax async checkpoints in ``directory``.
 
     Attributes:
-      checkpoint_dir: directory of the persistent (Orbax) tier; ``None`` disables checkpoints.
-      checkpoint_every: save every this many completed steps (0 disables periodic saves).
-      checkpoint_keep: how many complete checkpoints Orbax keeps.
-      async_checkpointing: write checkpoints in the background (Orbax async); the loop only
-        blocks for the device-to-host copy.
-      seed: base of the per-step RNG handed to a ``train_step(state, batch, rng)``; step ``n``
-        gets ``fold_in(key(seed), n)``, so a resumed run sees the same keys.
-      donate_state: donate the input state buffers to the step (saves a copy of the state).
-      overhead_budget: failure-free overhead resilax may spend on protection, as a share of
-        step time (0.01 = 1%).
-      run_dir: where ``goodput.json`` (time accounting, events) is written; default
-        ``checkpoint_dir``; ``None`` with no checkpoint_dir writes nothing.
-      peers: keep peer copies of state that lives in one failure domain only (ring placement
-        over the elastic axis) and recover from them when a domain is lost. ``None`` (default)
-        = on unless ``replay_log`` is on: today the replay log and peer protection each own
-        the compiled step, so only one runs (``peers=True`` with a replay log is an error).
-      peer_every: make the peer copy every this many steps; 0 = choose by measuring its cost
-        against ``overhead_budget`` (every step if it fits).
-      compile_ahead: once the cadence is known, compile the executables of every mesh that
-        losing one more domain would leave, so recovery does not wait for XLA (costs those
-        compiles up front).
+      directory: checkpoint root (created if missing). The record log's disk sink lives in
+        ``directory/record_log`` unless `LogConfig.directory` says otherwise.
+      every: save every this many completed steps (0: only explicit `ResilientStep.save`).
+      keep: complete checkpoints Orbax keeps.
+      async_save: write in the background; the loop blocks only for the device-to-host copy.
     """
 
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 100
-    checkpoint_keep: int = 3
-    async_checkpointing: bool = True
-    seed: int = 0
-    donate_state: bool = True
-    overhead_budget: float = 0.01
-    run_dir: str | None = None
-    replay_log: str = "off"
-    replay_log_dir: str | None = None
-    log_budget_bytes: int | None = 1 << 30
-    replay_max_lag: int = 2
-    anomaly: bool = False
-    on_anomaly: str = "skip"
-    spike_zscore: float = 6.0
-    spike_window: int = 50
-    anomaly_metric: str = "loss"
-    peers: bool | None = None
-    peer_every: int = 0
-    compile_ahead: bool = False
+    directory: str
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
 
     def __post_init__(self):
-        for name in ("checkpoint_dir", "run_dir"):
-            _check_type(name, getattr(self, name), (str, os.PathLike, type(None)))
-            if isinstance(getattr(self, name), os.PathLike):
-                object.__setattr__(self, name, os.fspath(getattr(self, name)))
-        for name in ("checkpoint_every", "checkpoint_keep", "seed", "peer_every"):
-            _check_type(name, getattr(self, name), (int,))
-        for name in ("async_checkpointing", "donate_state", "compile_ahead"):
-            _check_type(name, getattr(self, name), (bool,))
-        _check_type("peers", self.peers, (bool, type(None)))
-        _check_type("overhead_budget", self.overhead_budget, (int, float))
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"resilax.Config: checkpoint_every must be >= 0, but got {self.checkpoint_every}")
-        if self.peer_every < 0:
-            raise ConfigError(f"resilax.Config: peer_every must be >= 0 (0 = by budget), but got {self.peer_every}")
-        if self.checkpoint_keep < 1:
-            raise ConfigError(f"resilax.Config: checkpoint_keep must be >= 1, but got {self.checkpoint_keep}")
-        _check_type("replay_log_dir", self.replay_log_dir, (str, os.PathLike, type(None)))
-        if isinstance(self.replay_log_dir, os.PathLike):
-            object.__setattr__(self, "replay_log_dir", os.fspath(self.replay_log_dir))
-        _check_type("log_budget_bytes", self.log_budget_bytes, (int, type(None)))
-        _check_type("replay_max_lag", self.replay_max_lag, (int,))
-        _check_type("spike_window", self.spike_window, (int,))
-        _check_type("anomaly", self.anomaly, (bool,))
-        _check_type("spike_zscore", self.spike_zscore, (int, float))
-        _check_type("anomaly_metric", self.anomaly_metric, (str,))
-        for name, allowed in (("replay_log", ("grads", "inputs", "off")), ("on_anomaly", ("skip", "stop"))):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"resilax.Config: {name} must be one of {allowed}, but got {getattr(self, name)!r}")
-        if self.log_budget_bytes is not None and self.log_budget_bytes < 0:
-            raise ConfigError(f"resilax.Config: log_budget_bytes must be >= 0 or None, but got {self.log_budget_bytes}")
-        if self.replay_max_lag < 0:
-            raise ConfigError(f"resilax.Config: replay_max_lag must be >= 0, but got {self.replay_max_lag}")
-        if self.spike_window < 3 or not self.spike_zscore > 0:
+        object.__setattr__(self, "directory", _path("CheckpointConfig", "directory", self.directory, optional=False))
+        for name in ("every", "keep"):
+            _check_type("CheckpointConfig", name, getattr(self, name), (int,))
+        _check_type("CheckpointConfig", "async_save", self.async_save, (bool,))
+        if self.every < 0:
+            raise ConfigError(f"resilax.CheckpointConfig: every must be >= 0, but got {self.every}")
+        if self.keep < 1:
+            raise ConfigError(f"resilax.CheckpointConfig: keep must be >= 1, but got {self.keep}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """The record log: what `resilax.record` marked, per step, for exact replay.
+
+    Sinks: device memory with a ring copy on the next failure domain (between peer copies;
+    survives a domain loss), host memory (the batches since the newest checkpoint or peer
+    copy, for recompute), and disk (survives a process kill) when a directory is known.
+
+    Attributes:
+      directory: disk sink; default ``<checkpoint directory>/record_log``; with neither,
+        no disk sink (nothing is written to a place a restart could not find).
+      mode: what a disk entry holds: ``"grads"`` (the recorded values: replay runs only the
+        update) or ``"inputs"`` (the data position: replay reruns the step on the batch).
+      budget_bytes: grads entries on disk kept within this many bytes (older steps keep their
+        inputs entry); ``None``: no limit.
+      max_lag: disk entries that may be in flight before a step blocks; a SIGKILL resumes
+        within this many steps of where it died.
+      device_bytes: cap on device memory held by logged entries between peer copies; past
+        it a peer copy is made early. ``None``: no cap.
+    """
+
+    directory: str | None = None
+    mode: str = "grads"
+    budget_bytes: int | None = 1 << 30
+    max_lag: int = 2
+    device_bytes: int | None = 1 << 30
+
+    def __post_init__(self):
+        object.__setattr__(self, "directory", _path("LogConfig", "directory", self.directory, optional=True))
+        if self.mode not in ("grads", "inputs"):
+            raise ConfigError(f"resilax.LogConfig: mode must be 'grads' or 'inputs', but got {self.mode!r}")
+        for name in ("budget_bytes", "device_bytes"):
+            _check_type("LogConfig", name, getattr(self, name), (int, type(None)))
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"resilax.LogConfig: {name} must be >= 0 or None, but got {getattr(self, name)}")
+        _check_type("LogConfig", "max_lag", self.max_lag, (int,))
+        if self.max_lag < 0:
+            raise ConfigError(f"resilax.LogConfig: max_lag must be >= 0, but got {self.max_lag}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersConfig:
+    """Peer copies: state that lives in one failure domain only gets a copy on the next
+    domain of the elastic axis (ring). State replicated across domains is its own backup.
+
+    Attributes:
+      every: copy every this many steps; between copies the record log's device entries
+        (ring-copied too) cover the steps. 1 = every step (no replay needed on recovery).
+      compile_ahead: compile the executables of every mesh one more domain loss would leave,
+        up front, so a recovery does not wait for XLA.
+      device_memory_bytes: memory per device a degraded mesh may use; on a smaller mesh the
+        gradient part runs on the global batch when its compiled program fits, else in
+        microbatches. ``None``: the device's own limit (unbounded where it reports none).
+    """
+
+    every: int = 1
+    compile_ahead: bool = False
+    device_memory_bytes: int | None = None
+
+    def __post_init__(self):
+        _check_type("PeersConfig", "every", self.every, (int,))
+        _check_type("PeersConfig", "compile_ahead", self.compile_ahead, (bool,))
+        _check_type("PeersConfig", "device_memory_bytes", self.device_memory_bytes, (int, type(None)))
+        if self.every < 1:
+            raise ConfigError(f"resilax.PeersConfig: every must be >= 1, but got {self.every}")
+        if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
             raise ConfigError(
-                f"resilax.Config: spike_window must be >= 3 and spike_zscore > 0, but got {self.spike_window} and "
-                f"{self.spike_zscore}"
-            )
-        if self.peers and self.replay_log != "off":
+                f"resilax.PeersConfig: device_memory_bytes must be > 0 or None, but got {self.device_memory_bytes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AnomalyConfig:
+    """Numerical anomalies, decided inside the compiled step (no host sync, no rollback):
+    a step whose recorded values are not finite, or whose ``metric`` is an upward spike
+    (robust z-score over the last ``spike_window`` good steps), applies no update.
+
+    Attributes:
+      on_anomaly: ``"skip"`` (the step leaves the state as it was; an event says so) or
+        ``"stop"`` (raise `AnomalyError` when the host sees it, one step later).
+      spike_zscore: threshold; ``None`` turns spike detection off (NaN/Inf only).
+      spike_window: good steps the median and MAD are taken over.
+      min_history: no spike verdict before this many good steps.
+      metric: the metric spikes are looked for in.
+    """
+
+    on_anomaly: str = "skip"
+    spike_zscore: float | None = 6.0
+    spike_window: int = 50
+    min_history: int = 10
+    metric: str = "loss"
+
+    def __post_init__(self):
+        if self.on_anomaly not in ("skip", "stop"):
+            raise ConfigError(f"resilax.AnomalyConfig: on_anomaly must be 'skip' or 'stop', but got {self.on_anomaly!r}")
+        _check_type("AnomalyConfig", "spike_zscore", self.spike_zscore, (int, float, type(None)))
+        for name in ("spike_window", "min_history"):
+            _check_type("AnomalyConfig", name, getattr(self, name), (int,))
+        _check_type("AnomalyConfig", "metric", self.metric, (str,))
+        if self.spike_zscore is not None and not self.spike_zscore > 0:
+            raise ConfigError(f"resilax.AnomalyConfig: spike_zscore must be > 0 or None, but got {self.spike_zscore}")
+        if self.spike_window < 3 or not 1 <= self.min_history <= self.spike_window:
             raise ConfigError(
-                f"resilax.Config: peers=True and replay_log={self.replay_log!r} cannot both own the step yet; "
-                "use peers=None (auto) or False with a replay log, or replay_log='off' with peers"
-            )
-        if self.anomaly and self.replay_log == "off":
-            raise ConfigError(
-                "resilax.Config: anomaly=True rolls back by replaying the log, so it needs replay_log='grads' or "
-                "'inputs', but replay_log is 'off'"
-            )
-        if not 0 <= self.overhead_budget < 1:
-            raise ConfigError(
-                f"resilax.Config: overhead_budget is a share of step time in [0, 1), but got {self.overhead_budget}"
-            )
+                f"resilax.AnomalyConfig: need spike_window >= 3 and 1 <= min_history <= spike_window, but got "
+                f"spike_window={self.spike_window}, min_history={self.min_history}")
+
+
+_GROUPS = {"checkpoint": CheckpointConfig, "log": LogConfig, "peers": PeersConfig, "anomaly": AnomalyConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Knobs of a resilient run. The default turns on every protection the run allows:
+    peer copies (when the topology has more than one domain and some state lives in one
+    domain only), the record log (device always; disk when a directory is known) and NaN /
+    spike skipping; checkpoints when `checkpoint` names a directory.
+
+    Attributes:
+      checkpoint, log, peers, anomaly: the protection groups; ``None`` turns one off.
+      seed: base of the per-step RNG (``wrap(..., rng=True)``): step ``n`` gets
+        ``fold_in(key(seed), n)``, so a resumed or replayed step sees the same key.
+      donate_state: donate the input state to the step (saves a copy of the state).
+      run_dir: where ``goodput.json`` goes; default the checkpoint directory.
+    """
+
+    checkpoint: CheckpointConfig | None = None
+    log: LogConfig | None = LogConfig()
+    peers: PeersConfig | None = PeersConfig()
+    anomaly: AnomalyConfig | None = AnomalyConfig()
+    seed: int = 0
+    donate_state: bool = True
+    run_dir: str | None = None
+
+    def __post_init__(self):
+        for name, cls in _GROUPS.items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):  # nested dicts from ml_collections or JSON
+                value = _group_from_mapping(cls, value, name)
+                object.__setattr__(self, name, value)
+            if value is not None and not isinstance(value, cls):
+                raise ConfigError(
+                    f"resilax.Config: {name} must be a resilax.{cls.__name__} or None, but got {type(value).__name__} "
+                    f"{value!r}")
+        _check_type("Config", "seed", self.seed, (int,))
+        _check_type("Config", "donate_state", self.donate_state, (bool,))
+        object.__setattr__(self, "run_dir", _path("Config", "run_dir", self.run_dir, optional=True))
+
+    @property
+    def log_directory(self) -> str | None:
+        """The record log's disk sink, or None (no directory known: no disk sink)."""
+        if self.log is None:
+            return None
+        if self.log.directory is not None:
+            return self.log.directory
+        return os.path.join(self.checkpoint.directory, "record_log") if self.checkpoint is not None else None
 
     @classmethod
-    def from_configdict(cls, cd: Mapping[str, Any]) -> "Config":
-        """Builds a Config from an ``ml_collections.ConfigDict`` (or any mapping).
+    def from_configdict(cls, cd: Any) -> "Config":
+        """Builds a Config from an ``ml_collections.ConfigDict`` (or any mapping), groups as
+        nested mappings (``{"checkpoint": {"directory": ..., "every": 50}, "peers": None}``).
 
         Raises:
-          ConfigError: on an unknown key (the message lists the known ones) or a bad value.
+          ConfigError: an unknown key (the message lists the known ones) or a bad value.
         """
         if hasattr(cd, "to_dict"):
             cd = cd.to_dict()
         if not isinstance(cd, Mapping):
             raise ConfigError(f"resilax.Config.from_configdict expects a ConfigDict or mapping, but got {type(cd).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cd) - known)
-        if unknown:
-            raise ConfigError(
-                f"resilax.Config.from_configdict: unknown key(s) {unknown}; known keys are {sorted(known)}"
-            )
+        _check_keys("Config.from_configdict", cls, cd)
         return cls(**dict(cd))
 
     @classmethod
     def from_gin(cls, files=(), bindings=()) -> "Config":
         """Parses gin files/bindings and returns the bound ``resilax.Config``.
 
-        In gin, write ``resilax.Config.checkpoint_every = 50``.
+        In gin: ``resilax.Config.checkpoint = @resilax.CheckpointConfig()`` and
+        ``resilax.CheckpointConfig.directory = "/tmp/ckpt"``; ``resilax.Config.peers = None``.
         """
         try:
             gin.parse_config_files_and_bindings(list(files), list(bindings))
-        except (ValueError, SyntaxError, gin.config.ParserError if hasattr(gin.config, "ParserError") else ValueError) as e:
+        except Exception as e:  # gin raises ValueError, SyntaxError, ParserError...
             raise ConfigError(f"resilax.Config.from_gin: could not parse gin config {list(files)} {list(bindings)}: {e}") from e
         try:
-            return gin_config()
+            return _gin_config()
         except TypeError as e:
             raise ConfigError(f"resilax.Config.from_gin: bad binding: {e}") from e
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
 
-
-def _check_type(name, value, types):
-    # bool is an int in Python; a flag given for a count is a mistake worth naming.
-    if isinstance(value, bool) and bool not in types:
-        ok = False
-    else:
-        ok = isinstance(value, types)
-    if not ok:
-        expected = " or ".join(t.__name__ for t in types)
-        raise ConfigError(f"resilax.Config: {name} must be {expected}, but got {type(value).__name__} {value!r}")
+    def to_dict(self) -> dict:
+        """Plain nested dict (JSON-able); `from_configdict` reads it back."""
+        return dataclasses.asdict(self)
 
 
-# gin binds `resilax.Config.<field>`; the configurable is a subclass, so results are Configs.
-gin_config = gin.external_configurable(Config, name="Config", module="resilax")
+def _check_keys(where, cls, mapping):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - known)
+    if unknown:
+        raise ConfigError(f"resilax.{where}: unknown key(s) {unknown} for {cls.__name__}; known keys are {sorted(known)}")
+
+
+def _group_from_mapping(cls, mapping, name):
+    _check_keys(f"Config.{name}", cls, mapping)
+    return cls(**dict(mapping))
+
+
+# gin binds `resilax.Config.<field>` and `resilax.<Group>.<field>`; the configurables are
+# subclasses, so results are instances of the classes above.
+_gin_config = gin.external_configurable(Config, name="Config", module="resilax")
+for _cls in _GROUPS.values():
+    gin.external_configurable(_cls, name=_cls.__name__, module="resilax")

@@ -8,7 +8,9 @@ compared too. Results: a table on stdout and JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -33,11 +35,12 @@ def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_ev
     import resilax
     from resilax.tools import example as ex
     from resilax.tools.runner import configure_cpu_devices
-    from resilax._src.step.driver import resolve_shardings
+    from resilax._src.step.sharding import resolve
 
     topo = resilax.Topology.load(topology)
     configure_cpu_devices(topo.num_devices)
-    every = checkpoint_every if checkpoint_every is not None else resilax.Config().checkpoint_every
+    default_every = {f.name: f.default for f in dataclasses.fields(resilax.CheckpointConfig)}["every"]
+    every = checkpoint_every if checkpoint_every is not None else default_every
     spec = ex.ExampleSpec(hidden=512, depth=4, batch=256, features=128)
     data = ex.make_iterator(spec)
     batches = [next(data) for _ in range(16)]
@@ -45,16 +48,17 @@ def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_ev
     specs = ex.fsdp_specs(template, topo.axis_names[1], topo.axis_sizes[1])
     tmp = tempfile.mkdtemp(prefix="resilax-bench-")
 
-    # resilax
-    wrapped = resilax.wrap(ex.train_step, topology=topo, state_sharding=specs,
-                           config=resilax.Config(checkpoint_dir=os.path.join(tmp, "resilax"), checkpoint_every=every))
+    # resilax, as a user gets it: every protection on (record log on disk in grads mode, peer
+    # copies where state lives in one slice, anomaly skipping) plus checkpoints
+    config = resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "resilax"), every=every))
+    wrapped = resilax.wrap(ex.train_step, topology=topo, state_sharding=specs, config=config)
     w_state = wrapped.init(template)
 
     # plain: jit on the same mesh and shardings, plain Orbax at the same cadence
     mesh = wrapped.mesh
     p_state0 = template
-    state_sh = resolve_shardings(specs, p_state0, mesh, "state")
-    batch_sh = resolve_shardings(P(topo.elastic_axis), batches[0], mesh, "batch")
+    state_sh = resolve(specs, p_state0, mesh, "state_sharding")
+    batch_sh = resolve(P(topo.elastic_axis), batches[0], mesh, "batch_sharding")
     rep = NamedSharding(mesh, P())
     plain = jax.jit(ex.train_step, in_shardings=(state_sh, batch_sh),
                     out_shardings=(state_sh, {"loss": rep, "accuracy": rep}), donate_argnums=(0,))
@@ -98,6 +102,7 @@ def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_ev
     mgr.wait_until_finished(); mgr.close()
     blocking = list(wrapped.checkpoints.blocking_s)
     wrapped.close()
+    shutil.rmtree(tmp, ignore_errors=True)
     med_p, med_w = statistics.median(p_times), statistics.median(w_times)
     return {
         "benchmark": "overhead",
@@ -114,12 +119,17 @@ def bench_overhead(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_ev
         "blocking_s": statistics.fmean(blocking) if blocking else 0.0,
         "plain_blocking_s": statistics.fmean(plain_blocking) if plain_blocking else 0.0,
         "checkpoints": len(blocking),
+        "config": config.to_dict(),
     }
 
 
 def print_overhead(r: dict) -> None:
     print(f"\nresilax bench overhead  ({r['topology']}, {r['devices']} {r['platform']} devices, "
           f"{r['param_count']:,} params, {r['steps']} interleaved steps, checkpoint every {r['checkpoint_every']})")
+    c = r.get("config") or {}
+    on = [g + (f" ({c['log']['mode']})" if g == "log" else "") for g in ("checkpoint", "log", "peers", "anomaly")
+          if c.get(g) is not None]
+    print(f"  protections on: {', '.join(on) or 'none'}")
     rows = [
         ("plain jitted step (median)", f"{r['step_s'] * 1e3:.2f} ms"),
         ("resilax wrapped step (median)", f"{r['wrapped_step_s'] * 1e3:.2f} ms"),

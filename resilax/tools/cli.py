@@ -12,8 +12,8 @@ def _cmd_train(args) -> int:
     summary = train(
         steps=args.steps, topology=args.topology, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, faults=tuple(args.fault), out=args.out,
-        log_every=args.log_every, progress=not args.quiet, replay_log=args.replay_log, anomaly=args.anomaly,
-        layout=args.layout,
+        log_every=args.log_every, progress=not args.quiet, log=not args.no_log, log_mode=args.log_mode,
+        peers=not args.no_peers, peers_every=args.peers_every, anomaly=not args.no_anomaly, layout=args.layout,
     )
     if args.summary:
         from resilax._src.io import write_json
@@ -52,9 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--layout", choices=["fsdp", "sharded"], default="fsdp",
                    help="fsdp: state sharded within a slice, replicated across slices; sharded: over every device")
-    t.add_argument("--replay-log", choices=["grads", "inputs", "off"], default="off",
-                   help="log each step so a crash resumes at the step it died (not the last checkpoint)")
-    t.add_argument("--anomaly", action="store_true", help="roll back and skip batches that give NaN/Inf or loss spikes")
+    # every protection is on unless turned off (checkpoints: with --checkpoint-dir)
+    t.add_argument("--log-mode", choices=["grads", "inputs"], default=None,
+                   help="what the record log's disk entries hold (default grads: the recorded values; inputs: the "
+                        "data position). On disk (CHECKPOINT_DIR/record_log) a restart resumes where it died")
+    t.add_argument("--no-log", action="store_true",
+                   help="no record log: a crash loses the steps since the newest checkpoint")
+    t.add_argument("--no-peers", action="store_true", help="no peer copies of state that lives in one slice only")
+    t.add_argument("--peers-every", type=int, default=None, metavar="K",
+                   help="make the peer copy every K steps (default 1; the record log covers the steps between)")
+    t.add_argument("--no-anomaly", action="store_true",
+                   help="apply every update (default: steps with NaN/Inf values or a loss spike are skipped)")
     t.set_defaults(func=_cmd_train)
 
     d = sub.add_parser("demo", help="train, crash (SIGKILL), resume, compare bitwise with an uninterrupted run")
@@ -86,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_arguments(sp)
         sp.set_defaults(func=m.run)
 
-    for mod in ("simulate", "report", "validate"):
+    for mod in ("simulate", "report", "validate", "campaign"):
         try:
             m = __import__(f"resilax.tools.{mod}", fromlist=["register_cli"])
         except ImportError:

@@ -2,8 +2,12 @@
 
 `train` is one process's run (what a crash kills and a restart resumes). `demo` shows the
 promise end to end: it starts `train` in a child process, kills it with a real SIGKILL
-mid-run, starts it again (it resumes from the newest good checkpoint and the saved data
-position), and checks the final state bitwise against an uninterrupted run.
+mid-run, starts it again (it resumes from the newest good checkpoint, replays the record
+log written after it and restores the saved data position), and checks the final state
+bitwise against an uninterrupted run; then it loses a whole slice while a step is in flight
+(state sharded over every device, recovered from the peer copies on the other slice) and
+compares with the same run without the failure. Every protection is on by default
+(`make_config`), so the demo needs no protection flags.
 """
 
 from __future__ import annotations
@@ -45,6 +49,31 @@ def configure_cpu_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", n)
 
 
+def make_config(*, checkpoint_dir: str | None = None, checkpoint_every: int = 10, log: bool = True,
+                log_mode: str | None = None, peers: bool = True, peers_every: int | None = None,
+                anomaly: bool = True):
+    """The `resilax.Config` of the CLI's protection flags: every protection on unless turned
+    off; checkpoints when ``checkpoint_dir`` is given (the record log then also goes to disk,
+    in ``checkpoint_dir/record_log``).
+
+    ``log_mode`` (default ``"grads"``) with ``log=False``, or ``peers_every`` with
+    ``peers=False``, is a `ConfigError`: a flag for a protection that is off is a mistake.
+    """
+    import resilax
+
+    if not log and log_mode is not None:
+        raise resilax.ConfigError(f"--log-mode {log_mode} sets the record log's mode, but --no-log turns the log off")
+    if not peers and peers_every is not None:
+        raise resilax.ConfigError(f"--peers-every {peers_every} sets the peer-copy cadence, but --no-peers turns "
+                                  "peer copies off")
+    return resilax.Config(
+        checkpoint=(resilax.CheckpointConfig(checkpoint_dir, every=checkpoint_every) if checkpoint_dir else None),
+        log=resilax.LogConfig(mode=log_mode or "grads") if log else None,
+        peers=resilax.PeersConfig(every=1 if peers_every is None else peers_every) if peers else None,
+        anomaly=resilax.AnomalyConfig() if anomaly else None,
+    )
+
+
 def train(
     *,
     steps: int,
@@ -56,11 +85,19 @@ def train(
     log_every: int = 10,
     progress: bool = True,
     spec=None,
-    replay_log: str = "off",
-    anomaly: bool = False,
+    log: bool = True,
+    log_mode: str | None = None,
+    peers: bool = True,
+    peers_every: int | None = None,
+    anomaly: bool = True,
     layout: str = "fsdp",
 ) -> dict:
     """Trains the example model to ``steps`` completed steps (resuming if checkpoints exist).
+
+    Every protection is on unless turned off (`make_config`): the record log (on disk in
+    ``checkpoint_dir/record_log`` when there is a checkpoint directory, so a restart resumes
+    where it died), peer copies, NaN/spike skipping; checkpoints when ``checkpoint_dir`` is
+    given.
 
     ``layout``: ``fsdp`` shards state within a slice (replicated across slices: the live
     replicas are the backup); ``sharded`` shards it over every device (each slice holds a
@@ -85,8 +122,8 @@ def train(
         state_sharding=(ex.fsdp_specs(state, inner, topo.axis_sizes[1]) if layout == "fsdp"
                         else ex.fsdp_specs(state, tuple(topo.axis_names), topo.num_devices)),
         batch_sharding=jax.sharding.PartitionSpec(topo.elastic_axis),
-        config=resilax.Config(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                              replay_log=replay_log, anomaly=anomaly),
+        config=make_config(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, log=log,
+                           log_mode=log_mode, peers=peers, peers_every=peers_every, anomaly=anomaly),
         faults=resilax.FaultPlan(faults),
     )
     t_start = time.perf_counter()
@@ -120,6 +157,8 @@ def train(
     summary = {
         "steps": step.step,
         "resumed_from": start_step,
+        "checkpoint_step": next((e.step for e in step.events if e.kind == "restore"
+                                 and e.fields.get("source") == "checkpoint"), None),
         "final_loss": loss,
         "final_accuracy": acc,
         "wall_s": wall,
@@ -165,8 +204,10 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     kill_at = kill_at if kill_at is not None else rng.randrange(steps // 3, 2 * steps // 3)
+    # every protection on (the default): the record log's disk sink (grads mode, in the
+    # checkpoint directory) brings a restart back to where it died; peer copies on the next
+    # slice cover the sharded layout of phase 4
     common = ["--steps", str(steps), "--topology", topology, "--checkpoint-every", str(checkpoint_every), "--log-every", "25"]
-    logged = [*common, "--replay-log", "grads"]  # optimizer inputs logged: a restart resumes where it died
     print(f"resilax demo: an MLP on generated data, {topology} (emulated CPU slices), {steps} steps, "
           f"Orbax checkpoint every {checkpoint_every} steps; workdir {work}")
     ckpt, ref = work / "ckpt", work / "ref_ckpt"
@@ -174,24 +215,25 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
         shutil.rmtree(d, ignore_errors=True)
     t0 = time.perf_counter()
     print(f"\n[1/4] training; the process will be killed with SIGKILL after step {kill_at}")
-    r = subprocess.run(_child_cmd([*logged, "--checkpoint-dir", str(ckpt), "--fault", f"kill_process@{kill_at}:after_step"]))
+    r = subprocess.run(_child_cmd([*common, "--checkpoint-dir", str(ckpt), "--fault", f"kill_process@{kill_at}:after_step"]))
     died = r.returncode == -signal.SIGKILL
     print(f"      process exited with {'SIGKILL' if died else r.returncode}")
     if not died:
         print("demo: the training process was expected to die by SIGKILL", file=sys.stderr)
         return 1
     print("\n[2/4] starting it again: it restores the newest good checkpoint and replays the log")
-    r = subprocess.run(_child_cmd([*logged, "--checkpoint-dir", str(ckpt), "--out", str(work / "resumed.npz"),
+    r = subprocess.run(_child_cmd([*common, "--checkpoint-dir", str(ckpt), "--out", str(work / "resumed.npz"),
                                    "--summary", str(work / "resumed.json")]))
     if r.returncode:
         return r.returncode
     print("\n[3/4] an uninterrupted reference run, for comparison")
-    r = subprocess.run(_child_cmd([*logged, "--checkpoint-dir", str(ref), "--out", str(work / "reference.npz"),
+    r = subprocess.run(_child_cmd([*common, "--checkpoint-dir", str(ref), "--out", str(work / "reference.npz"),
                                    "--log-every", str(steps)]))
     if r.returncode:
         return r.returncode
     fail_at = (3 * steps) // 4
-    print(f"\n[4/4] losing a whole slice: state sharded over all {topology} devices, slice 1 fails mid-step {fail_at + 1}")
+    print(f"\n[4/4] losing a whole slice: state sharded over all {topology} devices, slice 1 fails while a step is "
+          f"in flight (fault fail_slice@{fail_at}:mid_step/1)")
     r = subprocess.run(_child_cmd([*common, "--layout", "sharded", "--checkpoint-dir", str(work / "slice_ckpt"),
                                    "--fault", f"fail_slice@{fail_at}:mid_step/1", "--out", str(work / "slice.npz"),
                                    "--summary", str(work / "slice.json")]))
@@ -226,9 +268,10 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
               for k in sref.files if np.issubdtype(sref[k].dtype, np.floating))
     ev = next(e for e in json.loads((work / "slice.json").read_text())["events"] if e["kind"] == "recovery")
     secs = ev["seconds"]
-    print(f"  slice lost at step       {fail_at + 1} (mid-step; devices {ev['failed_devices']} deleted)")
-    print(f"  recovered from           {ev['source']} copies: {ev['bytes_from_peers']:,} bytes moved, "
-          f"{ev['steps_replayed']} logged steps replayed, {ev['lost_steps']} in-flight step recomputed")
+    print(f"  slice lost during step   {ev['target_step']} (in flight; devices {ev['failed_devices']} deleted)")
+    print(f"  recovered from           {ev['source']} copies of step {ev['restored_step']}: {ev['bytes_moved']:,} "
+          f"bytes moved, {ev['steps_replayed']} logged step(s) replayed, {ev['lost_steps']} step(s) recomputed "
+          f"from their batch")
     print("  recovery by phase        " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in secs.items()))
     print(f"  continued on             mesh {ev['mesh']} with {ev['microbatches']} microbatches per step "
           f"(same global batch)")

@@ -5,7 +5,7 @@ Failures are drawn once per seed from a named profile (or given as
 (``checkpoint-only``, ``in-memory``, ``resilax``), so strategies differ by
 their costs, not by luck. The model steps from event to event (failures,
 maintenance, rejoins), never step by step: a 30-day run on 16,384 chips takes
-milliseconds. Time is booked in the buckets of :mod:`resilax._goodput`. The
+milliseconds. Time is booked in the buckets of :mod:`resilax._src.runtime.goodput`. The
 strategies and every assumption are described in docs/goodput.md.
 """
 from __future__ import annotations

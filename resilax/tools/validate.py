@@ -5,12 +5,12 @@ Three parts, each usable alone:
 * :func:`measure_costs` -- short real runs of ``resilax train`` (a fresh run, then a
   restarted one resuming from its checkpoints) measure every cost the simulator's
   checkpoint-only path charges; :func:`cost_model` turns them into a
-  :class:`~resilax._costmodel.CostModel` whose every field says how it was measured.
+  :class:`~resilax.tools.costmodel.CostModel` whose every field says how it was measured.
 * :func:`run_measured_job` -- the real job: ``resilax train`` killed by SIGKILL after
   each planned step (``--fault kill_process@N:after_step``) and started again at once,
   until it finishes. Measures the wall time from first launch to final exit and when
   each failure happened.
-* :func:`validate` -- both, then :func:`resilax._simulate.simulate` replays the measured
+* :func:`validate` -- both, then :func:`resilax.tools.simulate.simulate` replays the measured
   failure times against the measured costs over the measured wall time.
 
 Goodput, measured and simulated alike: ``steps * step_s / wall``, where ``step_s`` is
@@ -20,7 +20,8 @@ the wall time a failure-free, checkpoint-free run would need. The simulator's
 docs/goodput.md, "Validation".
 
 The parent only drives and times: each training process is a ``python -m resilax
-train`` child with this checkout on ``PYTHONPATH``.
+train`` child with this checkout on ``PYTHONPATH``, with checkpoints only
+(``--no-log --no-peers --no-anomaly``: the strategy the simulator's path models).
 """
 from __future__ import annotations
 
@@ -130,9 +131,15 @@ def _run_process(args: Sequence[str], ckpt: str, t0: float,
             "step_s": steps, "commit_s": commits, "goodput": gp, "stderr_tail": "".join(err)[-2000:]}
 
 
+# The validated strategy is the simulator's checkpoint-only path, so the job keeps
+# checkpoints and turns the other protections off: with the record log on (the default) a
+# kill would resume near the step it died at instead of the newest checkpoint.
+CHECKPOINT_ONLY = ("--no-log", "--no-peers", "--no-anomaly")
+
+
 def _train_args(steps: int, every: int, ckpt: str, topology: str, *extra: str) -> list[str]:
     return ["--steps", str(steps), "--checkpoint-every", str(every), "--checkpoint-dir", ckpt,
-            "--topology", topology, "--log-every", "1", *extra]
+            "--topology", topology, "--log-every", "1", *CHECKPOINT_ONLY, *extra]
 
 
 def _check_rc(run: dict, want: int, what: str) -> None:
@@ -275,7 +282,7 @@ def _derive_costs(runs: dict[str, dict], E: int, *, fresh: str, restarted: Seque
 
 
 def _example_params() -> int:
-    """Parameters of the example MLP (resilax._example.ExampleSpec defaults)."""
+    """Parameters of the example MLP (resilax.tools.example.ExampleSpec defaults)."""
     from resilax.tools.example import ExampleSpec
 
     s = ExampleSpec()

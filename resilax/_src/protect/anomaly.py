@@ -1,39 +1,34 @@
-"""Numerical anomalies: NaN/Inf and loss spikes, detected off the critical path.
+"""Numerical anomalies (NaN/Inf, loss spikes), decided inside the compiled step.
 
-How detection stays off the critical path: the compiled step itself computes one boolean
-(all recorded values and float metrics finite) and the loss as a scalar, next to the new
-state, in the same program. Their device-to-host copies start right after dispatch
-(``copy_to_host_async``), and the host only *reads* them one step later, after the next
-step has been dispatched: by then the device is busy with step ``k+1`` and the values of
-step ``k`` are already on the host, so the check costs no host sync. A step that will be
-checkpointed is checked at once (the save synchronises anyway), so a checkpoint never
-holds a state that failed its check.
+The grad part computes ``ok``: every recorded value and float metric is finite, and the
+watched metric is not an upward spike (robust z-score ``(x - median) / (1.4826 * MAD)``
+over the last ``window`` good steps, only once ``min_history`` good steps were seen). The
+update part applies the update only when ``ok`` (`resilax._src.step.program`), so a bad
+batch changes nothing: no host sync on the critical path, no rollback, no replay. The
+detector's state (the window) is a small replicated array carried from step to step
+(`init_guard`, `check`), checkpointed with the state, and advanced in replay from the
+logged verdicts and losses (`advance`), so a replayed or resumed run decides the same.
 
-Spikes use a robust z-score, ``(x - median) / (1.4826 * MAD)`` over the last ``window``
-good losses: the median and the median absolute deviation ignore the occasional outlier
-that would inflate a mean/std detector. Only upward spikes count.
+The host reads ``ok`` one step late (its copy started right after dispatch) to report a
+skipped step as an event, or to stop (``on_anomaly="stop"``).
 """
 
 from __future__ import annotations
-
-import collections
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from resilax._src.errors import ResilaxError
-from resilax._src.runtime.faults import register_kind
 
 MAD_TO_SIGMA = 1.4826
 
 
 class AnomalyError(ResilaxError):
-    """A step produced NaN/Inf or a loss spike and the policy is ``on_anomaly="stop"``
-    (or no good state to roll back to exists).
+    """A step produced NaN/Inf or a loss spike and ``AnomalyConfig.on_anomaly="stop"``.
 
     Attributes: ``step`` (the anomalous step), ``cause`` (``"nonfinite"`` or ``"spike"``).
+    The state is the one before that step (its update was not applied).
     """
 
     def __init__(self, msg, *, step: int, cause: str):
@@ -50,7 +45,8 @@ def finite_flag(*trees):
 
 
 def robust_zscore(x: float, history) -> float:
-    """``(x - median) / (1.4826 * MAD)`` of ``history``; 0 when the spread is zero."""
+    """Host reference of the in-program score: ``(x - median) / (1.4826 * MAD)``; 0 when the
+    spread is zero."""
     h = np.asarray(history, np.float64)
     med = np.median(h)
     mad = np.median(np.abs(h - med)) * MAD_TO_SIGMA
@@ -59,72 +55,122 @@ def robust_zscore(x: float, history) -> float:
     return float((x - med) / mad)
 
 
-@dataclasses.dataclass
-class SpikeDetector:
-    """Loss-spike detector over a window of recent good losses.
-
-    ``check(loss)`` returns ``None`` for a normal loss (and adds it to the window) or a
-    description of the spike (the window is left unchanged, so a skipped batch does not
-    shift the baseline). No verdict before ``min_history`` losses were seen.
-    """
-
-    zscore: float = 6.0
-    window: int = 50
-    min_history: int = 10
-
-    def __post_init__(self):
-        self._hist: collections.deque = collections.deque(maxlen=self.window)
-
-    def check(self, loss: float) -> str | None:
-        if len(self._hist) >= self.min_history:
-            z = robust_zscore(loss, self._hist)
-            if z > self.zscore:
-                return f"loss {loss:.6g} is a spike: robust z-score {z:.1f} > {self.zscore} over the last {len(self._hist)} steps"
-        self._hist.append(float(loss))
-        return None
+def init_guard(cfg):
+    """The detector's state: the last ``spike_window`` good values (NaN = empty) and a count."""
+    return {"window": jnp.full((cfg.spike_window,), jnp.nan, jnp.float32), "count": jnp.zeros((), jnp.int32)}
 
 
-class Verdict:
-    """The lagged check of one step: its finite flag and loss, copied to host asynchronously."""
+def abstract_guard(cfg):
+    return {"window": jax.ShapeDtypeStruct((cfg.spike_window,), jnp.float32),
+            "count": jax.ShapeDtypeStruct((), jnp.int32)}
 
-    __slots__ = ("step", "finite", "loss")
 
-    def __init__(self, step, finite, loss):
-        self.step = step
-        self.finite = finite
-        self.loss = loss
-        for x in (finite, loss):
+def advance(guard, value, ok):
+    """Traced: pushes ``value`` into the window when ``ok`` (a skipped step leaves the
+    baseline unchanged). Exact (moves and selects only), so replay reproduces it bitwise."""
+    pushed = {"window": jnp.roll(guard["window"], 1).at[0].set(value), "count": guard["count"] + 1}
+    return jax.tree.map(lambda new, old: jnp.where(ok, new, old), pushed, guard)
+
+
+def zscore(guard, value):
+    """Traced robust z-score of ``value`` against the window (0 while the spread is 0)."""
+    w = guard["window"]
+    med = jnp.nanmedian(w)
+    mad = jnp.nanmedian(jnp.abs(w - med)) * MAD_TO_SIGMA
+    return jnp.where((mad > 0) & jnp.isfinite(mad), (value - med) / jnp.where(mad > 0, mad, 1.0), 0.0)
+
+
+OK, NONFINITE, SPIKE = 0, 1, 2
+CAUSES = {NONFINITE: "nonfinite", SPIKE: "spike"}
+
+
+def make_check(cfg):
+    """``(guard, rec, metrics) -> (verdict, value, guard)``, traced into the grad part;
+    ``verdict`` is `OK`, `NONFINITE` or `SPIKE` (int32); the update applies only on `OK`."""
+
+    def check(guard, rec, metrics):
+        finite = finite_flag(rec, metrics)
+        value = _metric(metrics, cfg.metric)
+        if value is None or cfg.spike_zscore is None:
+            verdict = jnp.where(finite, OK, NONFINITE).astype(jnp.int32)
+            return verdict, jnp.zeros((), jnp.float32) if value is None else value, guard
+        spike = (guard["count"] >= cfg.min_history) & (zscore(guard, value) > cfg.spike_zscore)
+        verdict = jnp.where(finite, jnp.where(spike, SPIKE, OK), NONFINITE).astype(jnp.int32)
+        return verdict, value, advance(guard, value, verdict == OK)
+
+    return check
+
+
+def _metric(metrics, name):
+    if isinstance(metrics, dict) and name in metrics:
+        return jnp.asarray(metrics[name], jnp.float32).reshape(())
+    return None
+
+
+class Watch:
+    """Host side of anomaly protection: reads each step's verdict one step late (its copy
+    was started at dispatch), records skipped steps as events, or stops."""
+
+    name = "anomaly"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._pending = None  # (step, verdict, value) of the newest step, unread
+
+    def after_step(self, run, rec):
+        g = rec.gout
+        for x in (g.ok, g.loss):
             if x is not None:
                 x.copy_to_host_async()
+        prev, self._pending = self._pending, (rec.step, g.ok, g.loss)
+        if prev is not None:
+            self._judge(run, prev)
 
-    def cause(self, spikes: SpikeDetector | None) -> tuple[str, str] | None:
-        """``(cause, detail)`` or None. Reads the host copies (ready by now when lagged)."""
-        if not bool(np.asarray(self.finite)):
-            return "nonfinite", "NaN/Inf in the recorded values or metrics"
-        if spikes is not None and self.loss is not None:
-            detail = spikes.check(float(np.asarray(self.loss)))
-            if detail:
-                return "spike", detail
+    def flush(self, run):
+        """Reads the newest verdict now (before a checkpoint, at close)."""
+        prev, self._pending = self._pending, None
+        if prev is not None:
+            self._judge(run, prev)
+
+    def _judge(self, run, item):
+        step, ok, value = item
+        verdict = int(np.asarray(ok))
+        if verdict == OK:
+            return
+        cause = CAUSES.get(verdict, "anomaly")
+        v = None if value is None else float(np.asarray(value))
+        run.event("anomaly", step, cause=cause, value=v, action=self.cfg.on_anomaly,
+                  detail="the step's update was not applied (state left as it was)")
+        run.goodput_lost_step()
+        if self.cfg.on_anomaly == "stop":
+            raise AnomalyError(
+                f"resilax: step {step} is anomalous ({cause}{'' if v is None else f', {self.cfg.metric} = {v:.6g}'}); "
+                f"its update was not applied and AnomalyConfig.on_anomaly='stop'", step=step, cause=cause)
+
+    # protocol no-ops
+    def start(self, run, state):
+        self._pending = None
+
+    def restart(self, run, state):
+        """The unread verdict's array lost its dead devices' buffers: read a survivor's."""
+        if self._pending is not None:
+            step, ok, value = self._pending
+            self._pending = (step, run.host_replica(ok), None if value is None else run.host_replica(value))
+
+    def copy_variant(self, run, step_after):
         return None
 
+    def wants_log_ring(self, run, copy):
+        return False
 
-# ---------------------------------------------------------------- fault kind `nan`
-def _poison(fault, ctx):
-    """``nan@N``: the next step to run (step number ``N``) gets a batch whose float leaves are NaN."""
-    guard = getattr(ctx, "_replay", None)
-    if guard is None:
-        raise ResilaxError("resilax fault 'nan' needs a ResilientStep (the fault fires inside step calls)")
-    guard.poison_next = True
+    def held(self):
+        return [x for x in (self._pending or ())[1:] if isinstance(x, jax.Array)]
 
+    def candidates(self, run):
+        return []
 
-def poison_batch(batch):
-    """A host copy of ``batch`` with every float leaf set to NaN."""
-    def one(x):
-        x = np.array(x, copy=True)
-        if np.issubdtype(x.dtype, np.floating):
-            x[...] = np.nan
-        return x
-    return jax.tree.map(one, batch)
+    def log_steps(self, run):
+        return {}
 
-
-register_kind("nan", _poison)
+    def close(self):
+        pass

@@ -120,6 +120,7 @@ class LogEntry:
     batch_sig: list | None
     recorded: list[np.ndarray] | None  # grads: recorded leaves in tree order
     recorded_paths: list[str] | None
+    scalars: dict = dataclasses.field(default_factory=dict)  # per-step scalars (verdict, watched value, variant)
 
 
 def encode_entry(header: dict, arrays: list[np.ndarray] = ()) -> bytes:
@@ -164,6 +165,22 @@ def decode_entry(data: bytes, *, where: str) -> tuple[dict, list[np.ndarray]]:
         for a in header["arrays"]
     ]
     return header, arrays
+
+
+def _json_scalar(v):
+    """A per-step scalar as JSON: device scalars are read (their copies were started at
+    append); floats keep NaN/Inf as strings (JSON has no NaN)."""
+    if v is None or isinstance(v, (str, bool, int)):
+        return v
+    x = np.asarray(v).item()
+    if isinstance(x, float) and not np.isfinite(x):
+        return repr(x)
+    return x
+
+
+def scalar_value(v):
+    """Inverse of `_json_scalar` for numbers."""
+    return float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
 
 
 def entry_name(step: int, kind: str) -> str:
@@ -259,39 +276,43 @@ class ReplayLog:
 
     # ---------------------------------------------------------- writing
     def append(self, step: int, *, recorded=None, state_sums=None, data_state=None, data_next=None,
-               batch_sig=None) -> None:
+               batch_sig=None, scalars=None) -> None:
         """Queues entry ``step`` (grads too when ``recorded`` is given). Starts the
-        device-to-host copies now; the writer thread waits for them. Blocks only while more
-        than ``max_lag`` entries are in flight. Raises the writer's error, if any."""
+        device-to-host copies now; the writer thread waits for them. Returns once at most
+        ``max_lag`` entries are in flight (this one included). Raises the writer's error, if any."""
         self._raise_error()
         leaves = [] if recorded is None else jax.tree.leaves(recorded)
         paths = None if recorded is None else [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(recorded)[0]]
-        for x in leaves + ([state_sums] if state_sums is not None else []):
+        scalars = dict(scalars or {})
+        for x in leaves + ([state_sums] if state_sums is not None else []) + list(scalars.values()):
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
         with self._cv:
-            while self._pending > self.max_lag and self._error is None:
-                self._cv.wait()
             self._pending += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._writer, name="resilax-replay-log", daemon=True)
             self._thread.start()
-        self._q.put((int(step), leaves, paths, state_sums, data_state, data_next, batch_sig))
+        self._q.put((int(step), leaves, paths, state_sums, data_state, data_next, batch_sig, scalars))
+        # at most max_lag entries in flight when this returns: entries up to step - max_lag are durable
+        with self._cv:
+            while self._pending > self.max_lag and self._error is None:
+                self._cv.wait()
 
     def _writer(self):
         while True:
             job = self._q.get()
             if job is None:
                 return
-            step, leaves, paths, sums, ds, dn, bsig = job
+            step, leaves, paths, sums, ds, dn, bsig, scalars = job
             try:
                 if self._error is None:
-                    head = {"step": step, "data_state": ds, "data_next": dn,
-                            "state_sums": None if sums is None else np.asarray(sums).tolist()}
+                    head = {"step": step, "data_state": ds, "data_next": dn, "batch_sig": bsig,
+                            "state_sums": None if sums is None else np.asarray(sums).tolist(),
+                            "scalars": {k: _json_scalar(v) for k, v in scalars.items()}}
                     files = [("inputs", encode_entry(dict(head, kind="inputs")))]
                     if paths is not None:
                         arrays = [np.asarray(x) for x in leaves]  # waits for the async copies
-                        files.append(("grads", encode_entry(dict(head, kind="grads", paths=paths, batch_sig=bsig), arrays)))
+                        files.append(("grads", encode_entry(dict(head, kind="grads", paths=paths), arrays)))
                     self._write(step, files)
                     if paths is not None:
                         with self._lock:
@@ -419,7 +440,8 @@ class ReplayLog:
         sums = header.get("state_sums")
         return LogEntry(step, kind, header.get("data_state"), header.get("data_next"),
                         None if sums is None else np.asarray(sums, np.uint32).reshape(-1, 2),
-                        header.get("batch_sig"), arrays if kind == "grads" else None, header.get("paths"))
+                        header.get("batch_sig"), arrays if kind == "grads" else None, header.get("paths"),
+                        header.get("scalars") or {})
 
     def nbytes(self, kind: str | None = None) -> int:
         return sum((self.directory / entry_name(s, k)).stat().st_size

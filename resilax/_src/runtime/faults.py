@@ -8,12 +8,23 @@ the number of steps completed when it fires; phases are points in `ResilientStep
 - ``during_save``: right after the checkpoint of ``step`` was dispatched (its background
   write is in flight);
 - ``mid_step``: step ``step+1`` was dispatched and is in flight;
-- ``during_peer_copy``: same, on a step that also makes the peer copy.
+- ``during_peer_copy``: same, on a step that also makes the peer copy (``N + 1`` a multiple
+  of ``PeersConfig.every``; checked at wrap). Where the mesh makes no copies at all (state
+  replicated across domains is its own backup) it is a mid-step failure, and the failure's
+  record says ``copy_in_flight: False``.
 
-``fail_slice`` (registered by ``_recovery``) loses failure domain ``target``: every buffer
-resilax holds there is deleted and the step continues on the surviving domains.
+Kinds:
 
-``kill_process`` is a real ``SIGKILL`` of this process: no handler, no cleanup, no flush.
+- ``kill_process``: a real ``SIGKILL`` of this process: no handler, no cleanup, no flush.
+- ``fail_slice@N[:phase]/K``: failure domain ``K`` is lost: every buffer resilax holds there
+  is deleted, nothing is dispatched there again, and the step continues on the survivors.
+  Failing a domain that is already dead does nothing (an event says so).
+- ``nan@N``: step ``N``'s recorded values are NaN (inside the grad part, where real NaNs
+  appear); ``spike@N``: step ``N``'s watched metric is multiplied by 1000 (a loss spike).
+
+Every fault is checked when `resilax.wrap` gets it (`FaultPlan.validate`): an unknown kind,
+a missing or out-of-range target, a phase the kind has no use for, or a ``during_save`` at a
+step that saves no checkpoint is a `ConfigError` before anything runs.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from typing import Callable, Iterable
 from resilax._src.errors import ConfigError
 
 PHASES = ("before_step", "after_step", "during_save", "mid_step", "during_peer_copy")
-KINDS = ("kill_process",)
+GRAD_KINDS = ("nan", "spike")
 
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<phase>[a-z_]+))?(?:/(?P<target>\d+))?$")
 
@@ -48,6 +59,9 @@ class Fault:
         if self.step < 0:
             raise ConfigError(f"resilax.Fault: step must be >= 0, but got {self.step}")
 
+    def spec(self) -> str:
+        return f"{self.kind}@{self.step}:{self.phase}" + (f"/{self.target}" if self.target is not None else "")
+
     @classmethod
     def parse(cls, spec: str) -> "Fault":
         """Parses ``kind@step[:phase][/target]``."""
@@ -66,8 +80,16 @@ def _kill(fault, ctx):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-# Other modules register the kinds they implement (slice failure, NaN injection, ...).
-_KINDS: dict[str, Callable] = {"kill_process": _kill}
+def _fail_slice(fault, ctx):
+    ctx.fail_domain(fault.target, fault.phase)
+
+
+def _grad_fault(fault, ctx):
+    ctx.inject(fault.kind, ctx.step)
+
+
+_KINDS: dict[str, Callable] = {"kill_process": _kill, "fail_slice": _fail_slice, "nan": _grad_fault,
+                               "spike": _grad_fault}
 
 
 def register_kind(name: str, handler: Callable) -> None:
@@ -86,6 +108,46 @@ class FaultPlan:
 
     def add(self, fault: Fault | str) -> None:
         self._pending.append(fault if isinstance(fault, Fault) else Fault.parse(fault))
+
+    @property
+    def pending(self) -> list[Fault]:
+        return list(self._pending)
+
+    def validate(self, topology, config) -> None:
+        """Checks every fault against the run it is given to (see the module docstring).
+
+        Raises:
+          ConfigError: naming the fault and what is wrong with it.
+        """
+        for f in self._pending:
+            where = f"resilax fault {f.spec()!r}"
+            if f.kind == "fail_slice":
+                if f.target is None:
+                    raise ConfigError(f"{where}: fail_slice needs a target failure domain: fail_slice@STEP[:phase]/K")
+                if not 0 <= f.target < topology.num_domains:
+                    raise ConfigError(f"{where}: target {f.target} is not a failure domain of topology "
+                                      f"{topology.name!r} (domains 0..{topology.num_domains - 1})")
+            elif f.target is not None:
+                raise ConfigError(f"{where}: {f.kind} takes no target")
+            if f.kind in GRAD_KINDS and f.phase not in ("before_step", "after_step"):
+                raise ConfigError(f"{where}: {f.kind} applies to the next step's grad part; its phase can be "
+                                  f"before_step or after_step, not {f.phase}")
+            if f.kind == "spike" and config.anomaly is not None and config.anomaly.spike_zscore is None:
+                raise ConfigError(f"{where}: spike detection is off (AnomalyConfig.spike_zscore is None)")
+            if f.phase == "during_peer_copy":
+                pc = config.peers
+                if pc is None:
+                    raise ConfigError(f"{where}: during_peer_copy needs peer copies (Config.peers is None)")
+                if (f.step + 1) % pc.every:
+                    raise ConfigError(f"{where}: step {f.step + 1} makes no peer copy (PeersConfig.every = "
+                                      f"{pc.every}); use a step N with N + 1 a multiple of it")
+            if f.phase == "during_save":
+                ck = config.checkpoint
+                if ck is None:
+                    raise ConfigError(f"{where}: during_save needs checkpoints (Config.checkpoint is None)")
+                if not ck.every or f.step % ck.every or f.step == 0:
+                    raise ConfigError(f"{where}: no checkpoint is saved after step {f.step} "
+                                      f"(CheckpointConfig.every = {ck.every})")
 
     def fire(self, phase: str, step: int, ctx=None) -> list[Fault]:
         if not self._pending:

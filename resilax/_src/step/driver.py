@@ -1,28 +1,42 @@
-"""`resilax.wrap`: the train-step transform and `ResilientStep`, the object it returns."""
+"""`resilax.wrap`: the train-step transform and `ResilientStep`, the driver it returns.
+
+The driver owns the run (mesh, step program, live state, step count, data position) and a
+list of protections (`resilax._src.protect`): it asks them what the step program should
+output, hands them what each step produced, and on a failure gathers what they hold, asks
+the pure planner (`protect.planner`) for a plan, restores, redoes steps and lets them start
+again on the new mesh. It owns no protection logic.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 import warnings
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resilax._src.protect.checkpoint import CheckpointStore, decode_data_state, encode_data_state
 from resilax._src.config import Config
-from resilax._src.errors import WrapError
+from resilax._src.errors import ReplayLogError, ResilaxError, StateLostError, WrapError
 from resilax._src.events import Event, event
+from resilax._src.protect import anomaly as _anomaly
+from resilax._src.protect import base as _base
+from resilax._src.protect import planner as _planner
+from resilax._src.protect import ring as _ring
+from resilax._src.protect.checkpoint import decode_data_state, encode_data_state
+from resilax._src.protect.checkpoints import Checkpoints
+from resilax._src.protect.checksum import tree_checksums
+from resilax._src.protect.peers import Peers
+from resilax._src.protect.record_log import RecordLog
+from resilax._src.protect.replay_log import batch_template, scalar_value
 from resilax._src.runtime.faults import FaultPlan
 from resilax._src.runtime.goodput import GoodputRecorder
-from resilax._src.protect.legacy_guard import Guard as ReplayGuard
-from resilax._src.protect.legacy_recovery import Guard as PeerGuard
-from resilax._src.step.split import Split
+from resilax._src.step import sharding as _sh
+from resilax._src.step.program import Program, ProgramSpec
+from resilax._src.step.split import Split, update_reads_batch
 from resilax._src.runtime.topology import Topology
 
 
@@ -35,104 +49,41 @@ def wrap(
     batch_sharding: Any = None,
     config: Config | None = None,
     faults: FaultPlan | None = None,
+    rng: bool = False,
+    logical_axis_rules=None,
+    metric_reductions: dict | None = None,
 ):
-    """Makes ``train_step`` resilient: placed on the topology's mesh, checkpointed, resumable.
+    """Makes ``train_step`` resilient: placed on the topology's mesh, protected, resumable.
 
     Args:
-      train_step: ``train_step(state, batch) -> (state, metrics)`` or
-        ``train_step(state, batch, rng)``; global-view, pure, jit-able. Call
-        ``resilax.record(grads)`` once inside it on the optimizer inputs (batch means).
+      train_step: ``train_step(state, batch) -> (state, metrics)`` (``rng=True``:
+        ``train_step(state, batch, rng)``); global-view, pure, jit-able. Call
+        ``resilax.record(grads)`` once inside it on the optimizer inputs.
       topology: failure domains and mesh axes (`Topology.emulated` or `Topology.load`).
       state_sharding: ``PartitionSpec`` (or a pytree prefix of the state of them) over the
-        topology's axis names; default replicated. Specs name axes, not devices, so they
-        stay valid when the mesh changes after a failure.
+        topology's axis names, or over flax logical axis names with ``logical_axis_rules``
+        (also flax ``Partitioned`` boxes); default replicated.
       batch_sharding: same for the batch; default ``PartitionSpec(<elastic axis>)``.
-      config: `resilax.Config`; default ``Config()``.
-      faults: optional `FaultPlan` (chaos testing).
+      config: `resilax.Config`; default ``Config()`` (every protection the run allows).
+      faults: optional `FaultPlan` (chaos testing), validated against the topology here.
+      rng: pass ``fold_in(key(config.seed), step)`` as the step's third argument.
+      logical_axis_rules: flax's ``[(logical name, mesh axis or None), ...]``.
+      metric_reductions: ``{metric name: "mean" | "sum" | "max" | "min" | "last"}`` for
+        combining microbatch metrics on a degraded mesh; default weighted mean for floats,
+        sum for integers.
 
     Returns:
       A `ResilientStep`. Without ``train_step``, a decorator.
 
     Raises:
-      WrapError: an argument has the wrong type or names a mesh axis the topology lacks.
+      WrapError, ConfigError: an argument has the wrong type, names a mesh axis the
+        topology lacks, or a fault cannot apply to this topology.
     """
+    kwargs = dict(topology=topology, state_sharding=state_sharding, batch_sharding=batch_sharding, config=config,
+                  faults=faults, rng=rng, logical_axis_rules=logical_axis_rules, metric_reductions=metric_reductions)
     if train_step is None:
-        return functools.partial(
-            wrap, topology=topology, state_sharding=state_sharding, batch_sharding=batch_sharding,
-            config=config, faults=faults,
-        )
-    return ResilientStep(train_step, topology=topology, state_sharding=state_sharding,
-                         batch_sharding=batch_sharding, config=config, faults=faults)
-
-
-def _is_spec(x) -> bool:
-    return x is None or isinstance(x, P)
-
-
-def _check_spec_axes(specs, topology: Topology, argname: str) -> None:
-    for spec in jax.tree.leaves(specs, is_leaf=_is_spec):
-        if spec is None:
-            continue
-        if not isinstance(spec, P):
-            raise WrapError(
-                f"resilax.wrap: {argname} must be a jax.sharding.PartitionSpec or a pytree of them, "
-                f"but got a leaf of type {type(spec).__name__}: {spec!r}"
-            )
-        for entry in spec:
-            for ax in (entry if isinstance(entry, tuple) else (entry,)):
-                if ax is not None and ax not in topology.axis_names:
-                    raise WrapError(
-                        f"resilax.wrap: {argname} uses mesh axis {ax!r}, but topology {topology.name!r} has axes "
-                        f"{list(topology.axis_names)}"
-                    )
-
-
-def resolve_shardings(specs, tree, mesh, argname: str):
-    """PartitionSpec prefix-tree + concrete tree -> NamedSharding per leaf, divisibility checked."""
-    specs = jax.tree.map(lambda s: P() if s is None else s, specs, is_leaf=_is_spec)
-    try:
-        full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs, tree, is_leaf=_is_spec)
-    except (ValueError, TypeError) as e:
-        raise WrapError(
-            f"resilax: {argname} must be one PartitionSpec or a pytree prefix of the value it shards, "
-            f"but its structure does not match: {e}"
-        ) from None
-
-    def one(path, spec, x):
-        shape = np.shape(x)
-        if len(spec) > len(shape):
-            raise WrapError(
-                f"resilax: {argname}{jax.tree_util.keystr(path)} is {spec} ({len(spec)} dims) but the value has shape {shape}"
-            )
-        for i, entry in enumerate(spec):
-            axes = entry if isinstance(entry, tuple) else (entry,)
-            size = math.prod(mesh.shape[a] for a in axes if a is not None)
-            if shape[i] % size:
-                raise WrapError(
-                    f"resilax: {argname}{jax.tree_util.keystr(path)}: dimension {i} of shape {shape} is not divisible "
-                    f"by mesh axes {axes} of total size {size} (mesh {dict(mesh.shape)})"
-                )
-        return NamedSharding(mesh, spec)
-
-    return jax.tree_util.tree_map_with_path(one, full, tree)
-
-
-def place_copy(tree, shardings):
-    """A real copy of ``tree`` laid out as ``shardings``.
-
-    ``jax.device_put(x, s, may_alias=False)`` still shares the source's buffer on the device
-    it already lives on (seen with jax 0.10.2 on CPU), and a later donation would delete the
-    caller's array; a jitted copy always writes fresh buffers.
-    """
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
-
-
-def _as_array(x):
-    """Host values get the dtype JAX will give them (int64 -> int32 unless x64 is on)."""
-    if isinstance(x, jax.Array):
-        return x
-    x = np.asarray(x)
-    return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+        return functools.partial(wrap, **kwargs)
+    return ResilientStep(train_step, **kwargs)
 
 
 class ResilientStep:
@@ -141,70 +92,97 @@ class ResilientStep:
     Contract: ``state = step.init(state)`` once, then ``state, metrics = step(state, batch)``
     per global batch (a host-side numpy pytree), then ``step.close()``. ``step.step`` counts
     completed steps (restored ones included); ``step.mesh`` is the current mesh;
-    ``step.events`` lists what happened.
+    ``step.events`` lists what happened; ``step.state`` is the live state.
 
-    The state passed to ``__call__`` is donated (``Config.donate_state``): use the returned one.
+    The state passed to ``__call__`` is donated (``Config.donate_state``): use the returned
+    one. If a call raises after donating it, ``step.state`` still holds the newest good
+    state (or the error says it is gone).
     """
 
-    def __init__(self, train_step, *, topology, state_sharding, batch_sharding, config, faults):
+    def __init__(self, train_step, *, topology, state_sharding, batch_sharding, config, faults, rng,
+                 logical_axis_rules, metric_reductions):
         if not callable(train_step):
             raise WrapError(f"resilax.wrap requires a callable train_step as its first argument, but got {type(train_step).__name__}")
         if not isinstance(topology, Topology):
             raise WrapError(
                 f"resilax.wrap: topology must be a resilax.Topology (Topology.emulated(...) or Topology.load(...)), "
-                f"but got {type(topology).__name__}"
-            )
+                f"but got {type(topology).__name__}")
         config = Config() if config is None else config
         if not isinstance(config, Config):
             raise WrapError(f"resilax.wrap: config must be a resilax.Config, but got {type(config).__name__}")
         if faults is not None and not isinstance(faults, FaultPlan):
             raise WrapError(f"resilax.wrap: faults must be a resilax.FaultPlan, but got {type(faults).__name__}")
-        _check_spec_axes(state_sharding, topology, "state_sharding")
-        _check_spec_axes(batch_sharding, topology, "batch_sharding")
+        if not isinstance(rng, bool):
+            raise WrapError(f"resilax.wrap: rng must be True or False, but got {rng!r}")
+        reductions = dict(metric_reductions or {})
+        from resilax._src.step.program import REDUCTIONS
+        for k, v in reductions.items():
+            if v not in REDUCTIONS:
+                raise WrapError(f"resilax.wrap: metric_reductions[{k!r}] must be one of {REDUCTIONS}, but got {v!r}")
+        state_sharding = _sh.from_logical(state_sharding, logical_axis_rules)
+        batch_sharding = _sh.from_logical(batch_sharding, logical_axis_rules)
+        _sh.check_axes(state_sharding, topology.axis_names, "state_sharding", topology.name)
+        _sh.check_axes(batch_sharding, topology.axis_names, "batch_sharding", topology.name)
         functools.update_wrapper(self, train_step, updated=())
         self.train_step = train_step
         self.topology = topology
         self.config = config
         self.faults = faults if faults is not None else FaultPlan()
+        self.faults.validate(topology, config)
         self._state_spec = state_sharding
         self._batch_spec = P(topology.elastic_axis) if batch_sharding is None else batch_sharding
-        self._split = Split(train_step, config.seed)
-        self._replay = ReplayGuard(config, self._split) if config.replay_log != "off" else None
+        self._reductions = reductions
+        self._split = Split(train_step, config.seed, rng)
         self.step = 0
         self.mesh = None
+        self.program: Program | None = None
         self.events: list[Event] = []
-        self._ckpt: CheckpointStore | None = None
-        self._data = None
-        self._jitted = None
-        self._state_sh = None
-        self._batch_sh = None
+        self.live = None
+        self.guard = None
+        self.data = None
+        self._data_pos = None
         self._closed = False
-        # Time accounting from wrap to close; the training loop's time is `productive`
-        # unless a nested span (compile, checkpoint save, recovery...) claims it.
+        self._broken: str | None = None
+        self._protections: list = []
+        self._ckpt: Checkpoints | None = None
+        self._log: RecordLog | None = None
+        self._watch = None
+        self._programs: dict = {}
+        self._dead: set = set()
+        self._failures: list[dict] = []
+        self._bufmaps: dict = {}
+        self._held: list = []
+        self._grad_faults: dict[int, str] = {}
+        self._step_s = None
+        self._copy_in_flight = False
         self.goodput_recorder = GoodputRecorder()
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
         self._goodput_warned = False
-        self._peers: PeerGuard | None = None
-        if self._peers_wanted() and topology.num_domains == 1:
+        if config.peers is not None and topology.num_domains == 1:
             warnings.warn(
                 f"resilax.wrap: topology {topology.name!r} has one failure domain, so there are no peers to hold "
-                f"copies of the state; losing it is recoverable only from checkpoints (+ replay)",
-                RuntimeWarning, stacklevel=3,
-            )
+                f"copies of the state; losing it is recoverable only from checkpoints (+ the record log)",
+                RuntimeWarning, stacklevel=3)
 
-    # --------------------------------------------------------------- set-up
+    # ================================================================ set-up
+    @property
+    def state(self):
+        """The live state (after the newest completed step)."""
+        return self.live
+
     def init(self, state, *, data=None):
-        """Places ``state`` on the mesh, or restores the newest good checkpoint if there is one.
+        """Places ``state`` on the mesh, or restores the newest good checkpoint and replays the
+        record log's disk entries after it.
 
         Args:
-          state: the initial train state (a pytree of arrays); its shapes and dtypes are the
-            template a checkpoint is restored into.
-          data: optional data iterator with ``get_state()``/``set_state()`` (grain's do); its
-            position is saved with every checkpoint and restored here.
+          state: the initial train state; its shapes and dtypes are the template a
+            checkpoint is restored into.
+          data: optional data iterator with ``get_state()``/``set_state()`` (grain's have);
+            its position is saved with every checkpoint and log entry, and restored here.
 
         Returns:
-          The placed (or restored) state. ``self.step`` is the restored step (0 if fresh).
+          The placed (or restored) state. ``self.step`` is its step (0 if fresh).
 
         Raises:
           TopologyError: the devices present do not fit the topology.
@@ -216,85 +194,567 @@ class ResilientStep:
         if data is not None and not (hasattr(data, "get_state") and hasattr(data, "set_state")):
             raise WrapError(
                 f"resilax.ResilientStep.init: data must have get_state() and set_state() (a grain iterator does), "
-                f"but got {type(data).__name__}"
-            )
-        # Python scalars (TrainState.step starts as an int) become arrays, as the step returns them.
-        state = jax.tree.map(_as_array, state)
-        self._domains = self.topology.domains()  # the peer guard maps devices to domains from it
+                f"but got {type(data).__name__}")
+        state = jax.tree.map(_sh.as_array, state)
+        self._domains = [list(d) for d in self.topology.domains()]
+        self._alive = list(range(len(self._domains)))
         self.mesh = self.topology.mesh(self._domains)
-        self._state_sh = resolve_shardings(self._state_spec, state, self.mesh, "state_sharding")
-        self._data = data
+        self._abstract_state = _sh.abstract(state)
+        self._state_sh = _sh.resolve(self._state_spec, state, self.mesh, "state_sharding")
+        self.data = data
+        cfg = self.config
+        self.guard = None
+        if cfg.anomaly is not None:
+            self.guard = jax.device_put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
+        if cfg.checkpoint is not None:
+            self._ckpt = Checkpoints(cfg.checkpoint)
+        if cfg.log is not None:
+            self._log = RecordLog(cfg.log, cfg.log_directory, peers=cfg.peers is not None,
+                                  checkpoints=cfg.checkpoint is not None)
+        if cfg.anomaly is not None:
+            self._watch = _anomaly.Watch(cfg.anomaly)
+        peers = Peers(cfg.peers) if cfg.peers is not None and self.topology.num_domains > 1 else None
+        # after_step order: the log records the step, peers snapshot it (and tell the log),
+        # the watcher reads the previous verdict; checkpoints are saved by the driver.
+        self._protections = [p for p in (self._log, peers, self._watch, self._ckpt) if p is not None]
+        self._peers = peers
         restored = None
-        if self.config.checkpoint_dir:
-            self._ckpt = CheckpointStore(
-                self.config.checkpoint_dir, keep=self.config.checkpoint_keep, async_save=self.config.async_checkpointing
-            )
-            abstract = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), state, self._state_sh
-            )
+        if self._ckpt is not None:
             t0 = time.perf_counter()
+            abstract = self._ckpt.tree(_sh.abstract(state, self._state_sh), self._abstract_guard(self.mesh))
             with self.goodput_recorder.span("checkpoint_restore"):
-                restored = self._ckpt.restore_newest(abstract)
+                restored = self._ckpt.store.restore_newest(abstract)
             if restored is not None:
                 self.step = restored.step
                 if data is not None and restored.meta.get("data_state") is not None:
                     data.set_state(decode_data_state(restored.meta["data_state"]))
-                self._event(
-                    "restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
-                    skipped=[{"step": s, "reason": r} for s, r in restored.skipped],
-                )
-                return self._protect(restored.state)
-        return self._protect(place_copy(state, self._state_sh))
-
-    def _peers_wanted(self) -> bool:
-        # None = auto: peer copies unless the replay log owns the step (see Config.peers)
-        return self.config.peers if self.config.peers is not None else self.config.replay_log == "off"
-
-    def _protect(self, state):
-        """Hands the placed state to the protection that owns the step: the replay log, or peers."""
-        if self._replay is not None:
-            return self._replay.on_init(self, state)
-        if self._peers_wanted() and self.topology.num_domains > 1:
-            self._peers = PeerGuard(self, state)
-            return self._peers.attach(state)
+                self.event("restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
+                           skipped=[{"step": s, "reason": r} for s, r in restored.skipped])
+                state = restored.state["state"]
+                self.guard = restored.state.get("guard")
+                if self._log is not None:
+                    self._log.checkpointed(restored.step)
+        if restored is None:
+            state = _sh.place_copy(state, self._state_sh)
+        self._data_pos = encode_data_state(data.get_state()) if data is not None else None
+        state = self._resume_from_disk(state)
+        self.live = state
+        if self.program is not None:
+            self._start_protections(state)
         return state
 
-    def _fire(self, phase, state):
-        """Fires ``phase``'s faults; if one lost a domain, returns the recovered state."""
-        if self.faults:
-            self.faults.fire(phase, self.step, self)
-        if self._peers is not None and self._peers.pending:
-            state = self._peers.recover(state)
-        return state
+    def _abstract_guard(self, mesh):
+        if self.config.anomaly is None:
+            return None
+        rep = NamedSharding(mesh, P())
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                            _anomaly.abstract_guard(self.config.anomaly))
 
-    def _start_loop(self):
-        """From the first step on, loop time is productive unless a nested span claims it."""
-        self._loop_span.close()
-        self._loop_span.enter_context(self.goodput_recorder.span("productive"))
-        self._loop_open = True
+    def _start_protections(self, state):
+        for p in self._protections:
+            p.start(self, state)
 
-    def _event(self, kind: str, step: int, **fields) -> Event:
+    # ---------------------------------------------------------------- programs
+    def _spec(self, abstract_batch) -> ProgramSpec:
+        cfg = self.config
+        return ProgramSpec(
+            split=self._split, state_specs=self._state_spec, batch_specs=self._batch_spec,
+            abstract_state=self._abstract_state, abstract_batch=abstract_batch,
+            abstract_guard=None if cfg.anomaly is None else _anomaly.abstract_guard(cfg.anomaly),
+            elastic_axis=self.topology.elastic_axis, donate=cfg.donate_state,
+            metric_reductions=self._reductions,
+            anomaly_check=None if cfg.anomaly is None else _anomaly.make_check(cfg.anomaly),
+            memory_limit=None if cfg.peers is None else cfg.peers.device_memory_bytes,
+            watched_metric=cfg.anomaly.metric if cfg.anomaly is not None else "loss")
+
+    def _first_program(self, abstract_batch):
+        """The full mesh's program; validates the step against the state and batch."""
+        spec = self._spec(abstract_batch)
+        u32 = jax.ShapeDtypeStruct((), np.uint32)
+        try:
+            new_state, _ = jax.eval_shape(self._split.full, self._abstract_state, abstract_batch, u32)
+        except ResilaxError:
+            raise
+        if jax.tree.structure(new_state) != jax.tree.structure(self._abstract_state):
+            raise WrapError(
+                "resilax.wrap: train_step must return (state, metrics) with the state's structure unchanged, but the "
+                f"returned state has structure {jax.tree.structure(new_state)} vs {jax.tree.structure(self._abstract_state)}")
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(self._abstract_state)[0], jax.tree.leaves(new_state)):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise WrapError(
+                    f"resilax.wrap: train_step changed state{jax.tree_util.keystr(path)} from {a.shape} {a.dtype} to "
+                    f"{b.shape} {b.dtype}; the state must keep its shapes and dtypes")
+        rec, _, _ = jax.eval_shape(self._split.grad, self._abstract_state, abstract_batch, u32)
+        reads = update_reads_batch(self._split, self._abstract_state, abstract_batch, rec)
+        if reads:
+            raise WrapError(
+                f"resilax.wrap: the update part of train_step (after resilax.record) still reads batch"
+                f"{', batch'.join(reads)}; replay and recovery redo the update from the recorded values only. Record "
+                f"everything the update needs, e.g. resilax.record((grads, new_batch_stats))")
+        with self.goodput_recorder.span("compile"):
+            prog = Program(spec, self.mesh, full_mesh=True)
+            prog.grad(False)
+            prog.update(None)
+        self._programs[tuple(self._alive)] = prog
+        return prog
+
+    def _program_for(self, alive) -> tuple[Program, bool]:
+        key = tuple(alive)
+        if key in self._programs:
+            return self._programs[key], True
+        mesh = self.topology.mesh([self._domains[i] for i in alive])
+        prog = Program(self.program.spec, mesh, full_mesh=False)
+        prog.fits_global_batch()
+        self._programs[key] = prog
+        return prog, False
+
+    def _compile_ahead(self):
+        """``PeersConfig.compile_ahead``: compiles now the executables of every mesh one more
+        domain loss would leave, so that recovery does not wait for XLA (on this thread,
+        before the next step; an event says how long it took)."""
+        pc = self.config.peers
+        if pc is None or not pc.compile_ahead or len(self._alive) < 2:
+            return
+        t0 = time.perf_counter()
+        meshes = []
+        with self.goodput_recorder.span("compile"):
+            for i in self._alive:
+                prog, had = self._program_for([j for j in self._alive if j != i])
+                if had:
+                    continue
+                prog.grad(False)
+                prog.update(None)
+                if prog.protects:
+                    if pc.every == 1:
+                        prog.update("ring")
+                    else:
+                        prog.grad(True)
+                        prog.update("ring+local")
+                meshes.append(dict(prog.mesh.shape))
+        self.event("compile_ahead", self.step, meshes=meshes, seconds=time.perf_counter() - t0)
+
+    # ================================================================ the step
+    def __call__(self, state, batch):
+        """Runs one step on the global ``batch``; returns ``(state, metrics)``.
+
+        Raises:
+          WrapError: called before `init`, after `close` or after a failed call; a batch
+            that does not fit.
+          StateLostError: a failure left no copy of some state (the message names the
+            leaves and the newest good checkpoint).
+          StorageError: a checkpoint or log write failed (committed data is untouched).
+        """
+        if self.mesh is None or self._closed:
+            raise WrapError("resilax.ResilientStep: call step.init(state) before step(state, batch)"
+                            if not self._closed else "resilax.ResilientStep: this step was closed")
+        if self._broken:
+            raise WrapError(f"resilax.ResilientStep: an earlier call failed ({self._broken}); the step cannot continue. "
+                            f"Start a new ResilientStep and init() it (it restores the newest checkpoint)")
+        if state is not self.live:
+            self.live = state  # the caller's state is the one to use (e.g. after init)
+        if not self._loop_open:
+            self._loop_span.close()
+            self._loop_span.enter_context(self.goodput_recorder.span("productive"))
+            self._loop_open = True
+        try:
+            return self._call(batch)
+        except ResilaxError:
+            self._broken_if_lost()
+            raise
+        except BaseException as e:
+            self._broken_if_lost()
+            if self._broken:
+                raise ResilaxError(f"resilax.ResilientStep: the step failed after the state was donated ({e!r}); "
+                                   f"step.state holds nothing usable") from e
+            raise
+
+    def _broken_if_lost(self):
+        leaves = [x for x in jax.tree.leaves(self.live) if isinstance(x, jax.Array)]
+        if any(x.is_deleted() for x in leaves):
+            self._broken = "the live state's buffers are gone"
+
+    def _call(self, batch):
+        abstract_batch = _sh.abstract(batch)
+        if self.program is None:
+            self.program = self._first_program(abstract_batch)
+            self._start_protections(self.live)
+            self._compile_ahead()
+        elif jax.tree.structure(abstract_batch) != jax.tree.structure(self.program.spec.abstract_batch) or any(
+                a.shape != b.shape or a.dtype != b.dtype for a, b in
+                zip(jax.tree.leaves(abstract_batch), jax.tree.leaves(self.program.spec.abstract_batch))):
+            raise WrapError(
+                f"resilax.ResilientStep: every batch must have the first batch's structure, shapes and dtypes "
+                f"(the compiled step and the record log depend on them), but got {abstract_batch} after "
+                f"{self.program.spec.abstract_batch}")
+        self._fire("before_step")
+        k = self.step
+        prog = self.program
+        copy = next((c for c in (p.copy_variant(self, k + 1) for p in self._protections) if c), None)
+        log_ring = any(p.wants_log_ring(self, copy) for p in self._protections)
+        before = self._data_pos
+        after = encode_data_state(self.data.get_state()) if self.data is not None else None
+        t0 = time.perf_counter()
+        dev_batch = prog.put_batch(batch)
+        gout = prog.grad(log_ring, self._grad_faults.pop(k, None))(self.live, self.guard, dev_batch, np.uint32(k))
+        new_state, ring, local = prog.update(copy)(self.live, gout.rec, gout.ok, np.uint32(k))
+        self.live, self.guard, self.step, self._data_pos = new_state, gout.guard, k + 1, after
+        rec = _base.StepRecord(k, batch, gout, copy, new_state, ring, local, before, after, prog)
+        with self.goodput_recorder.span("protection"):
+            for p in self._protections:
+                p.after_step(self, rec)
+        # ``mid_step@N``: N steps completed, step N+1 (index k = N) in flight
+        self._copy_in_flight = copy is not None
+        self._fire("mid_step", k)
+        self._fire("during_peer_copy", k)  # the step in flight makes the peer copy
+        self._copy_in_flight = False
+        self.step_seconds(time.perf_counter() - t0)
+        self._fire("after_step")
+        if self._ckpt is not None and self._ckpt.due(self.step):
+            self.save(self.live)
+        return self.live, gout.metrics
+
+    def step_seconds(self, dt):
+        self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
+
+    # ---------------------------------------------------------------- hooks protections call
+    def event(self, kind: str, step: int, **fields) -> Event:
         """Records an event in ``self.events`` and on the goodput timeline."""
         ev = event(kind, step, **fields)
         self.events.append(ev)
         self.goodput_recorder.event(kind, step=int(step), **fields)
         return ev
 
-    def goodput(self) -> dict[str, float]:
-        """Seconds of wall time (since `wrap`) per bucket; they sum to the wall time.
+    _event = event
 
-        ``productive`` is time in the training loop not claimed by another bucket (compile,
-        checkpoint_save, checkpoint_restore, protection, detection, recovery, replay, lost).
-        ``goodput_recorder.goodput()`` is productive / wall.
+    def goodput_lost_step(self):
+        """A step whose result was thrown away (an anomalous step) counts as lost time."""
+        if self._step_s:
+            self.goodput_recorder.add("lost", self._step_s)
+
+    def host_replica(self, x):
+        """Host copy of a replicated device array, from a surviving device's buffer."""
+        return _host_replica(x, self._bufmaps)
+
+    def log_covered(self, step: int):
+        if self._log is not None:
+            self._log.covered_through(step)
+
+    def retained(self) -> dict:
+        """What the record log holds for recovery now: ``device_log_bytes`` (entries between
+        peer copies), ``host_batch_steps`` and ``host_batch_bytes`` (batches kept since the
+        oldest start a recovery may need: the newest checkpoint or peer copy)."""
+        if self._log is None:
+            return {"device_log_bytes": 0, "host_batch_steps": [], "host_batch_bytes": 0}
+        return self._log.retained()
+
+    def log_over_cap(self) -> bool:
+        return self._log is not None and self._log.over_cap()
+
+    # ---------------------------------------------------------------- faults
+    def _fire(self, phase, at=None):
+        if self.faults:
+            self.faults.fire(phase, self.step if at is None else at, self)
+        if self._failures:
+            self._recover()
+
+    def inject(self, kind: str, step: int):
+        """``nan``/``spike`` faults: step ``step``'s recorded values are NaN, or its watched
+        metric is multiplied (a spike), inside the grad part where real ones appear."""
+        self._grad_faults[step] = kind
+
+    def fail_domain(self, domain: int, phase: str) -> dict | None:
+        """Emulates losing failure domain ``domain`` (original index): its memory is gone.
+
+        Blocks on in-flight work first (the surviving domains finish the step; deleting a
+        buffer a running computation reads can crash the process), then deletes every
+        buffer resilax holds on the domain's devices and marks them dead; nothing is
+        dispatched to them again. A domain that is already dead: nothing happens (an event
+        says so).
         """
-        return self.goodput_recorder.totals()
+        if not 0 <= domain < len(self._domains):
+            raise WrapError(f"resilax fail_slice: target must be a failure domain index in [0, {len(self._domains)}), "
+                            f"but got {domain}")
+        devs = set(self._domains[domain])
+        if devs <= self._dead:
+            self.event("fault_ignored", self.step, fault="fail_slice", domain=domain, phase=phase,
+                       reason="the domain is already dead")
+            return None
+        if not self._failures:  # first failure since the last recovery: map what we hold
+            held = [x for x in jax.tree.leaves((self.live, self.guard)) if isinstance(x, jax.Array)]
+            if self._log is not None:
+                if phase in ("mid_step", "during_peer_copy"):
+                    held += self._log.drop_pending()  # the step in flight: its entry dies with the domain
+                else:
+                    self._log.settle()  # the step completed: its entry is durable
+                if self._log.disk is not None:
+                    self._log.disk.wait(max_pending=0)  # host copies already started land first
+            for p in self._protections:
+                held += p.held()
+            jax.block_until_ready(held)
+            self._bufmaps = {id(a): _ring.buffers(a) for a in held}
+            self._held = held  # keeps ids stable while the maps are in use
+        freed = _ring.delete_on(self._bufmaps.values(), devs)
+        self._dead |= devs
+        info = {"domain": domain, "phase": phase, "devices": sorted(d.id for d in devs), "bytes_deleted": freed,
+                "copy_in_flight": bool(self._copy_in_flight), "at": time.perf_counter()}
+        self._failures.append(info)
+        return info
+
+    # ================================================================ recovery
+    def _recover(self):
+        with self.goodput_recorder.span("recovery"):
+            self._do_recover()
+
+    def _newest_ckpt(self) -> str:
+        if self._ckpt is None:
+            return "no checkpoints are kept (Config.checkpoint is None)"
+        steps = self._ckpt.store.steps()
+        return (f"the newest checkpoint is step {steps[-1]} in {str(self._ckpt.store.directory)!r}" if steps
+                else f"no checkpoint was committed yet in {str(self._ckpt.store.directory)!r}")
+
+    def _do_recover(self):
+        failures, self._failures = self._failures, []
+        t_fail = min(f["at"] for f in failures)
+        t0 = time.perf_counter()
+        failed = [i for i in self._alive if set(self._domains[i]) & self._dead]
+        survivors = [i for i in self._alive if i not in failed]
+        self.goodput_recorder.add("detection", max(0.0, t0 - t_fail))
+        target = self.step
+        if not survivors:
+            self._broken = "every failure domain is lost"
+            raise StateLostError(
+                f"resilax: every failure domain is lost ({[f['domain'] for f in failures]}); nothing survives to "
+                f"continue the state of step {target}; {self._newest_ckpt()}")
+        # -- plan (pure): live state, peer snapshot, checkpoint; and how to redo each step
+        prog = self.program
+        shapes = [x.shape for x in jax.tree.leaves(self._abstract_state)]
+        live = _planner.Candidate("live", target, _base.leaf_shards(
+            jax.tree.leaves(self.live), jax.tree.leaves(prog.state_sh), shapes))
+        cands = [live]
+        log_steps: dict = {}
+        for p in self._protections:
+            cands += p.candidates(self)
+            log_steps.update(p.log_steps(self))
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self._abstract_state)[0]]
+        plan = _planner.plan(target, self._dead, cands, log_steps, names)
+        t_plan = time.perf_counter()
+        if isinstance(plan, _planner.Lost):
+            self._broken = "state lost"
+            raise StateLostError(
+                f"resilax: state lost after failure of domain(s) {failed} at step {target}: leaves "
+                f"{list(plan.leaves)[:8]} have no surviving copy that can reach step {target} "
+                f"({'; '.join(f'{n}: {w}' for n, w in plan.why)}); {self._newest_ckpt()}")
+        # -- the new mesh's program
+        new_prog, ahead = self._program_for(survivors)
+        t_compile0 = time.perf_counter()
+        new_prog.grad(False)
+        new_prog.update(None)
+        t_compile = time.perf_counter() - t_compile0
+        # -- restore the start state and the detector state
+        src = next(c for c in cands if c.name == plan.source)
+        state, guard, moved = self._restore(plan, src, new_prog)
+        t_restore = time.perf_counter()
+        # -- redo steps start..target-1 (device entries bitwise, batches recomputed)
+        old_prog = self.program
+        self.program, self.mesh, self._alive = new_prog, new_prog.mesh, survivors
+        counts = {"device": 0, "disk": 0, "batch": 0}
+        with self.goodput_recorder.span("replay"):
+            for s, kind, picks in plan.replay:
+                state, guard = self._redo(state, guard, s, kind, picks)
+                counts[kind] += 1
+            jax.block_until_ready(state)
+        t_replay = time.perf_counter()
+        self.live, self.guard = state, guard
+        for p in self._protections:
+            p.restart(self, state)
+        self._bufmaps, self._held = {}, []  # drop every reference to the dead arrays
+        del old_prog
+        self._programs = {k: v for k, v in self._programs.items() if set(k) <= set(survivors)}
+        if not new_prog.protects and new_prog.mesh.shape[self.topology.elastic_axis] == 1:
+            warnings.warn(
+                f"resilax: after losing domain(s) {failed} only one failure domain is left; there are no peers to "
+                f"hold copies, so a further failure is recoverable only from checkpoints", RuntimeWarning, stacklevel=4)
+        self.event(
+            "recovery", target, failed_domains=failed, failed_devices=sorted(d.id for d in self._dead),
+            phases_failed=[f["phase"] for f in failures],
+            copy_in_flight=[f["copy_in_flight"] for f in failures], source=plan.source, restored_step=plan.start,
+            target_step=target, rejected=[list(r) for r in plan.rejected], bytes_moved=moved,
+            detected_s=t0 - t_fail,
+            seconds={"detect": t0 - t_fail, "plan": t_plan - t0, "compile": t_compile,
+                     "restore": t_restore - t_plan - t_compile, "replay": t_replay - t_restore},
+            steps_replayed=counts["device"] + counts["disk"], steps_recomputed=counts["batch"],
+            lost_steps=counts["batch"], mesh=dict(new_prog.mesh.shape), microbatches=new_prog.m,
+            replicated_across_domains_now=new_prog.respecified, compiled_ahead=ahead)
+        self._compile_ahead()  # for the next loss, on the new mesh
+
+    def _restore(self, plan, cand, prog):
+        shapes = [x.shape for x in jax.tree.leaves(self._abstract_state)]
+        dtypes = [x.dtype for x in jax.tree.leaves(self._abstract_state)]
+        treedef = jax.tree.structure(self._abstract_state)
+        rep = NamedSharding(prog.mesh, P())
+        if plan.source == "checkpoint":
+            self._ckpt.store.wait()
+            abstract = self._ckpt.tree(prog.abstract_state(), self._abstract_guard(prog.mesh))
+            with self.goodput_recorder.span("checkpoint_restore"):
+                restored = self._ckpt.store.restore_newest(abstract)
+            if restored is None or restored.step != plan.start:
+                raise StateLostError(f"resilax: the checkpoint the plan relied on (step {plan.start}) could not be "
+                                     f"restored; {self._newest_ckpt()}")
+            guard = restored.state.get("guard")
+            return restored.state["state"], guard, sum(x.nbytes for x in jax.tree.leaves(restored.state))
+        host, moved = _base.assemble(plan.picks, shapes, dtypes, self._bufmaps)
+        state = jax.tree.unflatten(treedef, jax.device_put(host, jax.tree.leaves(prog.state_sh)))
+        guard = None
+        if self.guard is not None:
+            source_guard = self.guard if plan.source == "live" else self._peers.snap.guard
+            guard = jax.device_put(jax.tree.map(lambda g: _host_replica(g, self._bufmaps), source_guard), rep)
+        return state, guard, moved
+
+    def _redo(self, state, guard, s, kind, picks):
+        """Step ``s`` again on the current program: from a logged entry (update only, the
+        logged verdict) or from its retained batch (grad + update)."""
+        prog = self.program
+        if kind == "batch":
+            gout = prog.grad(False)(state, guard, prog.put_batch(self._log.batches[s]), np.uint32(s))
+            new, _, _ = prog.update(None)(state, gout.rec, gout.ok, np.uint32(s))
+            return new, gout.guard
+        if kind == "device":
+            host = self._log.device_values(s, picks, self._bufmaps)
+            verdict, value = self._log.verdict(s, self._bufmaps)
+        else:
+            entry = self._log.disk.read(s, "grads")
+            host = entry.recorded
+            verdict = entry.scalars.get("verdict", 0)
+            value = scalar_value(entry.scalars.get("value"))
+        return self._apply_logged(state, guard, s, host, verdict, value)
+
+    def _apply_logged(self, state, guard, s, host_rec, verdict, value):
+        prog = self.program
+        rec = prog.put_rec(host_rec)
+        v = np.int32(0 if verdict is None else int(np.asarray(verdict)))
+        new, _, _ = prog.update(None)(state, rec, v, np.uint32(s))
+        if guard is not None and value is not None:
+            guard = _advance(guard, np.float32(np.asarray(value)), v == 0)
+        return new, guard
+
+    # ================================================================ crash resume
+    def _resume_from_disk(self, state):
+        """Replays the disk log after the restored step, as far as it has good entries."""
+        log = self._log.disk if self._log is not None else None
+        if log is None:
+            return state
+        start = self.step
+        steps = set(log.steps())
+        if start in steps:  # a foreign log is refused before anything in it is touched
+            try:
+                first = log.read(start, "grads") if start in set(log.steps("grads")) else log.read(start, "inputs")
+            except ReplayLogError:
+                first = None  # damaged: handled (and named) below
+            if first is not None:
+                self._start_mismatch(first, state)
+        log.truncate_before(start)
+        if start not in steps:
+            log.discard_from(start, f"resumed at step {start}; later entries will be recomputed")
+            return state
+        t0 = time.perf_counter()
+        s, failed, modes = start, [], []
+        with self.goodput_recorder.span("replay"):
+            while s in steps:
+                try:
+                    entry = log.read(s, "grads") if s in set(log.steps("grads")) else log.read(s, "inputs")
+                except ReplayLogError as e:
+                    entry = None
+                    if self.data is not None and s in set(log.steps("inputs")):
+                        try:  # a damaged grads entry: the step is recomputed from its inputs entry
+                            entry = log.read(s, "inputs")
+                        except ReplayLogError:
+                            pass
+                    if entry is None:
+                        failed.append((s, str(e)))
+                        break
+                if s == start:  # raises for a foreign log (the ReplayLogError below is for damage)
+                    why = self._start_mismatch(entry, state)
+                    if why:
+                        failed.append((s, why))
+                        break
+                if self.program is None:
+                    if entry.batch_sig is None:
+                        failed.append((s, "the entry has no batch signature"))
+                        break
+                    self.program = self._first_program(batch_template(entry.batch_sig))
+                if entry.kind == "grads":
+                    state, self.guard = self._apply_logged(state, self.guard, s, entry.recorded,
+                                                           entry.scalars.get("verdict", 0),
+                                                           scalar_value(entry.scalars.get("value")))
+                else:
+                    if self.data is None:
+                        failed.append((s, "an inputs entry needs the data iterator (init(state, data=...))"))
+                        break
+                    self.data.set_state(decode_data_state(entry.data_state))
+                    prog = self.program
+                    gout = prog.grad(False)(state, self.guard, prog.put_batch(next(self.data)), np.uint32(s))
+                    state, _, _ = prog.update(None)(state, gout.rec, gout.ok, np.uint32(s))
+                    self.guard = gout.guard
+                if self.data is not None and entry.data_next is not None:
+                    self.data.set_state(decode_data_state(entry.data_next))
+                    self._data_pos = entry.data_next
+                modes.append(entry.kind)
+                s += 1
+        self.step = s
+        self.event("replay", s, source="record_log", from_step=start, steps=s - start,
+                   grads_steps=modes.count("grads"), inputs_steps=modes.count("inputs"),
+                   seconds=time.perf_counter() - t0, unreplayable=[{"step": a, "reason": b} for a, b in failed])
+        log.discard_from(s, f"resumed at step {s}; later entries will be recomputed")
+        return state
+
+    def _start_mismatch(self, entry, state) -> str | None:
+        """Why the log's first entry may not be replayed onto ``state`` (None: it may)."""
+        if entry.state_sums is None:
+            return "the entry does not record the state it started from, so it cannot be checked against this one"
+        got = np.asarray(tree_checksums((state, self.guard)))
+        if got.shape != entry.state_sums.shape or not np.array_equal(got, entry.state_sums):
+            raise ReplayLogError(
+                f"resilax: the record log in {str(self._log.disk.directory)!r} was recorded from another state at "
+                f"step {entry.step} than the one init() has (checksums differ): it belongs to another run or initial "
+                f"state. Nothing was changed; move the log away or give this run another LogConfig.directory")
+        return None
+
+    # ================================================================ checkpoints, close
+    def save(self, state=None) -> float:
+        """Checkpoints the live state as step ``self.step`` (async); returns seconds blocked."""
+        if self._ckpt is None:
+            raise WrapError("resilax.ResilientStep.save: Config.checkpoint is None (no checkpoint directory)")
+        state = self.live if state is None else state
+        after = (lambda: self.faults.fire("during_save", self.step, self)) if self.faults else None
+        with self.goodput_recorder.span("checkpoint_save", step=self.step):
+            dt = self._ckpt.save(self, state, after_dispatch=after)
+        if self._log is not None:
+            self._log.checkpointed(self.step)
+            if self._log.disk is not None:
+                prev = self._ckpt.store.steps()
+                if len(prev) >= 2:  # entries behind the previous committed checkpoint are not needed
+                    self._log.disk.truncate_before(prev[-2])
+        self._save_goodput()
+        if self._failures:  # a domain was lost while the save was in flight
+            self._recover()  # nothing may read the state before this: some of its buffers are gone
+            state = self.live  # the same step, rebuilt bitwise
+        if self._log is not None:
+            self._log.anchor(self.step, state, self.guard)
+        return dt
+
+    @property
+    def checkpoints(self):
+        return self._ckpt.store if self._ckpt is not None else None
 
     @property
     def run_dir(self) -> str | None:
-        return self.config.run_dir or self.config.checkpoint_dir
+        return self.config.run_dir or (self.config.checkpoint.directory if self.config.checkpoint else None)
+
+    def goodput(self) -> dict[str, float]:
+        """Seconds of wall time (since `wrap`) per bucket; they sum to the wall time."""
+        return self.goodput_recorder.totals()
 
     def _save_goodput(self) -> None:
-        """Writes goodput.json; accounting must never stop training, so a failed write warns."""
         if not self.run_dir:
             return
         try:
@@ -304,124 +764,43 @@ class ResilientStep:
                 self._goodput_warned = True
                 warnings.warn(f"resilax: could not write goodput.json to {self.run_dir!r}: {e}", RuntimeWarning, stacklevel=3)
 
-    def _build(self, state, batch):
-        self._batch_sh = resolve_shardings(self._batch_spec, batch, self.mesh, "batch_sharding")
-        step_sh = NamedSharding(self.mesh, P())
-        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
-        abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)), batch)
-        fn = self._step_fn if self._replay is None else self._replay.step_fn
-        out = jax.eval_shape(fn, abstract_state, abstract_batch, jax.ShapeDtypeStruct((), np.uint32))
-        new_state, metrics = out[:2]
-        if jax.tree.structure(new_state) != jax.tree.structure(abstract_state):
-            raise WrapError(
-                "resilax.wrap: train_step must return (state, metrics) with the state's structure unchanged, but the "
-                f"returned state has structure {jax.tree.structure(new_state)} vs {jax.tree.structure(abstract_state)}"
-            )
-        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(abstract_state)[0], jax.tree.leaves(new_state)):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise WrapError(
-                    f"resilax.wrap: train_step changed state{jax.tree_util.keystr(path)} from {a.shape} {a.dtype} to "
-                    f"{b.shape} {b.dtype}; the state must keep its shapes and dtypes"
-                )
-        metrics_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), metrics)
-        # Lazy: the guards may run programs of their own instead (peers, grads-mode replay).
-        self._jitted = jax.jit(
-            fn,
-            in_shardings=(self._state_sh, self._batch_sh, step_sh),
-            out_shardings=(self._state_sh, metrics_sh) + ((None,) if self._replay is not None else ()),
-            donate_argnums=(0,) if self.config.donate_state else (),
-        )
-
-    def _compile(self, state, batch):
-        """Compiles ``self._jitted`` now, so its time lands in goodput's ``compile`` bucket."""
-        with self.goodput_recorder.span("compile"):
-            self._jitted = self._jitted.lower(state, batch, np.uint32(self.step)).compile()
-
-    def _step_fn(self, state, batch, step_no):
-        new_state, metrics, _ = self._split.full(state, batch, step_no)
-        return new_state, metrics
-
-    # --------------------------------------------------------------- the step
-    def __call__(self, state, batch):
-        """Runs one step on the global ``batch``; returns ``(state, metrics)``.
-
-        Raises:
-          WrapError: called before `init` or after `close`, or a batch that does not fit.
-          StorageError: a checkpoint save failed (committed checkpoints are untouched).
-        """
-        if self.mesh is None or self._closed:
-            raise WrapError(
-                "resilax.ResilientStep: call step.init(state) before step(state, batch)" if not self._closed
-                else "resilax.ResilientStep: this step was closed"
-            )
-        if not self._loop_open:
-            self._start_loop()
-        if self._replay is not None:  # replay log and anomaly rollback (see _guard)
-            state = self._fire("before_step", state)
-            state, metrics = self._replay.run(self, state, batch)
-        else:
-            if self._jitted is None:  # validates the step on the mesh it was wrapped for
-                self._build(state, batch)
-                if self._peers is None:  # the peer guard compiles step variants of its own
-                    self._compile(state, batch)
-            if self._peers is not None:
-                self._peers.before_call()
-            state = self._fire("before_step", state)
-            if self._peers is not None:
-                state, metrics = self._peers.step(state, batch)
-            else:
-                batch = jax.device_put(batch, self._batch_sh)
-                state, metrics = self._jitted(state, batch, np.uint32(self.step))
-            self.step += 1
-        state = self._fire("after_step", state)
-        every = self.config.checkpoint_every
-        if self._ckpt is not None and every and self.step % every == 0:
-            self.save(state)
-            if self._peers is not None and self._peers.pending:  # a domain was lost while the save was in flight
-                state = self._peers.recover(state)
-        return state, metrics
-
-    def save(self, state) -> float:
-        """Checkpoints ``state`` as step ``self.step`` (async); returns seconds blocked."""
-        if self._ckpt is None:
-            raise WrapError("resilax.ResilientStep.save: Config.checkpoint_dir is not set")
-        if self._replay is not None:
-            self._replay.on_save(self, state)
-        meta = {"seed": self.config.seed, "topology": self.topology.name}
-        if self._data is not None:
-            meta["data_state"] = encode_data_state(self._data.get_state())
-        after = (lambda: self.faults.fire("during_save", self.step, self)) if self.faults else None
-        with self.goodput_recorder.span("checkpoint_save", step=self.step):
-            dt = self._ckpt.save(self.step, state, meta, after_dispatch=after)
-        if self._peers is not None:
-            self._peers.note_checkpoint(self.step)
-        self._save_goodput()
-        return dt
-
-    @property
-    def checkpoints(self) -> CheckpointStore | None:
-        return self._ckpt
-
     def close(self) -> None:
-        """Waits for pending checkpoint writes and releases resources. Idempotent."""
+        """Reads the last verdict, waits for pending checkpoint and log writes. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            for guard in (self._replay, self._peers):
-                if guard is not None:
-                    guard.close()
+            if self._watch is not None and not self._broken:
+                self._watch.flush(self)
         finally:
             try:
-                if self._ckpt is not None:
-                    with self.goodput_recorder.span("checkpoint_save", phase="final wait"):
-                        self._ckpt.close()
+                for p in self._protections:
+                    if p is not self._ckpt:
+                        p.close()
             finally:
-                self._loop_span.close()
-                self._save_goodput()
+                try:
+                    if self._ckpt is not None:
+                        with self.goodput_recorder.span("checkpoint_save", phase="final wait"):
+                            self._ckpt.close()
+                finally:
+                    self._loop_span.close()
+                    self._save_goodput()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+@jax.jit
+def _advance(guard, value, ok):
+    return _anomaly.advance(guard, value, ok)
+
+
+def _host_replica(x, bufmaps):
+    """Host copy of a replicated array from any surviving device's buffer."""
+    for b in bufmaps.get(id(x), {}).values():
+        if not b.is_deleted():
+            return np.array(b, copy=True)
+    return np.array(x, copy=True)

@@ -24,21 +24,25 @@ _local = threading.local()
 
 
 class _Frame:
-    __slots__ = ("mode", "value", "calls")
+    __slots__ = ("mode", "value", "weight", "calls")
 
     def __init__(self, mode: str, value: Any = None):
         self.mode = mode
         self.value = value
+        self.weight = None
         self.calls = 0
 
 
-def record(tree):
-    """Marks ``tree`` (the batch-mean gradients, or whatever the update consumes) as the
-    optimizer inputs of this step. Returns ``tree`` (or, during replay, the logged value).
+def record(tree, *, weight=None):
+    """Marks ``tree`` (the gradients, or whatever the update consumes) as the optimizer
+    inputs of this step. Returns ``tree`` (or, during replay, the logged value).
 
     Call it once per step, inside the function given to `resilax.wrap`. The recorded values
-    must be *batch means* so that accumulating them over microbatches (on fewer replicas)
-    gives the same update.
+    must be *means* over the batch: plain batch means, or means normalised by a count the
+    step computes (tokens that are not padding, say). Give that count as ``weight`` (a
+    scalar): when a smaller mesh has to cut the global batch into microbatches, resilax
+    combines them as ``sum(weight_i * value_i) / sum(weight_i)``, which is the full batch's
+    value; without ``weight`` every microbatch counts the same (right for plain means).
     """
     frame = getattr(_local, "frame", None)
     if frame is None:
@@ -51,6 +55,7 @@ def record(tree):
         )
     if frame.mode == "capture":
         frame.value = tree
+        frame.weight = weight
         return tree
     # inject: hand back the logged tree, checked against what the step computes.
     want = jax.tree.structure(tree)

@@ -1,0 +1,81 @@
+"""Peer protection: state that lives in one failure domain only has a copy on the next
+domain of the elastic axis (ring), made inside the update executable on copy steps.
+
+Every ``PeersConfig.every`` steps the update part also returns the packed ring copy of the
+new state (one collective-permute per dtype); with ``every > 1`` it returns a local copy
+too, so a whole consistent step survives while the live state moves on, and the record
+log's device entries (ring-copied as well) cover the steps in between. State replicated
+across the elastic axis is its own backup: such a mesh makes no copies at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from resilax._src.protect import base
+from resilax._src.protect.planner import Candidate
+
+
+@dataclasses.dataclass
+class Snapshot:
+    step: int
+    program: Any
+    local: Any  # pytree (every > 1) or None: the live state is this step's local part
+    ring: Any  # tuple of packed buffers (one per dtype), or None when nothing is ring-placed
+    guard: Any
+
+
+class Peers(base.Protection):
+    name = "peers"
+
+    def __init__(self, cfg):
+        self.every = cfg.every
+        self.snap: Snapshot | None = None
+
+    def copy_variant(self, run, step_after):
+        if not run.program.protects:
+            return None
+        if self.every == 1:
+            return "ring"
+        return "ring+local" if step_after % self.every == 0 or run.log_over_cap() else None
+
+    def start(self, run, state):
+        """A snapshot of the placed state, so step ``run.step`` is covered from the start."""
+        p = run.program
+        if not p.protects:
+            self.snap = None
+            return
+        ring, local = p.snapshot(local=self.every > 1)(state)
+        self.snap = Snapshot(run.step, p, local, ring, run.guard)
+
+    def after_step(self, run, rec):
+        if rec.copy is not None:
+            self.snap = Snapshot(rec.step + 1, rec.program, rec.local, rec.ring, rec.gout.guard)
+            run.log_covered(rec.step + 1)
+
+    def held(self):
+        if self.snap is None:
+            return []
+        return [x for x in jax.tree.leaves((self.snap.local, self.snap.ring)) if isinstance(x, jax.Array)]
+
+    def candidates(self, run):
+        s = self.snap
+        if s is None:
+            return []
+        if s.local is None and s.step != run.step:
+            return []  # the live state moved on: its local part is gone
+        p = s.program
+        local = s.local if s.local is not None else run.live
+        shapes = [x.shape for x in jax.tree.leaves(p.spec.abstract_state)]
+        shards = base.leaf_shards(jax.tree.leaves(local), jax.tree.leaves(p.state_sh), shapes,
+                                  ring=(p.state_pack, list(s.ring) if s.ring is not None else []))
+        return [Candidate("peer", s.step, shards)]
+
+    def restart(self, run, state):
+        self.start(run, state)
+
+    def close(self):
+        self.snap = None

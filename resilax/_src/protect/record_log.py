@@ -1,0 +1,212 @@
+"""The record log: one entry per step, ``(step, recorded values or data position, verdict,
+checksum)``, with three sinks.
+
+- **device**: between peer copies, each step's recorded values stay where the grad part
+  put them and their packed ring copy is on the next domain (both outputs of the grad
+  executable): a domain loss leaves every shard somewhere. Dropped when a peer copy covers
+  the step; capped by ``LogConfig.device_bytes`` (past it the next step makes a copy).
+- **host**: the batches since the newest checkpoint or peer copy (whichever is older), so
+  a step whose device entry died can be recomputed, whatever the layout; and each step's
+  verdict and watched value (replicated device scalars) for replay.
+- **disk** (`replay_log.ReplayLog`, when a directory is known): grads or inputs entries
+  written in the background and checksummed (sha256); a restart replays them.
+
+One replay (`ResilientStep._redo`) serves slice recovery and crash resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from resilax._src.protect import base
+from resilax._src.protect.planner import LogStep
+from resilax._src.protect.checksum import tree_checksums
+from resilax._src.protect.replay_log import ReplayLog, SelectivePolicy, batch_signature
+
+
+@dataclasses.dataclass
+class DeviceEntry:
+    rec: list  # recorded leaves (device arrays)
+    ring: Any  # tuple of packed buffers, or None
+    program: Any
+    nbytes: int
+
+
+class RecordLog(base.Protection):
+    name = "log"
+
+    def __init__(self, cfg, directory: str | None, *, peers: bool, checkpoints: bool):
+        self.cfg = cfg
+        self.peers = peers
+        self.checkpoints = checkpoints
+        self.device: dict[int, DeviceEntry] = {}
+        self.pending: dict[int, DeviceEntry] = {}  # in flight: dies with a failure during its step
+        self.verdicts: dict[int, tuple] = {}  # step -> (verdict, value) device scalars
+        self.batches: dict[int, Any] = {}
+        self.covered = 0  # newest step a peer copy holds
+        self.ckpt_step = None  # newest checkpoint step
+        self.now = 0  # steps completed
+        self.disk = ReplayLog(directory, policy=SelectivePolicy(cfg.budget_bytes), max_lag=cfg.max_lag) \
+            if directory else None
+        self._batch_sig = None
+        self._anchor = None  # (step, device checksums of (state, guard) at that step)
+
+    # ---------------------------------------------------------------- failure-free
+    def anchor(self, step: int, state, guard) -> None:
+        """Step ``step`` is where a restart may resume (the start, or a checkpoint): its disk
+        entry carries the checksums of the state it starts from, so a resume onto any other
+        state is refused instead of replaying the log onto it."""
+        if self.disk is not None:
+            self._anchor = (step, tree_checksums((state, guard)))
+
+    def start(self, run, state):
+        self.anchor(run.step, state, run.guard)
+        self.device.clear()
+        self.pending.clear()
+        self.now = run.step
+        self.covered = run.step if self.peers and run.program.protects else self.covered
+        self._trim()
+
+    def wants_log_ring(self, run, copy):
+        return self.peers and copy is None and run.program.protects
+
+    def device_bytes(self) -> int:
+        return sum(e.nbytes for e in self.device.values())
+
+    def retained(self) -> dict:
+        """What the log holds now: device entries (bytes) and host batches (steps, bytes)."""
+        host = sum(np.asarray(x).nbytes for b in self.batches.values() for x in jax.tree.leaves(b))
+        return {"device_log_bytes": self.device_bytes(), "host_batch_steps": sorted(self.batches),
+                "host_batch_bytes": int(host)}
+
+    def over_cap(self) -> bool:
+        return self.cfg.device_bytes is not None and self.device_bytes() > self.cfg.device_bytes
+
+    def settle(self) -> None:
+        """The step in flight finished: its device entry is durable."""
+        self.device.update(self.pending)
+        self.pending.clear()
+
+    def after_step(self, run, rec):
+        self.settle()  # the previous step finished
+        self.now = rec.step + 1
+        if not rec.program.protects:
+            # nothing lives in one domain only: the live state is its own copy on every
+            # domain, so no step before this one is needed to rebuild it
+            self.covered = self.now
+        g = rec.gout
+        self.verdicts[rec.step] = (g.ok, g.loss)
+        self.batches[rec.step] = rec.batch
+        if rec.copy is None and self.peers and rec.program.protects:
+            leaves = jax.tree.leaves(g.rec)
+            nbytes = sum(x.nbytes for x in leaves) + sum(x.nbytes for x in (g.rec_ring or ()))
+            self.pending[rec.step] = DeviceEntry(leaves, g.rec_ring, rec.program, nbytes)
+        if self.disk is not None:
+            if self._batch_sig is None:
+                self._batch_sig = batch_signature(rec.batch)
+            sums = None
+            if self._anchor is not None and self._anchor[0] == rec.step:
+                sums, self._anchor = self._anchor[1], None
+            self.disk.append(rec.step, recorded=g.rec if self.cfg.mode == "grads" else None, state_sums=sums,
+                             data_state=rec.data_before, data_next=rec.data_after, batch_sig=self._batch_sig,
+                             scalars={"verdict": g.ok, "value": g.loss, "copy": rec.copy})
+        self._trim()
+
+    def covered_through(self, step: int) -> None:
+        """A peer copy holds state ``step``: device entries before it are not needed."""
+        self.covered = step
+        for s in [s for s in self.device if s < step]:
+            del self.device[s]
+        self._trim()
+
+    def checkpointed(self, step: int) -> None:
+        self.ckpt_step = step
+        self._trim()
+
+    def _trim(self):
+        """Batches and verdicts are kept from the oldest start a recovery may need: the
+        newest checkpoint when there is one (the fallback when copies die), else the newest
+        peer copy, else (no copies at all) only the live state's step. Bounded: at most the
+        steps since the newest checkpoint or peer copy are held."""
+        floors = [self.now]
+        if self.peers:
+            floors.append(self.covered)
+        if self.checkpoints and self.ckpt_step is not None:
+            floors.append(self.ckpt_step)
+        floor = min(floors)
+        for d in (self.batches, self.verdicts):
+            for s in [s for s in d if s < floor]:
+                del d[s]
+
+    # ---------------------------------------------------------------- failure
+    def held(self):
+        out = []
+        for e in list(self.device.values()) + list(self.pending.values()):
+            out += [x for x in e.rec + list(e.ring or ()) if isinstance(x, jax.Array)]
+        out += [x for v in self.verdicts.values() for x in v if isinstance(x, jax.Array)]
+        return out
+
+    def drop_pending(self) -> list:
+        """The entry of the step in flight dies with the failure (its step is recomputed)."""
+        dropped = [x for e in self.pending.values() for x in e.rec + list(e.ring or ())]
+        self.pending.clear()
+        return dropped
+
+    def log_steps(self, run):
+        out = {}
+        steps = set(self.device) | set(self.batches)
+        disk = set(self.disk.steps("grads")) | set(self.disk.steps("inputs")) if self.disk is not None else set()
+        for s in sorted(steps):
+            sources = []
+            e = self.device.get(s)
+            if e is not None:
+                p = e.program
+                shapes = [x.shape for x in jax.tree.leaves(p.abstract_rec)]
+                sources.append(("device", base.leaf_shards(e.rec, jax.tree.leaves(p.rec_sh), shapes,
+                                                          ring=(p.rec_pack, list(e.ring or [])))))
+            if s in self.batches:
+                sources.append(("batch", ()))
+            elif s in disk:
+                sources.append(("disk", ()))
+            out[s] = LogStep(s, tuple(sources))
+        return out
+
+    def device_values(self, s: int, picks, bufmaps):
+        e = self.device[s]
+        shapes = [x.shape for x in e.rec]
+        host, _ = base.assemble(picks, shapes, [x.dtype for x in e.rec], bufmaps)
+        return host
+
+    def verdict(self, s: int, bufmaps):
+        """Host ``(verdict, value)`` of step ``s`` from a surviving replica."""
+        v = self.verdicts.get(s)
+        if v is None:
+            return None
+        return tuple(None if x is None else _host_scalar(x, bufmaps) for x in v)
+
+    def restart(self, run, state):
+        """Device entries and verdicts lived on the old mesh (partly deleted): dropped; the
+        retained batches recompute any step a later recovery needs before the new start."""
+        self.device.clear()
+        self.pending.clear()
+        self.verdicts.clear()
+        self.now = self.covered = run.step
+        self._trim()
+
+    def close(self):
+        if self.disk is not None:
+            self.disk.close()
+
+
+def _host_scalar(x, bufmaps):
+    bufs = bufmaps.get(id(x))
+    if bufs is None:
+        return np.asarray(x)
+    for b in bufs.values():
+        if not b.is_deleted():
+            return np.asarray(b)
+    raise RuntimeError("every replica of a logged verdict is gone")

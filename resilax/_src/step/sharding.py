@@ -1,0 +1,171 @@
+"""Shardings: from what the user wrote (PartitionSpecs, or flax logical axis names plus
+rules) to a ``NamedSharding`` per leaf on the current mesh, and how specs change when the
+mesh shrinks.
+
+Specs name mesh axes, not devices, so they stay valid when a failure removes devices; only
+divisibility can break (64 rows over 4x2 devices fit, over 3x2 they do not): `fit_specs`
+then drops the elastic axis from such a leaf (it stays sharded inside each domain and is
+replicated across domains).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from resilax._src.errors import WrapError
+
+
+def is_spec(x) -> bool:
+    return x is None or isinstance(x, P)
+
+
+def spec_axes(spec: P) -> set[str]:
+    out = set()
+    for entry in spec:
+        for ax in (entry if isinstance(entry, tuple) else (entry,)):
+            if ax is not None:
+                out.add(ax)
+    return out
+
+
+def from_logical(specs, rules: Sequence[tuple[str, Any]] | None):
+    """Maps flax logical axis names to mesh axes.
+
+    ``specs`` may hold ``PartitionSpec``s of logical names (``nn.get_partition_spec`` of a
+    state built with ``nn.with_logical_partitioning``), or flax ``LogicallyPartitioned`` /
+    ``Partitioned`` boxes (their ``names``). ``rules`` is flax's ``[(logical, mesh axis or
+    None), ...]``. Without rules the specs are taken as mesh axes already.
+    """
+    import flax.linen as nn
+    from flax.core import meta
+
+    def boxed(x):
+        return isinstance(x, meta.Partitioned)
+
+    if any(boxed(x) for x in jax.tree.leaves(specs, is_leaf=boxed)):
+        specs = nn.get_partition_spec(specs)
+    if rules is None:
+        return specs
+    try:
+        rules = tuple((str(a), b) for a, b in rules)
+    except (TypeError, ValueError) as e:
+        raise WrapError(f"resilax.wrap: logical_axis_rules must be a sequence of (logical name, mesh axis) pairs, "
+                        f"but got {rules!r}") from e
+    known = {a for a, _ in rules}
+
+    def one(spec):
+        if spec is None:
+            return None
+        names = [n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n is not None]
+        missing = sorted(set(names) - known)
+        if missing:
+            raise WrapError(f"resilax.wrap: state_sharding uses logical axis name(s) {missing} that "
+                            f"logical_axis_rules does not map; the rules name {sorted(known)}")
+        return nn.logical_to_mesh_axes(spec, rules)
+
+    return jax.tree.map(one, specs, is_leaf=is_spec)
+
+
+def check_axes(specs, axis_names, argname: str, topo_name: str) -> None:
+    for spec in jax.tree.leaves(specs, is_leaf=is_spec):
+        if spec is None:
+            continue
+        if not isinstance(spec, P):
+            raise WrapError(
+                f"resilax.wrap: {argname} must be a jax.sharding.PartitionSpec or a pytree of them, "
+                f"but got a leaf of type {type(spec).__name__}: {spec!r}"
+            )
+        for ax in spec_axes(spec):
+            if ax not in axis_names:
+                raise WrapError(
+                    f"resilax.wrap: {argname} uses mesh axis {ax!r}, but topology {topo_name!r} has axes "
+                    f"{list(axis_names)} (flax logical names need logical_axis_rules)"
+                )
+
+
+def full_specs(specs, tree, argname: str):
+    """A spec per leaf of ``tree`` from a prefix tree of specs."""
+    specs = jax.tree.map(lambda s: P() if s is None else s, specs, is_leaf=is_spec)
+    try:
+        return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs, tree, is_leaf=is_spec)
+    except (ValueError, TypeError) as e:
+        raise WrapError(
+            f"resilax: {argname} must be one PartitionSpec or a pytree prefix of the value it shards, "
+            f"but its structure does not match: {e}"
+        ) from None
+
+
+def axis_size(mesh, entry) -> int:
+    axes = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[a] for a in axes if a is not None)
+
+
+def resolve(specs, tree, mesh, argname: str):
+    """Prefix tree of specs + concrete tree -> NamedSharding per leaf, divisibility checked."""
+    full = full_specs(specs, tree, argname)
+
+    def one(path, spec, x):
+        shape = np.shape(x)
+        if len(spec) > len(shape):
+            raise WrapError(
+                f"resilax: {argname}{jax.tree_util.keystr(path)} is {spec} ({len(spec)} dims) but the value has shape {shape}"
+            )
+        for i, entry in enumerate(spec):
+            if shape[i] % axis_size(mesh, entry):
+                raise WrapError(
+                    f"resilax: {argname}{jax.tree_util.keystr(path)}: dimension {i} of shape {shape} is not divisible "
+                    f"by mesh axes {entry} of total size {axis_size(mesh, entry)} (mesh {dict(mesh.shape)})"
+                )
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, full, tree, is_leaf=is_spec)
+
+
+def fit_specs(specs, tree, mesh, axis: str):
+    """Per-leaf specs that fit ``mesh``; returns ``(specs, changed_paths)``: a leaf whose
+    dimension no longer divides drops ``axis`` (the elastic one) from its spec."""
+    full = full_specs(specs, tree, "state_sharding")
+    changed = []
+
+    def one(path, spec, x):
+        shape = np.shape(x)
+        if all(shape[i] % axis_size(mesh, e) == 0 for i, e in enumerate(spec)):
+            return spec
+        entries = []
+        for e in spec:
+            axes = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None and a != axis)
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        changed.append(jax.tree_util.keystr(path))
+        return P(*entries)
+
+    return jax.tree_util.tree_map_with_path(one, full, tree, is_leaf=is_spec), changed
+
+
+def place_copy(tree, shardings):
+    """A real copy of ``tree`` laid out as ``shardings``.
+
+    ``jax.device_put(x, s, may_alias=False)`` still shares the source's buffer on the device
+    it already lives on (seen with jax 0.10.2 on CPU), and a later donation would delete the
+    caller's array; a jitted copy always writes fresh buffers.
+    """
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+
+
+def as_array(x):
+    """Host values get the dtype JAX will give them (int64 -> int32 unless x64 is on)."""
+    if isinstance(x, jax.Array):
+        return x
+    x = np.asarray(x)
+    return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+
+
+def abstract(tree, shardings=None):
+    if shardings is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=s), tree, shardings)

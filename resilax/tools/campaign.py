@@ -1,0 +1,408 @@
+"""Fault campaign: random, seeded schedules of 1-3 faults, each run compared with a
+failure-free run of the same config, or expected to raise `StateLostError` exactly when
+an independent oracle says no copy survives.
+
+``resilax campaign --trials N --seed S [--json PATH]``; a short hypothesis-driven run is in
+the test suite (tests/test_campaign.py).
+
+The oracle (`expect`) knows nothing of resilax's planner. It replays the schedule on a
+model of the documented semantics:
+
+- a failure domain's devices hold its shards; state replicated across domains survives
+  while any domain lives;
+- a leaf that lives in one domain only (its spec includes the elastic axis and its first
+  dimension divides the current mesh's devices on that axis) has a ring copy on the next
+  live domain, refreshed every step (``PeersConfig(every=1)``) and remade right after each
+  recovery on the new mesh: it is lost when a domain and its ring neighbour die in the same
+  failure (the condition is the same whichever way the ring turns);
+- a checkpoint exists once a save step (a multiple of ``every``, never 0) was reached; the
+  host keeps the batches since, so any surviving consistent state is rolled forward;
+- every domain dead: lost, whatever else exists;
+- faults at the same (step, phase) hit together; in time order the phases of one call are
+  ``before_step@k``, ``mid_step@k``, ``during_peer_copy@k``, ``after_step@k+1``,
+  ``during_save@k+1``;
+- ``nan@N`` skips step ``N``'s update; ``spike@N`` skips it once ``min_history`` earlier
+  steps were applied (the detector's warm-up), else changes nothing;
+- ``kill_process``: the run is restarted with the same directories and the faults that
+  come after the kill; it must end where the failure-free run ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+KINDS = ("fail_slice", "nan", "spike", "kill_process")
+PHASES = ("before_step", "mid_step", "during_peer_copy", "after_step", "during_save")
+TOPOLOGIES = ((2, 4), (4, 2), (8, 1))
+MODELS = ("dropout_mlp", "batchnorm_mlp", "token_lm", "transformer_lm")
+MIN_HISTORY = 3
+TOL = 1e-4
+OUTCOMES = ("ok", "expected_lost", "silent_mismatch", "unexpected_exception", "hang", "wrong_lost", "missed_lost")
+BAD = ("silent_mismatch", "unexpected_exception", "hang", "wrong_lost", "missed_lost")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    seed: int
+    model: str
+    topology: tuple  # (domains, devices per domain)
+    layout: str  # "replicated" across domains, or "sharded" over every device
+    ckpt_every: int | None
+    steps: int
+    faults: tuple  # of fault specs
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Trial":
+        return cls(**dict(d, topology=tuple(d["topology"]), faults=tuple(d["faults"])))
+
+
+# ------------------------------------------------------------------ schedules
+def _order(step: int, phase: str) -> tuple:
+    """Time order of a fault: (call index, position inside the call)."""
+    pos = {"before_step": (step, 0), "mid_step": (step, 1), "during_peer_copy": (step, 2),
+           "after_step": (step - 1, 3), "during_save": (step - 1, 4)}
+    return pos[phase]
+
+
+def _parse(spec: str):
+    kind, rest = spec.split("@")
+    target = None
+    if "/" in rest:
+        rest, t = rest.split("/")
+        target = int(t)
+    step, phase = (rest.split(":") + ["after_step"])[:2]
+    return kind, int(step), phase, target
+
+
+def random_trial(rng: random.Random, seed: int) -> Trial:
+    """One trial drawn from ``rng``: biased toward the edges (dead targets, ring neighbours,
+    the step after a failure, step 0, the last step, during a save)."""
+    model = rng.choice(MODELS[:3])  # the transformer (5x slower) has its own phase-by-phase test
+    d, k = rng.choice(TOPOLOGIES)
+    layout = rng.choice(("replicated", "sharded"))
+    ckpt_every = rng.choice((None, 2, 3))
+    steps = rng.choice((6, 7, 8))
+    faults: list[str] = []
+    targets: list[int] = []
+    for _ in range(rng.choice((1, 1, 2, 2, 3))):
+        kind = rng.choices(KINDS, weights=(6, 1.5, 1.5, 1))[0]
+        if kind == "kill_process" and (any(f.startswith("kill") for f in faults) or ckpt_every is None and rng.random() < 0.5):
+            kind = "fail_slice"
+        edge = rng.random()
+        if edge < 0.15:
+            step = 0
+        elif edge < 0.3:
+            step = steps - 1
+        elif edge < 0.5 and faults:
+            step = _parse(faults[-1])[1] + rng.choice((0, 1))  # right after (or with) a previous failure
+        else:
+            step = rng.randrange(0, steps)
+        step = min(step, steps - 1)
+        if kind in ("nan", "spike"):
+            phase = rng.choice(("before_step", "after_step"))
+            if phase == "after_step" and step == 0:
+                phase = "before_step"
+            faults.append(f"{kind}@{step}:{phase}")
+            continue
+        phases = ["before_step", "mid_step", "during_peer_copy"] + (["after_step"] if step > 0 else [])
+        if ckpt_every and step > 0 and step % ckpt_every == 0:
+            phases += ["during_save"] * 2
+        phase = rng.choice(phases)
+        if kind == "kill_process":
+            faults.append(f"kill_process@{step}:{phase}")
+            continue
+        r = rng.random()
+        if targets and r < 0.25:
+            target = rng.choice(targets)  # an already dead domain
+        elif targets and r < 0.6:
+            target = (rng.choice(targets) + rng.choice((1, -1))) % d  # a ring neighbour of one
+        else:
+            target = rng.randrange(d)
+        targets.append(target)
+        faults.append(f"fail_slice@{step}:{phase}/{target}")
+    # a nan/spike just before a kill could be recomputed (not re-injected) after the restart
+    kill = [_parse(f) for f in faults if f.startswith("kill")]
+    if kill:
+        ks = kill[0][1]
+        faults = [f for f in faults if not (f.split("@")[0] in ("nan", "spike") and ks - 3 <= _parse(f)[1] <= ks + 1)]
+    return Trial(seed, model, (d, k), layout, ckpt_every, steps, tuple(faults))
+
+
+# ------------------------------------------------------------------ the oracle
+@dataclasses.dataclass
+class Expect:
+    lost: bool
+    lost_at: tuple | None  # (step, phase) of the failure that loses the state
+    skipped: tuple  # step indices whose update is not applied
+    kill: tuple | None  # (step, phase) of the kill
+
+
+def _single_domain_leaf(shapes, domains: int, alive: int, per: int, layout: str) -> bool:
+    """Whether some leaf lives in one domain only on a mesh of ``alive`` domains: the sharded
+    layout puts leaves whose first dim divides every device over all of them; on a smaller
+    mesh a leaf that no longer divides drops the elastic axis (replicated across domains)."""
+    if layout != "sharded" or alive < 2:
+        return False
+    return any(len(sh) and sh[0] % (domains * per) == 0 and sh[0] % (alive * per) == 0 for sh in shapes)
+
+
+def expect(trial: Trial, shapes) -> Expect:
+    d, per = trial.topology
+    alive = list(range(d))
+    ckpt_at = None
+    skipped: list[int] = []
+    events = sorted(((_order(s, ph), kind, s, ph, t) for kind, s, ph, t in map(_parse, trial.faults)),
+                    key=lambda e: e[0])
+    # group simultaneous faults
+    groups: list[list] = []
+    for e in events:
+        if groups and groups[-1][0][0] == e[0]:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    gi = 0
+    for k in range(trial.steps):
+        for pos in range(5):
+            while gi < len(groups) and groups[gi][0][0] == (k, pos):
+                group = groups[gi]
+                gi += 1
+                for _, kind, s, ph, t in group:
+                    if kind in ("nan", "spike"):
+                        idx = s  # injected into the grad part of step index s
+                        if kind == "nan" or applied_before(idx, skipped) >= MIN_HISTORY:
+                            skipped.append(idx)
+                    elif kind == "kill_process":
+                        return Expect(False, None, tuple(sorted(set(skipped))), (s, ph))
+                dead = {t for _, kind, _, _, t in group if kind == "fail_slice"} & set(alive)
+                if dead:
+                    survivors = [a for a in alive if a not in dead]
+                    if not survivors:
+                        return Expect(True, (group[0][2], group[0][3]), tuple(sorted(set(skipped))), None)
+                    n = len(alive)
+                    adjacent = n > 1 and any(alive[(alive.index(x) + 1) % n] in dead for x in dead)
+                    if adjacent and _single_domain_leaf(shapes, d, n, per, trial.layout) and ckpt_at is None:
+                        return Expect(True, (group[0][2], group[0][3]), tuple(sorted(set(skipped))), None)
+                    alive = survivors
+            if pos == 3 and trial.ckpt_every and (k + 1) % trial.ckpt_every == 0:
+                ckpt_at = k + 1  # saved after after_step; a during_save failure comes after it
+    return Expect(False, None, tuple(sorted(set(skipped))), None)
+
+
+def applied_before(idx: int, skipped) -> int:
+    return idx - len([s for s in set(skipped) if s < idx])
+
+
+# ------------------------------------------------------------------ running
+def _layout(name, n_devices, per):
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    if name == "sharded":
+        return lambda st: jax.tree.map(
+            lambda x: P(("data", "fsdp")) if np.ndim(x) and np.shape(x)[0] % n_devices == 0 else P(), st)
+    return lambda st: jax.tree.map(lambda x: P("fsdp") if np.ndim(x) and np.shape(x)[0] % per == 0 else P(), st)
+
+
+def _flat(state) -> dict:
+    import jax
+
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def _config(trial: Trial, workdir: str | None):
+    import resilax
+
+    ck = None
+    if trial.ckpt_every and workdir:
+        ck = resilax.CheckpointConfig(os.path.join(workdir, "ck"), every=trial.ckpt_every)
+    log = resilax.LogConfig(directory=os.path.join(workdir, "log") if workdir else None)
+    return resilax.Config(checkpoint=ck, log=log, anomaly=resilax.AnomalyConfig(min_history=MIN_HISTORY))
+
+
+def faulted_run(trial: Trial, workdir: str, faults=None) -> dict:
+    """The trial's run with its faults (resumes from ``workdir`` when something is there)."""
+    import resilax
+    from resilax.tools.models import CASES
+
+    case = CASES[trial.model]
+    d, per = trial.topology
+    topo = resilax.Topology.emulated(d, per)
+    st = case.make_state(0)
+    step = resilax.wrap(case.train_step, topology=topo, state_sharding=_layout(trial.layout, d * per, per)(st),
+                        rng=True, metric_reductions=case.metric_reductions, config=_config(trial, workdir),
+                        faults=resilax.FaultPlan(trial.faults if faults is None else faults))
+    batches = case.make_batches(trial.steps)
+    s = step.init(st)
+    try:
+        while step.step < trial.steps:
+            s, _ = step(s, batches[step.step])
+        return _flat(s)
+    finally:
+        step.close()
+
+
+_REFS: dict = {}
+
+
+def reference(trial: Trial, skipped) -> dict:
+    """The failure-free run: a plain jitted loop (no resilax) that skips ``skipped``."""
+    import jax
+
+    from resilax.tools.models import CASES
+
+    key = (trial.model, trial.steps, tuple(skipped))
+    if key not in _REFS:
+        case = CASES[trial.model]
+        state = case.make_state(0)
+        fn = jax.jit(case.train_step)
+        for i, b in enumerate(case.make_batches(trial.steps)):
+            new, _ = fn(state, b, jax.random.fold_in(jax.random.key(0), i))
+            state = state if i in skipped else new
+        _REFS[key] = _flat(state)
+    return _REFS[key]
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for k in b:
+        x, y = a[k].astype(np.float64), b[k].astype(np.float64)
+        if not np.issubdtype(b[k].dtype, np.floating):
+            if not np.array_equal(a[k], b[k]):
+                return float("inf")
+            continue
+        worst = max(worst, float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)))
+    return worst
+
+
+def _shapes(trial: Trial):
+    import jax
+
+    from resilax.tools.models import CASES
+
+    return [np.shape(x) for x in jax.tree.leaves(CASES[trial.model].make_state(0))]
+
+
+class _Timeout(Exception):
+    pass
+
+
+def run_trial(trial: Trial, *, timeout_s: float = 300.0) -> dict:
+    """Runs one trial; returns its record (outcome, seconds, details)."""
+    import resilax
+
+    t0 = time.perf_counter()
+    exp = expect(trial, _shapes(trial))
+    rec: dict[str, Any] = {"trial": trial.to_json(), "expect_lost": exp.lost, "skipped": list(exp.skipped)}
+    work = tempfile.mkdtemp(prefix="resilax-campaign-")
+
+    def alarm(*_):
+        raise _Timeout()
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        if exp.kill is not None:
+            child = subprocess.run([sys.executable, "-m", "resilax.tools.campaign", "--child",
+                                    json.dumps(trial.to_json()), work], capture_output=True, text=True,
+                                   timeout=timeout_s)
+            if child.returncode != -signal.SIGKILL:
+                rec.update(outcome="unexpected_exception", error=f"child exit {child.returncode}: {child.stderr[-1500:]}")
+                return rec
+            later = [f for f in trial.faults if _order(*_parse(f)[1:3]) > _order(*exp.kill)]
+            got = faulted_run(trial, work, faults=later)
+        else:
+            got = faulted_run(trial, work)
+        diff = rel_diff(got, reference(trial, exp.skipped))
+        rec["max_rel_diff"] = diff
+        if exp.lost:
+            rec["outcome"] = "missed_lost"
+        else:
+            rec["outcome"] = "ok" if diff < TOL else "silent_mismatch"
+    except resilax.StateLostError as e:
+        rec["outcome"] = "expected_lost" if exp.lost else "wrong_lost"
+        rec["error"] = str(e)[:1500]
+    except (_Timeout, subprocess.TimeoutExpired):
+        rec["outcome"] = "hang"
+    except Exception as e:  # noqa: BLE001 - the campaign counts every unexpected exception
+        rec.update(outcome="unexpected_exception", error=f"{type(e).__name__}: {str(e)[:1500]}")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        shutil.rmtree(work, ignore_errors=True)
+        rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+def run_campaign(trials: int, seed: int, *, json_path: str | None = None, every: int = 10, stream=None) -> dict:
+    """``trials`` seeded trials; prints a progress line every ``every`` trials and a summary
+    table; writes JSON (counts, per-trial records) when ``json_path`` is given."""
+    stream = stream or sys.stdout
+    rng = random.Random(seed)
+    records, counts = [], {o: 0 for o in OUTCOMES}
+    t0 = time.perf_counter()
+    for i in range(trials):
+        trial = random_trial(rng, seed * 1_000_003 + i)
+        rec = run_trial(trial)
+        records.append(rec)
+        counts[rec["outcome"]] += 1
+        if rec["outcome"] in BAD:
+            print(f"  trial {i}: {rec['outcome']}: {trial.faults} {trial.model} {trial.topology} {trial.layout} "
+                  f"ckpt={trial.ckpt_every} {rec.get('error', '')[:300]} diff={rec.get('max_rel_diff')}",
+                  file=stream, flush=True)
+        if (i + 1) % every == 0 or i + 1 == trials:
+            print(f"campaign: {i + 1}/{trials} trials, {time.perf_counter() - t0:.0f} s, "
+                  + ", ".join(f"{k} {v}" for k, v in counts.items() if v), file=stream, flush=True)
+    out = {"trials": trials, "seed": seed, "counts": counts, "bad": sum(counts[b] for b in BAD),
+           "seconds": time.perf_counter() - t0, "records": records}
+    print("\n| outcome | trials |\n| --- | --- |", file=stream)
+    for k, v in counts.items():
+        print(f"| {k} | {v} |", file=stream)
+    if json_path:
+        from resilax._src.io import write_json
+
+        write_json(json_path, out)
+    return out
+
+
+def register_cli(sub) -> None:
+    c = sub.add_parser("campaign", help="random seeded fault schedules, each checked against a failure-free run")
+    c.add_argument("--trials", type=int, default=300)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--json", default=None, help="write counts and per-trial records here")
+    c.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    from resilax.tools.runner import configure_cpu_devices
+
+    configure_cpu_devices(8)
+    out = run_campaign(args.trials, args.seed, json_path=args.json)
+    return 1 if out["bad"] else 0
+
+
+def _child(trial_json: str, work: str) -> None:
+    from resilax.tools.runner import configure_cpu_devices
+
+    configure_cpu_devices(8)
+    faulted_run(Trial.from_json(json.loads(trial_json)), work)
+    sys.exit(3)  # the kill should have fired
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3])

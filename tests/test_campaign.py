@@ -1,0 +1,61 @@
+"""The fault campaign: its oracle on hand-written schedules, and a short seeded,
+property-based run (hypothesis) of random schedules against failure-free runs. Long runs:
+``resilax campaign --trials N --seed S``."""
+
+import random
+
+import hypothesis.strategies as hst
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from resilax.tools import campaign as C
+
+SHARDED = [(64, 16), (64,), (16, 64), (16,)]  # leaf shapes like the test models'
+
+
+def trial(faults, *, topo=(4, 2), layout="sharded", ckpt=None, steps=6):
+    return C.Trial(0, "dropout_mlp", topo, layout, ckpt, steps, tuple(faults))
+
+
+@pytest.mark.parametrize("faults, topo, layout, ckpt, lost", [
+    (["fail_slice@3:after_step/1", "fail_slice@3:after_step/2"], (4, 2), "sharded", None, True),  # ring neighbours
+    (["fail_slice@3:after_step/1", "fail_slice@3:after_step/2"], (4, 2), "sharded", 2, False),  # checkpoint 2 exists
+    (["fail_slice@1:after_step/1", "fail_slice@1:after_step/2"], (4, 2), "sharded", 2, True),  # none saved yet
+    (["fail_slice@3:after_step/0", "fail_slice@3:after_step/2"], (4, 2), "sharded", None, False),  # not neighbours
+    (["fail_slice@2:after_step/1", "fail_slice@4:after_step/1"], (2, 4), "sharded", None, False),  # dead target
+    (["fail_slice@2:mid_step/0", "fail_slice@2:mid_step/1", "fail_slice@2:mid_step/2"], (4, 2), "replicated", None,
+     False),  # replicated: one domain left is enough
+    (["fail_slice@2:after_step/0", "fail_slice@2:after_step/1"], (2, 4), "replicated", 2, True),  # every domain
+    (["fail_slice@2:after_step/0", "fail_slice@4:after_step/2"], (4, 2), "sharded", None, False),  # 3 domains: 64 % 6
+    (["fail_slice@2:after_step/1", "fail_slice@4:after_step/3", "fail_slice@5:after_step/0"], (4, 2), "sharded",
+     None, False),  # after two losses, 2 domains: sharded again, copies remade; losing one is fine
+    (["fail_slice@2:after_step/1", "fail_slice@2:after_step/3", "fail_slice@3:mid_step/0",
+      "fail_slice@3:mid_step/2"], (4, 2), "sharded", None, True),  # then both remaining at once
+])
+def test_oracle_on_hand_written_schedules(faults, topo, layout, ckpt, lost):
+    assert C.expect(trial(faults, topo=topo, layout=layout, ckpt=ckpt), SHARDED).lost is lost
+
+
+def test_oracle_skips_and_kill():
+    e = C.expect(trial(["nan@2:before_step", "spike@1:after_step", "spike@5:before_step"]), SHARDED)
+    assert e.skipped == (2, 5)  # spike@1 is in the detector's warm-up (3 applied steps): not skipped
+    e = C.expect(trial(["kill_process@3:mid_step", "fail_slice@4:after_step/0"]), SHARDED)
+    assert e.kill == (3, "mid_step") and not e.lost
+
+
+def test_generated_schedules_are_valid_faults():
+    import resilax
+
+    rng = random.Random(7)
+    for i in range(200):
+        t = C.random_trial(rng, i)
+        cfg = C._config(t, "/tmp/unused")
+        resilax.FaultPlan(list(t.faults)).validate(resilax.Topology.emulated(*t.topology), cfg)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(seed=hst.integers(0, 2**31 - 1))
+def test_random_schedules_match_failure_free_runs(seed):
+    t = C.random_trial(random.Random(seed), seed)
+    rec = C.run_trial(t)
+    assert rec["outcome"] in ("ok", "expected_lost"), rec

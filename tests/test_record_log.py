@@ -1,0 +1,146 @@
+"""The record log's sinks and bounds: a restart from the disk log in either mode, refused
+onto a state it was not recorded from; host memory bounded in every layout; faults on the
+peer copy only where a copy is made; compile-ahead. Each compares with a failure-free run."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import resilax
+from resilax.tools import example as ex
+from resilax.tools.models import CASES, tree_rel_diff
+from helpers import SMALL, state_equal
+
+TOPO = resilax.Topology.emulated(2, 4)
+
+
+def sharded(st):
+    return jax.tree.map(lambda x: P(("data", "fsdp")) if np.ndim(x) and np.shape(x)[0] % 8 == 0 else P(), st)
+
+
+def replicated(st):
+    return jax.tree.map(lambda x: P("fsdp") if np.ndim(x) and np.shape(x)[0] % 4 == 0 else P(), st)
+
+
+def mlp_run(config, steps, *, state=None, layout=sharded, faults=()):
+    """The example MLP with a grain iterator; returns (host state, step)."""
+    template = ex.make_state(SMALL) if state is None else state
+    data = ex.make_iterator(SMALL)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=layout(template), config=config,
+                        faults=resilax.FaultPlan(faults))
+    s = step.init(template, data=data)
+    while step.step < steps:
+        s, _ = step(s, next(data))
+    out = jax.device_get(s)
+    step.close()
+    return out, step
+
+
+@pytest.mark.parametrize("mode", ["grads", "inputs"])
+def test_restart_from_the_disk_log_alone_in_each_mode(tmp_path, mode):
+    """No checkpoint: a restart replays the disk log from the initial state (0.1 lost
+    inputs-mode logs: their entries had no batch signature, so no program could be built)."""
+    off = resilax.Config(log=None, peers=None, anomaly=None)
+    ref, _ = mlp_run(off, 8)
+    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log"), mode=mode))
+    mlp_run(cfg, 6)  # a process that stopped after 6 steps (closing flushes: as a clean stop)
+    got, step = mlp_run(cfg, 8)
+    ev = next(e for e in step.events if e.kind == "replay")
+    assert ev.fields["from_step"] == 0 and ev.fields["steps"] == 6, ev.fields
+    assert ev.fields[f"{mode}_steps"] == 6 and not ev.fields["unreplayable"]
+    assert state_equal(got, ref)
+
+
+def test_log_is_not_replayed_onto_another_start_state(tmp_path):
+    """The first entry carries checksums of the state it started from: a restart with another
+    initial state is refused (a clear error, nothing in the log touched) instead of replaying
+    the log onto it."""
+    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log")))
+    mlp_run(cfg, 4)
+    before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "log").iterdir() if p.is_file())
+    other = ex.make_state(SMALL)
+    other = other.replace(params=jax.tree.map(lambda x: x + 1.0, other.params))
+    with pytest.raises(resilax.ReplayLogError, match="recorded from another state at step 0.*Nothing was changed"):
+        mlp_run(cfg, 6, state=other)
+    after = sorted((p.name, p.read_bytes()) for p in (tmp_path / "log").iterdir() if p.is_file())
+    assert after == before
+
+
+@pytest.mark.parametrize("layout, ckpt_every, most", [
+    (replicated, None, 1),  # nothing lives in one domain: the live state is its own copy
+    (sharded, None, 1),  # a ring copy every step
+    (replicated, 3, 4),  # the checkpoint fallback needs the batches since the checkpoint
+])
+def test_host_batches_are_bounded_in_every_layout(tmp_path, layout, ckpt_every, most):
+    """0.1 (and the first cut of the pipeline) kept every batch when nothing was ring-placed."""
+    cfg = resilax.Config(checkpoint=None if ckpt_every is None else
+                         resilax.CheckpointConfig(str(tmp_path / "ck"), every=ckpt_every))
+    template = ex.make_state(SMALL)
+    data = ex.make_iterator(SMALL)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=layout(template), config=cfg)
+    s = step.init(template, data=data)
+    seen = []
+    for _ in range(10):
+        s, _ = step(s, next(data))
+        seen.append(len(step.retained()["host_batch_steps"]))
+    step.close()
+    assert max(seen) <= most, seen
+    r = step.retained()
+    assert r["host_batch_bytes"] <= most * (SMALL.batch * (SMALL.features * 4 + 4))
+
+
+def test_no_copies_and_no_checkpoints_keeps_no_batches():
+    cfg = resilax.Config(peers=None)
+    template = ex.make_state(SMALL)
+    data = ex.make_iterator(SMALL)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=replicated(template), config=cfg)
+    s = step.init(template, data=data)
+    for _ in range(5):
+        s, _ = step(s, next(data))
+        assert len(step.retained()["host_batch_steps"]) <= 1
+    step.close()
+
+
+@pytest.mark.parametrize("spec, cfg, match", [
+    ("fail_slice@3:during_peer_copy/1", resilax.Config(peers=None), "needs peer copies"),
+    ("fail_slice@3:during_peer_copy/1", resilax.Config(peers=resilax.PeersConfig(every=3)), "makes no peer copy"),
+])
+def test_peer_copy_faults_only_where_a_copy_is_made(spec, cfg, match):
+    with pytest.raises(resilax.ConfigError, match=match):
+        resilax.wrap(ex.train_step, topology=TOPO, config=cfg, faults=resilax.FaultPlan([spec]))
+
+
+def test_peer_copy_fault_on_a_copy_step_and_on_a_mesh_without_copies():
+    name = "batchnorm_mlp"
+    case = CASES[name]
+    off = resilax.Config(log=None, peers=None, anomaly=None)
+
+    def go(layout, faults, cfg):
+        st = case.make_state(0)
+        step = resilax.wrap(case.train_step, topology=TOPO, state_sharding=layout(st), rng=True, config=cfg,
+                            faults=resilax.FaultPlan(faults))
+        s = step.init(st)
+        for b in case.make_batches(6):
+            s, _ = step(s, b)
+        step.close()
+        return jax.device_get(s), step
+
+    for layout in (sharded, replicated):
+        ref, _ = go(layout, [], off)
+        got, step = go(layout, ["fail_slice@2:during_peer_copy/0"], resilax.Config(peers=resilax.PeersConfig(every=3)))
+        ev = next(e for e in step.events if e.kind == "recovery")
+        assert ev.fields["copy_in_flight"] == [layout is sharded]  # a replicated mesh makes no copies
+        assert tree_rel_diff(got, ref) < 1e-4
+
+
+def test_compile_ahead_takes_compiles_off_the_recovery(tmp_path):
+    cfg = resilax.Config(peers=resilax.PeersConfig(compile_ahead=True))
+    ref, _ = mlp_run(resilax.Config(log=None, peers=None, anomaly=None), 6)
+    got, step = mlp_run(cfg, 6, faults=["fail_slice@3:mid_step/1"])
+    ahead = [e for e in step.events if e.kind == "compile_ahead"]
+    assert ahead and ahead[0].step == 0 and ahead[0].fields["meshes"] == [{"data": 1, "fsdp": 4}] * 2
+    ev = next(e for e in step.events if e.kind == "recovery")
+    assert ev.fields["compiled_ahead"] is True
+    assert ev.fields["seconds"]["compile"] < 0.05, ev.fields["seconds"]
+    assert tree_rel_diff(got, ref) < 1e-4
