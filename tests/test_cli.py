@@ -53,3 +53,22 @@ def test_cli_protection_flags_are_checked():
     r = subprocess.run([sys.executable, "-m", "resilax", "train", "--steps", "2", "--peers-every", "0"],
                        env=_env(), capture_output=True, text=True)
     assert r.returncode == 2 and "resilax: error: resilax.PeersConfig: every must be >= 1" in r.stderr
+
+
+def test_console_script_entry_point_resolves():
+    """The README's main command is the `resilax` script: its entry point must import (0.1's
+    layout change left it pointing at a removed module, so `resilax demo` failed)."""
+    import importlib
+    import os
+    import tomllib
+
+    from helpers import ROOT
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["resilax"]
+    module, _, attr = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr)), target
+    script = os.path.join(os.path.dirname(sys.executable), "resilax")
+    if os.path.exists(script):  # installed (the README's and CI's venv): run it as a user would
+        r = subprocess.run([script, "--help"], env=_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "demo" in r.stdout, r.stderr[-2000:]
