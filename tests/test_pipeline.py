@@ -224,15 +224,17 @@ def test_bad_faults_are_refused_at_wrap(spec, match):
                      faults=resilax.FaultPlan([spec]))
 
 
-@pytest.mark.parametrize("kind, at", [("nan", 3), ("spike", 4)])
+@pytest.mark.parametrize("kind, at", [("nan", 3), ("spike", 4), ("nan+spike", 3)])
 def test_nan_and_spike_skip_the_update_without_a_log(kind, at):
     """token batches are ints but for the mask: the NaN goes into the recorded values, as a
-    real one would; no log is needed (the update is skipped inside the step)."""
+    real one would; no log is needed (the update is skipped inside the step). A NaN and a
+    spike at one step both apply (the campaign found the second one replacing the first)."""
     name = "token_lm"
     cfg = resilax.Config(log=None, anomaly=resilax.AnomalyConfig(min_history=2, spike_window=8))
-    got, step, kept, _ = run(name, [f"{kind}@{at}"], config=cfg, layout=replicated, keep=(at, at + 1))
+    faults = [f"{k}@{at}" for k in kind.split("+")]
+    got, step, kept, _ = run(name, faults, config=cfg, layout=replicated, keep=(at, at + 1))
     evs = [e for e in step.events if e.kind == "anomaly"]
-    assert [(e.step, e.fields["cause"]) for e in evs] == [(at, "nonfinite" if kind == "nan" else "spike")]
+    assert [(e.step, e.fields["cause"]) for e in evs] == [(at, "spike" if kind == "spike" else "nonfinite")]
     assert tree_rel_diff(kept[at + 1], kept[at]) == 0.0, "the anomalous step changed nothing"
     # a plain fused jitted loop that skips that step: the same up to the last bits (fused vs
     # split grad/update programs round differently)

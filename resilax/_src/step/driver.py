@@ -28,6 +28,7 @@ from resilax._src.protect import planner as _planner
 from resilax._src.protect import ring as _ring
 from resilax._src.protect.checkpoint import decode_data_state, encode_data_state
 from resilax._src.protect.checkpoints import Checkpoints
+from resilax._src.protect.crosscheck import CrossCheck
 from resilax._src.protect.checksum import tree_checksums
 from resilax._src.protect.peers import Peers
 from resilax._src.protect.record_log import RecordLog
@@ -152,7 +153,7 @@ class ResilientStep:
         self._failures: list[dict] = []
         self._bufmaps: dict = {}
         self._held: list = []
-        self._grad_faults: dict[int, str] = {}
+        self._grad_faults: dict[int, tuple] = {}
         self._step_s = None
         self._copy_in_flight = False
         self.goodput_recorder = GoodputRecorder()
@@ -216,7 +217,8 @@ class ResilientStep:
         peers = Peers(cfg.peers) if cfg.peers is not None and self.topology.num_domains > 1 else None
         # after_step order: the log records the step, peers snapshot it (and tell the log),
         # the watcher reads the previous verdict; checkpoints are saved by the driver.
-        self._protections = [p for p in (self._log, peers, self._watch, self._ckpt) if p is not None]
+        check = CrossCheck(cfg.verify) if cfg.verify is not None else None
+        self._protections = [p for p in (check, self._log, peers, self._watch, self._ckpt) if p is not None]
         self._peers = peers
         restored = None
         if self._ckpt is not None:
@@ -396,6 +398,8 @@ class ResilientStep:
         t0 = time.perf_counter()
         dev_batch = prog.put_batch(batch)
         gout = prog.grad(log_ring, self._grad_faults.pop(k, None))(self.live, self.guard, dev_batch, np.uint32(k))
+        for p in self._protections:
+            p.before_update(self, self.live, batch, k, gout, prog)
         new_state, ring, local = prog.update(copy)(self.live, gout.rec, gout.ok, np.uint32(k))
         self.live, self.guard, self.step, self._data_pos = new_state, gout.guard, k + 1, after
         rec = _base.StepRecord(k, batch, gout, copy, new_state, ring, local, before, after, prog)
@@ -460,7 +464,8 @@ class ResilientStep:
     def inject(self, kind: str, step: int):
         """``nan``/``spike`` faults: step ``step``'s recorded values are NaN, or its watched
         metric is multiplied (a spike), inside the grad part where real ones appear."""
-        self._grad_faults[step] = kind
+        # several at one step all apply (a NaN and a spike together: the NaN decides)
+        self._grad_faults[step] = tuple(sorted(set(self._grad_faults.get(step, ())) | {kind}))
 
     def fail_domain(self, domain: int, phase: str) -> dict | None:
         """Emulates losing failure domain ``domain`` (original index): its memory is gone.

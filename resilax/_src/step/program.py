@@ -194,7 +194,7 @@ class Program:
         return _sh.resolve(specs, b, self.mesh, "batch_sharding")
 
     # ----------------------------------------------------------------- grad part
-    def _grad_fn(self, m: int, log_ring: bool, fault: str | None = None):
+    def _grad_fn(self, m: int, log_ring: bool, fault: tuple | None = None):
         spec, split = self.spec, self.spec.split
         rec_sh, pack = self.rec_sh, self.rec_pack
 
@@ -233,9 +233,10 @@ class Program:
 
         def fn(state, guard, batch, step_no):
             rec, weight, metrics = core(state, batch, step_no)
-            if fault == "nan":  # chaos: NaN where real ones appear
+            faults = () if fault is None else fault
+            if "nan" in faults:  # chaos: NaN where real ones appear
                 rec = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else x, rec)
-            elif fault == "spike" and isinstance(metrics, dict):
+            if "spike" in faults and isinstance(metrics, dict):
                 metrics = {k: (v * 1000.0 if k == _watched(spec) else v) for k, v in metrics.items()}
             rec = jax.lax.with_sharding_constraint(rec, rec_sh)
             if spec.anomaly_check is not None:
@@ -247,7 +248,8 @@ class Program:
 
         return fn
 
-    def grad(self, log_ring: bool = False, fault: str | None = None):
+    def grad(self, log_ring: bool = False, fault: tuple | None = None):
+        """``fault``: chaos kinds injected into this step (``("nan",)``, ``("spike",)``, both)."""
         key = (self.m, log_ring, fault)
         if key not in self._grad:
             self.batch_sh = self._batch_shardings(self.m)
