@@ -14,12 +14,14 @@ from resilax._src.config import (
     Config as Config,
     LogConfig as LogConfig,
     PeersConfig as PeersConfig,
+    VerifyConfig as VerifyConfig,
 )
 from resilax._src.errors import (
     CheckpointError as CheckpointError,
     ConfigError as ConfigError,
     CorruptCheckpointError as CorruptCheckpointError,
     ReplayLogError as ReplayLogError,
+    ProgramMismatchError as ProgramMismatchError,
     ResilaxError as ResilaxError,
     StateLostError as StateLostError,
     StorageError as StorageError,
@@ -40,6 +42,8 @@ __all__ = [
     "CheckpointConfig",
     "LogConfig",
     "PeersConfig",
+    "ProgramMismatchError",
+    "VerifyConfig",
     "CheckpointError",
     "Config",
     "ConfigError",

@@ -166,7 +166,39 @@ class AnomalyConfig:
                 f"spike_window={self.spike_window}, min_history={self.min_history}")
 
 
-_GROUPS = {"checkpoint": CheckpointConfig, "log": LogConfig, "peers": PeersConfig, "anomaly": AnomalyConfig}
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    """Cross-check of each mesh's compiled gradient part against the same step on one
+    device with no partitioning, on the first step the mesh runs (the full mesh, and a
+    smaller one after a recovery): catches a sharding XLA compiles wrongly, which would
+    otherwise train on silently wrong gradients (see ``protect/crosscheck.py``).
+
+    Attributes:
+      rtol: a recorded leaf differs when ``||a - b|| > rtol * max(||b||, 1e-3 * ||tree||)``
+        (at least 50 ulps of its dtype).
+      max_bytes: skip the check (an event says so) when state + batch exceed this many
+        bytes: one device must hold them. ``None``: always check.
+      on_mismatch: ``"raise"`` (`ProgramMismatchError`, before the update runs: the state
+        is untouched) or ``"warn"``.
+    """
+
+    rtol: float = 1e-3
+    max_bytes: int | None = 1 << 30
+    on_mismatch: str = "raise"
+
+    def __post_init__(self):
+        _check_type("VerifyConfig", "rtol", self.rtol, (int, float))
+        _check_type("VerifyConfig", "max_bytes", self.max_bytes, (int, type(None)))
+        if not self.rtol > 0:
+            raise ConfigError(f"resilax.VerifyConfig: rtol must be > 0, but got {self.rtol}")
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ConfigError(f"resilax.VerifyConfig: max_bytes must be >= 0 or None, but got {self.max_bytes}")
+        if self.on_mismatch not in ("raise", "warn"):
+            raise ConfigError(f"resilax.VerifyConfig: on_mismatch must be 'raise' or 'warn', but got {self.on_mismatch!r}")
+
+
+_GROUPS = {"checkpoint": CheckpointConfig, "log": LogConfig, "peers": PeersConfig, "anomaly": AnomalyConfig,
+           "verify": VerifyConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +210,7 @@ class Config:
 
     Attributes:
       checkpoint, log, peers, anomaly: the protection groups; ``None`` turns one off.
+      verify: the cross-check of each mesh's compiled gradient part (`VerifyConfig`).
       seed: base of the per-step RNG (``wrap(..., rng=True)``): step ``n`` gets
         ``fold_in(key(seed), n)``, so a resumed or replayed step sees the same key.
       donate_state: donate the input state to the step (saves a copy of the state).
@@ -188,6 +221,7 @@ class Config:
     log: LogConfig | None = LogConfig()
     peers: PeersConfig | None = PeersConfig()
     anomaly: AnomalyConfig | None = AnomalyConfig()
+    verify: VerifyConfig | None = VerifyConfig()
     seed: int = 0
     donate_state: bool = True
     run_dir: str | None = None

@@ -37,3 +37,7 @@ class ReplayLogError(ResilaxError):
 
 class StateLostError(ResilaxError):
     """No surviving copy (live, peer, log, checkpoint) can restore some state."""
+
+
+class ProgramMismatchError(ResilaxError):
+    """A mesh's compiled step disagrees with the same step on one device beyond rounding."""

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resilax._src.errors import ResilaxError
+from resilax._src.protect.base import Protection
 
 MAD_TO_SIGMA = 1.4826
 
@@ -107,7 +108,7 @@ def _metric(metrics, name):
     return None
 
 
-class Watch:
+class Watch(Protection):
     """Host side of anomaly protection: reads each step's verdict one step late (its copy
     was started at dispatch), records skipped steps as events, or stops."""
 
@@ -147,7 +148,6 @@ class Watch:
                 f"resilax: step {step} is anomalous ({cause}{'' if v is None else f', {self.cfg.metric} = {v:.6g}'}); "
                 f"its update was not applied and AnomalyConfig.on_anomaly='stop'", step=step, cause=cause)
 
-    # protocol no-ops
     def start(self, run, state):
         self._pending = None
 
@@ -157,20 +157,5 @@ class Watch:
             step, ok, value = self._pending
             self._pending = (step, run.host_replica(ok), None if value is None else run.host_replica(value))
 
-    def copy_variant(self, run, step_after):
-        return None
-
-    def wants_log_ring(self, run, copy):
-        return False
-
     def held(self):
         return [x for x in (self._pending or ())[1:] if isinstance(x, jax.Array)]
-
-    def candidates(self, run):
-        return []
-
-    def log_steps(self, run):
-        return {}
-
-    def close(self):
-        pass

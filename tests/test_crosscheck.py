@@ -1,0 +1,136 @@
+"""The cross-check of each mesh's compiled gradient part against one device (VerifyConfig).
+
+The case that motivated it is real: with JAX 0.10.2 on CPU, a convolution's kernel gradient
+of a convolution on activations comes out 4x too large on a 2x4 mesh when the Dense kernel after it is sharded over the
+batch axis. Without the check both a failure-free run and a faulted one train on it, and a
+shrink silently changes the maths.
+"""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from jax.sharding import PartitionSpec as P
+
+import resilax
+from helpers import state_equal
+
+
+class ConvNet(nn.Module):
+    before_bn_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(16, (3, 3))(x))
+        x = nn.relu(nn.Conv(16, (3, 3))(x))  # this one's kernel gradient is the miscompiled one
+        if self.before_bn_bias:  # a bias whose gradient is zero in exact arithmetic: pure rounding noise
+            x = nn.BatchNorm(use_running_average=True)(nn.Dense(16, use_bias=True)(x))
+        return nn.Dense(8)(x.reshape(x.shape[0], -1))
+
+
+def _state(model, tx=None):
+    v = jax.jit(lambda k: model.init(k, jnp.zeros((1, 8, 8, 3))))(jax.random.key(0))
+    return train_state.TrainState.create(apply_fn=model.apply, params=v["params"], tx=tx or optax.adam(1e-3)), v
+
+
+def _step_fn(extra):
+    def train_step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p, **extra}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, g = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=resilax.record(g)), {"loss": loss}
+
+    return train_step
+
+
+def _batches(n):
+    r = np.random.default_rng(0)
+    return [{"x": r.normal(size=(32, 8, 8, 3)).astype(np.float32), "y": r.integers(0, 8, 32).astype(np.int32)}
+            for _ in range(n)]
+
+
+def _dense_over_batch_axis(st, axis=("data", "fsdp")):
+    # the Dense kernels (first dim divides 8) sharded over the batch's axis: the miscompiled case
+    return jax.tree.map(lambda x: P(axis) if np.ndim(x) == 2 and np.shape(x)[0] % 8 == 0 else P(), st)
+
+
+def test_miscompiled_sharding_raises_before_the_update_and_keeps_the_state():
+    st, _ = _state(ConvNet())
+    step = resilax.wrap(_step_fn({}), topology=resilax.Topology.emulated(2, 4), state_sharding=_dense_over_batch_axis(st))
+    s = step.init(st)
+    before = jax.device_get(s)
+    with pytest.raises(resilax.ProgramMismatchError, match=r"Conv_1'\]\['kernel'\].*SPMD partitioner"):
+        step(s, _batches(1)[0])
+    assert step.step == 0 and state_equal(jax.device_get(step.state), before)  # nothing applied, nothing donated
+    ev = [e for e in step.events if e.kind == "crosscheck"]
+    assert ev[-1].fields["checked"] and any("Conv_1" in n for n in ev[-1].fields["differing"])
+    step.close()
+
+
+def test_the_wrong_gradient_is_real_and_warn_mode_trains_on_it():
+    """The check is not a false alarm: the same sharding in plain jax.jit gives the same wrong
+    gradient; with on_mismatch='warn' resilax trains on, as plain jax would. (SGD: Adam's
+    update is blind to a leaf's gradient scale, so a 4x error would hide in it.)"""
+    st, _ = _state(ConvNet(), optax.sgd(0.1))
+    b = _batches(1)[0]
+    plain = jax.device_get(jax.jit(_step_fn({}))(st, b)[0])
+    step = resilax.wrap(_step_fn({}), topology=resilax.Topology.emulated(2, 4), state_sharding=_dense_over_batch_axis(st),
+                        config=resilax.Config(verify=resilax.VerifyConfig(on_mismatch="warn")))
+    s = step.init(st)
+    with pytest.warns(RuntimeWarning, match="disagrees with the same step run on one device"):
+        s, _ = step(s, b)
+    got = jax.device_get(s)
+    k_plain, k_got = plain.params["Conv_1"]["kernel"], got.params["Conv_1"]["kernel"]
+    assert np.linalg.norm(k_got - k_plain) > 1e-3 * np.linalg.norm(k_plain)  # the partitioned step is wrong
+    step.close()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_correct_shardings_pass_and_rounding_noise_is_not_a_mismatch(bias):
+    st, v = _state(ConvNet(before_bn_bias=bias))
+    extra = {"batch_stats": v["batch_stats"]} if bias else {}
+    step = resilax.wrap(_step_fn(extra), topology=resilax.Topology.emulated(2, 4),
+                        state_sharding=_dense_over_batch_axis(st, "fsdp"))
+    s = step.init(st)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for b in _batches(2):
+            s, _ = step(s, b)
+    ev = [e for e in step.events if e.kind == "crosscheck"]
+    assert len(ev) == 1 and ev[0].fields["checked"] and ev[0].fields["differing"] == []  # once per mesh
+    step.close()
+
+
+def test_a_smaller_mesh_is_checked_at_its_first_step_after_a_recovery():
+    from resilax.tools.models import CASES
+
+    case = CASES["dropout_mlp"]
+    st = case.make_state(0)
+    spec = jax.tree.map(lambda x: P(("data", "fsdp")) if np.ndim(x) and np.shape(x)[0] % 8 == 0 else P(), st)
+    step = resilax.wrap(case.train_step, topology=resilax.Topology.emulated(2, 4), state_sharding=spec, rng=True,
+                        faults=resilax.FaultPlan(["fail_slice@2:after_step/1"]))
+    s = step.init(st)
+    for b in case.make_batches(4):
+        s, _ = step(s, b)
+    ev = [e for e in step.events if e.kind == "crosscheck"]
+    assert [e.fields["mesh"] for e in ev] == [{"data": 2, "fsdp": 4}, {"data": 1, "fsdp": 4}]
+    assert all(e.fields["checked"] and e.fields["differing"] == [] for e in ev)
+    assert ev[1].step == 2  # the first step on the smaller mesh
+    step.close()
+
+
+def test_verify_config_is_validated():
+    with pytest.raises(resilax.ConfigError, match="on_mismatch"):
+        resilax.VerifyConfig(on_mismatch="ignore")
+    with pytest.raises(resilax.ConfigError, match="rtol"):
+        resilax.VerifyConfig(rtol=0)
+    cfg = resilax.Config.from_configdict({"verify": {"rtol": 1e-2}})
+    assert cfg.verify == resilax.VerifyConfig(rtol=1e-2)
+    assert resilax.Config.from_configdict({"verify": None}).verify is None
