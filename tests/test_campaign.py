@@ -41,6 +41,14 @@ def test_oracle_skips_and_kill():
     assert e.skipped == (2, 5)  # spike@1 is in the detector's warm-up (3 applied steps): not skipped
     e = C.expect(trial(["kill_process@3:mid_step", "fail_slice@4:after_step/0"]), SHARDED)
     assert e.kill == (3, "mid_step") and not e.lost
+    # faults after a kill still happen in the restarted run (campaign trial 29 of seed 0: the
+    # oracle stopped at the kill and called the skipped spike a silent mismatch)
+    e = C.expect(trial(["spike@5:after_step", "kill_process@3:during_save"], ckpt=3, topo=(8, 1)), SHARDED)
+    assert e.kill == (3, "during_save") and e.skipped == (5,)
+    # the restart has every domain again: on 2x4, losing slice 1, then (after the kill) slice 0 leaves slice 1
+    e = C.expect(trial(["fail_slice@1:after_step/1", "kill_process@2:after_step", "fail_slice@3:after_step/0"],
+                       topo=(2, 4), ckpt=2), SHARDED)
+    assert not e.lost and e.kill == (2, "after_step")
 
 
 def test_generated_schedules_are_valid_faults():

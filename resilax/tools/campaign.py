@@ -24,7 +24,9 @@ model of the documented semantics:
 - ``nan@N`` skips step ``N``'s update; ``spike@N`` skips it once ``min_history`` earlier
   steps were applied (the detector's warm-up), else changes nothing;
 - ``kill_process``: the run is restarted with the same directories and the faults that
-  come after the kill; it must end where the failure-free run ends.
+  come after the kill, on the whole topology again (a new process); it must end where the
+  failure-free run ends. Faults after the kill count as in any run (a spike after it is
+  judged on the detector history the restart restored).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def expect(trial: Trial, shapes) -> Expect:
             groups[-1].append(e)
         else:
             groups.append([e])
-    gi = 0
+    gi, kill = 0, None
     for k in range(trial.steps):
         for pos in range(5):
             while gi < len(groups) and groups[gi][0][0] == (k, pos):
@@ -186,21 +188,23 @@ def expect(trial: Trial, shapes) -> Expect:
                         idx = s  # injected into the grad part of step index s
                         if kind == "nan" or applied_before(idx, skipped) >= MIN_HISTORY:
                             skipped.append(idx)
-                    elif kind == "kill_process":
-                        return Expect(False, None, tuple(sorted(set(skipped))), (s, ph))
+                    elif kind == "kill_process" and kill is None:
+                        # the restart is a new process on the whole topology, with the faults that
+                        # come after the kill (a spike after it is judged on the restored history)
+                        kill, alive = (s, ph), list(range(d))
                 dead = {t for _, kind, _, _, t in group if kind == "fail_slice"} & set(alive)
                 if dead:
                     survivors = [a for a in alive if a not in dead]
                     if not survivors:
-                        return Expect(True, (group[0][2], group[0][3]), tuple(sorted(set(skipped))), None)
+                        return Expect(True, (group[0][2], group[0][3]), tuple(sorted(set(skipped))), kill)
                     n = len(alive)
                     adjacent = n > 1 and any(alive[(alive.index(x) + 1) % n] in dead for x in dead)
                     if adjacent and _single_domain_leaf(shapes, d, n, per, trial.layout) and ckpt_at is None:
-                        return Expect(True, (group[0][2], group[0][3]), tuple(sorted(set(skipped))), None)
+                        return Expect(True, (group[0][2], group[0][3]), tuple(sorted(set(skipped))), kill)
                     alive = survivors
             if pos == 3 and trial.ckpt_every and (k + 1) % trial.ckpt_every == 0:
                 ckpt_at = k + 1  # saved after after_step; a during_save failure comes after it
-    return Expect(False, None, tuple(sorted(set(skipped))), None)
+    return Expect(False, None, tuple(sorted(set(skipped))), kill)
 
 
 def applied_before(idx: int, skipped) -> int:
