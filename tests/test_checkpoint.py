@@ -152,7 +152,8 @@ def test_goodput_buckets_sum_to_wall_and_are_saved(tmp_path):
     assert step.goodput()["checkpoint_save"] == pytest.approx(t["checkpoint_save"], rel=1e-6)
     _, again, _ = run(tmp_path, 12, every=5)
     assert again.goodput()["checkpoint_restore"] > 0
-    assert [e["kind"] for e in load_goodput(tmp_path).events] == ["restore"]
+    # the second run: its restore, then the cross-check of its first step
+    assert [e["kind"] for e in load_goodput(tmp_path).events] == ["restore", "crosscheck"]
 
 
 def test_rng_key_in_state_is_checkpointed(tmp_path):
