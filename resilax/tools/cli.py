@@ -15,7 +15,9 @@ def _cmd_train(args) -> int:
         log_every=args.log_every, progress=not args.quiet, log=not args.no_log, log_mode=args.log_mode,
         peers=not args.no_peers, peers_every=args.peers_every, anomaly=not args.no_anomaly, layout=args.layout,
     )
-    if args.summary:
+    from resilax._src.runtime import launched
+
+    if args.summary and launched.is_primary():  # one summary per job, from process 0
         from resilax._src.io import write_json
 
         write_json(args.summary, summary)
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_arguments(sp)
         sp.set_defaults(func=m.run)
 
-    for mod in ("simulate", "report", "validate", "campaign"):
+    for mod in ("simulate", "report", "validate", "campaign", "launch"):
         try:
             m = __import__(f"resilax.tools.{mod}", fromlist=["register_cli"])
         except ImportError:

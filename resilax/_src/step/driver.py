@@ -33,6 +33,7 @@ from resilax._src.protect.peers import Peers
 from resilax._src.protect.record_log import RecordLog
 from resilax._src.protect.replay_log import batch_template, scalar_value
 from resilax._src.runtime.faults import FaultPlan
+from resilax._src.runtime import launched
 from resilax._src.runtime.goodput import GoodputRecorder
 from resilax._src.step import sharding as _sh
 from resilax._src.step.program import Program, ProgramSpec
@@ -123,6 +124,7 @@ class ResilientStep:
         batch_sharding = _sh.from_logical(batch_sharding, logical_axis_rules)
         _sh.check_axes(state_sharding, topology.axis_names, "state_sharding", topology.name)
         _sh.check_axes(batch_sharding, topology.axis_names, "batch_sharding", topology.name)
+        launched.initialize()  # under `resilax launch`: join the job before anything touches JAX devices
         functools.update_wrapper(self, train_step, updated=())
         self.train_step = train_step
         self.topology = topology
@@ -205,7 +207,7 @@ class ResilientStep:
         cfg = self.config
         self.guard = None
         if cfg.anomaly is not None:
-            self.guard = jax.device_put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
+            self.guard = _sh.put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
         if cfg.checkpoint is not None:
             self._ckpt = Checkpoints(cfg.checkpoint)
         if cfg.log is not None:
@@ -408,6 +410,7 @@ class ResilientStep:
         self._fire("during_peer_copy", k)  # the step in flight makes the peer copy
         self._copy_in_flight = False
         self.step_seconds(time.perf_counter() - t0)
+        launched.progress(self.step, self._step_s)  # the supervisor's step deadline (no-op outside a launch)
         self._fire("after_step")
         if self._ckpt is not None and self._ckpt.due(self.step):
             self.save(self.live)
@@ -769,6 +772,7 @@ class ResilientStep:
         if self._closed:
             return
         self._closed = True
+        launched.set_phase("close")  # waiting for the last save is not a step: no step deadline
         try:
             if self._watch is not None and not self._broken:
                 self._watch.flush(self)
