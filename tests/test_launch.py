@@ -213,3 +213,56 @@ def test_jax_assumptions_hold_and_a_broken_one_is_named(monkeypatch):
     monkeypatch.delattr(type(distributed.global_state), "preemption_sync_manager")
     with pytest.raises(jaxdist.JaxAssumptionError, match=r"global_state\.preemption_sync_manager: expected an attribute"):
         jaxdist.check()
+
+
+def test_sigterm_to_one_worker_saves_on_all_and_a_relaunch_resumes_exactly(tmp_path):
+    """Preemption: SIGTERM to one worker reaches a sync point on every worker (JAX's
+    preemption sync manager over the supervisor's service); they save and exit 0, the
+    supervisor ends the job with 0, and launching the same command again resumes at the
+    saved step and ends where a failure-free run of the same program ends, bitwise."""
+    from helpers import child_env
+
+    steps = 16
+    train = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", str(steps),
+             "--checkpoint-every", "100", "--log-every", "4"]
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
+           "--heartbeat", "0.2", "--heartbeat-timeout", "3", "--max-restarts", "0", "--", *train, "--out", str(out)]
+    logs = []
+    for attempt in range(2):
+        logs.append(open(tmp_path / f"launch{attempt}.log", "wb"))
+        p = subprocess.Popen(cmd, env=child_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            if attempt == 0:
+                _wait(lambda: _past_n(run, 0, 5, 2), 180, "step 5", p)
+                os.kill(_processes(run)["workers"][str(random.randrange(2))], signal.SIGTERM)
+            rc = p.wait(timeout=180)
+        finally:
+            _kill_tree(p)
+            logs[-1].close()
+        text = (tmp_path / f"launch{attempt}.log").read_text(errors="replace")
+        assert rc == 0, text[-5000:]
+        if attempt == 0:
+            assert _processes(run)["status"] == "preempted" and not out.exists(), text[-3000:]
+            stopped = [int(line.split("after step ")[1].split(",")[0]) for line in text.splitlines()
+                       if "preempted: every worker stopped after step" in line]
+            assert len(stopped) == 2 and stopped[0] == stopped[1] and 5 <= stopped[0] < steps, text[-3000:]
+        else:
+            assert f"resumed at step {stopped[0]} (checkpoint)" in text, text[-3000:]
+    # the same program without the SIGTERM: bitwise
+    ref_run, ref_out = tmp_path / "ref", tmp_path / "ref.npz"
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir",
+           str(ref_run), "--max-restarts", "0", "--", *train, "--out", str(ref_out), "--quiet"]
+    p = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        assert p.wait(timeout=180) == 0
+    finally:
+        _kill_tree(p)
+    a, b = np.load(out, allow_pickle=False), np.load(ref_out, allow_pickle=False)
+    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def _past_n(run_dir, gen, step, n):
+    s = _steps(run_dir, gen)
+    return len(s) == n and all(v is not None and v >= step for v in s.values())

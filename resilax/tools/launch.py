@@ -45,6 +45,17 @@ from resilax._src.runtime.launched import LaunchEnv
 PROCESSES_JSON = "processes.json"
 
 
+def _die_with_parent():  # runs in the child between fork and exec
+    """Linux: the worker gets SIGKILL when the supervisor dies (even by SIGKILL), so no
+    worker outlives the process that owns its coordination service."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -173,7 +184,8 @@ class Supervisor:
                 jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
                 init_timeout_s=int(min(self.startup_timeout_s, 600)))
             proc = subprocess.Popen(self.cmd, env={**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"},
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             self.workers.append(_Worker(i, env, proc, self.run_dir / "logs" / f"g{g}.p{i}.log"))
         self._write_processes("running")
         _say(f"generation {g}: {self.n} workers x {self.k} devices, coordinator 127.0.0.1:{port}, pids "
@@ -262,6 +274,9 @@ class Supervisor:
                 t_end = time.time()
                 self.history.append({"generation": self.generation, "outcome": outcome, "why": why,
                                      "started": t_gen, "ended": t_end})
+                if outcome == "done" and any((w.heartbeat() or {}).get("phase") == "preempted" for w in self.workers):
+                    outcome = "term"  # SIGTERM reached a worker directly (not through this supervisor)
+                    self.history[-1]["outcome"] = outcome
                 if outcome in ("done", "term"):
                     self._stop_generation("generation ended")
                     self._write_processes("done" if outcome == "done" else "preempted")

@@ -165,6 +165,7 @@ def train(
         bar = _progress(steps, start_step, progress)
         loss = acc = float("nan")
         last_t, last_s = time.perf_counter(), step.step
+        preempted = False
         while step.step < steps:
             state, metrics = step(state, next(data))
             if step.step % log_every == 0 or step.step == steps:
@@ -173,13 +174,21 @@ def train(
                 step_s = (now - last_t) / max(step.step - last_s, 1)
                 last_t, last_s = now, step.step
                 bar(step.step, loss, acc, step_s)
-        if checkpoint_dir and (not checkpoint_every or steps % checkpoint_every):
+            if launched.preemption_point(step.step):  # SIGTERM reached some worker: all stop here
+                preempted = True
+                break
+        saved = bool(checkpoint_every) and step.step % checkpoint_every == 0  # the driver saved it already
+        if checkpoint_dir and not saved:
             step.save(state)
+        if preempted:
+            print(f"preempted: every worker stopped after step {step.step}, checkpoint saved; relaunch to resume",
+                  flush=True)
     wall = time.perf_counter() - t_start
-    if out:
+    if out and not preempted:
         write_state(out, state)
     summary = {
         "steps": step.step,
+        "preempted": preempted,
         "resumed_from": start_step,
         "checkpoint_step": next((e.step for e in step.events if e.kind == "restore"
                                  and e.fields.get("source") == "checkpoint"), None),

@@ -90,7 +90,7 @@ class _Heartbeat:
     def beat(self):
         rec = {"pid": os.getpid(), "generation": self.env.generation, "process_id": self.env.process_id,
                "t": time.time(), "phase": self.phase, "step": self.step, "step_t": self.step_t, "step_s": self.step_s}
-        tmp = f"{self.env.heartbeat_file}.tmp"
+        tmp = f"{self.env.heartbeat_file}.{threading.get_ident()}.tmp"  # the main thread beats too
         with open(tmp, "w") as f:
             f.write(json.dumps(rec))
         os.replace(tmp, self.env.heartbeat_file)
@@ -137,7 +137,7 @@ def initialize() -> LaunchEnv | None:
 def set_phase(phase: str) -> None:
     """``init``, ``step``, ``save``, ``close``: the supervisor's step deadline applies in ``step`` only."""
     hb = _state.get("hb")
-    if hb is not None:
+    if hb is not None and hb.phase != "preempted":  # the supervisor reads "preempted" after the exit
         hb.phase = phase
 
 
@@ -146,6 +146,23 @@ def progress(step: int, step_s: float | None) -> None:
     hb = _state.get("hb")
     if hb is not None:
         hb.step, hb.step_t, hb.step_s, hb.phase = int(step), time.time(), step_s, "step"
+
+
+def preemption_point(step: int) -> bool:
+    """True on every worker at the same step once any of them got SIGTERM (JAX's preemption
+    sync manager agrees on the step through the coordination service); call it after every
+    step, with the same step numbers on all workers. Records the phase ``preempted`` for
+    the supervisor when True. Always False outside `resilax launch`."""
+    hb = _state.get("hb")
+    if hb is None:
+        return False
+    from jax.experimental import multihost_utils
+
+    if not multihost_utils.reached_preemption_sync_point(int(step)):
+        return False
+    hb.phase = "preempted"
+    hb.beat()
+    return True
 
 
 def is_primary() -> bool:
