@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, mod, help_ in (
         ("replay", "bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
         ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
+        ("multiprocess", "bench_multiprocess", "a worker SIGKILLed under resilax launch: kill to resume by phase"),
     ):
         try:
             m = __import__(f"resilax.tools.{mod}", fromlist=["add_arguments", "run"])

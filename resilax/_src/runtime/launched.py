@@ -81,6 +81,8 @@ class _Heartbeat:
         self.step = None
         self.step_t = None
         self.step_s = None
+        self.joined_t = None  # wall clock: attached to the service
+        self.first_step_t = None  # wall clock: first step of this process completed
         self._stop = threading.Event()
         os.makedirs(os.path.dirname(e.heartbeat_file), exist_ok=True)
         self.beat()
@@ -89,7 +91,8 @@ class _Heartbeat:
 
     def beat(self):
         rec = {"pid": os.getpid(), "generation": self.env.generation, "process_id": self.env.process_id,
-               "t": time.time(), "phase": self.phase, "step": self.step, "step_t": self.step_t, "step_s": self.step_s}
+               "t": time.time(), "phase": self.phase, "step": self.step, "step_t": self.step_t, "step_s": self.step_s,
+               "joined_t": self.joined_t, "first_step_t": self.first_step_t}
         tmp = f"{self.env.heartbeat_file}.{threading.get_ident()}.tmp"  # the main thread beats too
         with open(tmp, "w") as f:
             f.write(json.dumps(rec))
@@ -130,6 +133,7 @@ def initialize() -> LaunchEnv | None:
                                   local_devices=e.devices_per_process,
                                   heartbeat_timeout_s=e.jax_heartbeat_timeout_s, init_timeout_s=e.init_timeout_s,
                                   collective_timeout_s=e.collective_timeout_s)
+        hb.joined_t = time.time()
         _state["env"], _state["hb"] = e, hb
         return e
 
@@ -145,7 +149,10 @@ def progress(step: int, step_s: float | None) -> None:
     """A step completed; ``step_s`` is the measured step time the deadline is derived from."""
     hb = _state.get("hb")
     if hb is not None:
-        hb.step, hb.step_t, hb.step_s, hb.phase = int(step), time.time(), step_s, "step"
+        now = time.time()
+        hb.step, hb.step_t, hb.step_s, hb.phase = int(step), now, step_s, "step"
+        if hb.first_step_t is None:
+            hb.first_step_t = now
 
 
 def preemption_point(step: int) -> bool:
