@@ -36,10 +36,12 @@ import signal
 import socket
 import subprocess
 import sys
+import shutil
 import threading
 import time
 
 from resilax._src.io import write_json
+from resilax._src.protect import hoststore
 from resilax._src.runtime.launched import LaunchEnv
 
 PROCESSES_JSON = "processes.json"
@@ -129,7 +131,8 @@ class Supervisor:
     def __init__(self, cmd, *, n: int, devices_per_process: int, run_dir, max_restarts: int = 3,
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, step_deadline_factor: float = 20.0,
                  min_step_deadline_s: float = 30.0, collective_timeout_s: int | None = None,
-                 startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 10, grace_s: float = 60.0):
+                 startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 10, grace_s: float = 60.0,
+                 host_store_every: int = 1):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if n < 1 or devices_per_process < 1:
@@ -151,10 +154,14 @@ class Supervisor:
         self.startup_timeout_s = startup_timeout_s
         self.jax_heartbeat_timeout_s = jax_heartbeat_timeout_s
         self.grace_s = grace_s
+        self.host_store_every = host_store_every
+        self.store_root: pathlib.Path | None = None
+        self.store_step: int | None = None
         self.generation = -1
         self.workers: list[_Worker] = []
         self.history: list[dict] = []
         self._term: int | None = None
+        self._dead_process: int | None = None
         self._service = None
 
     # ------------------------------------------------------------------ files
@@ -182,7 +189,9 @@ class Supervisor:
                 devices_per_process=self.k, run_dir=str(self.run_dir),
                 heartbeat_file=str(self.run_dir / "heartbeats" / f"g{g}.p{i}.json"), heartbeat_s=self.heartbeat_s,
                 jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
-                init_timeout_s=int(min(self.startup_timeout_s, 600)))
+                init_timeout_s=int(min(self.startup_timeout_s, 600)),
+                host_store=str(self.store_root or ""), host_store_every=self.host_store_every,
+                host_store_step=-1 if self.store_step is None else self.store_step)
             proc = subprocess.Popen(self.cmd, env={**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"},
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -231,6 +240,7 @@ class Supervisor:
     def _watch(self) -> tuple[str, int, str]:
         """Polls the generation until it ends: ("done", 0, ""), ("failed", rc, why) or ("term", rc, "")."""
         forwarded = None
+        self._dead_process = None
         while True:
             now = time.time()
             if self._term is not None and forwarded is None:
@@ -254,6 +264,7 @@ class Supervisor:
                             pass
                         w.rc = w.proc.returncode
                     why = w.killed_for or why
+                    self._dead_process = w.process_id
                     return "failed", (w.rc if w.rc and w.rc > 0 else 1), f"process {w.process_id} (pid {w.proc.pid}) {why}"
             if all(w.proc.poll() == 0 for w in self.workers):
                 return ("term" if forwarded else "done"), 0, ""
@@ -264,6 +275,8 @@ class Supervisor:
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.host_store_every:
+            self._make_store()
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         rc = 1
         try:
@@ -285,6 +298,11 @@ class Supervisor:
                     return 0
                 _say(f"generation {self.generation} failed: {why}; stopping the other workers")
                 self._stop_generation("another worker of its generation died")
+                self._lose_host_store(self._dead_process)
+                if self.store_root is not None:
+                    self.store_step = hoststore.restorable_step(self.store_root, self.n)
+                    _say(f"host stores hold every process's shards up to step {self.store_step}"
+                         if self.store_step is not None else "host stores hold no complete step")
                 if self._term is not None:
                     self._write_processes("failed")
                     return rc
@@ -301,7 +319,25 @@ class Supervisor:
                 self._service = None
             for s, h in old.items():
                 signal.signal(s, h)
+            if self.store_root is not None:
+                shutil.rmtree(self.store_root, ignore_errors=True)
             write_json(self.run_dir / "launch_history.json", {"generations": self.history})
+
+    # ------------------------------------------------------------------ host state store
+    def _make_store(self):
+        """One directory per host, in RAM (/dev/shm) where there is one; the supervisor owns them."""
+        base = pathlib.Path("/dev/shm") if os.path.isdir("/dev/shm") else self.run_dir
+        self.store_root = base / f"resilax-store-{os.getpid()}-{time.time_ns()}"
+        for i in range(self.n):
+            (self.store_root / f"host{i}").mkdir(parents=True)
+
+    def _lose_host_store(self, process_id):
+        """Honest emulation: the host of a dead worker lost its memory, so its store is gone."""
+        if self.store_root is None or process_id is None:
+            return
+        shutil.rmtree(self.store_root / f"host{process_id}", ignore_errors=True)
+        (self.store_root / f"host{process_id}").mkdir(parents=True, exist_ok=True)
+        _say(f"host {process_id}'s state store deleted with its worker")
 
     def _on_signal(self, signum, frame):
         self._term = signum
@@ -324,6 +360,9 @@ def register_cli(sub) -> None:
     p.add_argument("--collective-timeout", type=int, default=None, metavar="S",
                    help="XLA CPU collective timeout in the workers (default: half of --min-step-deadline)")
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    p.add_argument("--host-store-every", type=int, default=1, metavar="K",
+                   help="workers copy their shards to the host state store (RAM, mirrored to the next host) every K "
+                        "steps; a new generation restores from there (0: off, restore from checkpoints only)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     p.set_defaults(func=_cmd_launch)
 
@@ -337,7 +376,7 @@ def _cmd_launch(args) -> int:
                          max_restarts=args.max_restarts, heartbeat_s=args.heartbeat,
                          heartbeat_timeout_s=args.heartbeat_timeout, step_deadline_factor=args.step_deadline_factor,
                          min_step_deadline_s=args.min_step_deadline, collective_timeout_s=args.collective_timeout,
-                         startup_timeout_s=args.startup_timeout)
+                         startup_timeout_s=args.startup_timeout, host_store_every=args.host_store_every)
     except ValueError as e:
         print(f"resilax: error: {e}", file=sys.stderr)
         return 2

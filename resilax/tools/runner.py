@@ -161,6 +161,9 @@ def train(
         if start_step:
             replayed = [e for e in step.events if e.kind == "replay"]
             how = f" (checkpoint + {replayed[-1].fields['steps']} steps replayed from the log)" if replayed else " (checkpoint)"
+            hs = [e for e in step.events if e.kind == "restore" and e.fields.get("source") == "host_store"]
+            if hs:
+                how = f" (host store: {hs[-1].fields['copy']}; checkpoint was step {hs[-1].fields['from_step']})"
             print(f"resumed at step {start_step}{how}, data position restored", flush=True)
         bar = _progress(steps, start_step, progress)
         loss = acc = float("nan")

@@ -39,6 +39,9 @@ class LaunchEnv:
     jax_heartbeat_timeout_s: int
     collective_timeout_s: int
     init_timeout_s: int
+    host_store: str = ""  # the supervisor's host state store root ("": none)
+    host_store_step: int = -1  # the newest step every process can restore from it (-1: none)
+    host_store_every: int = 1
 
     def to_env(self) -> dict[str, str]:
         return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -51,6 +54,9 @@ class LaunchEnv:
         kw = {}
         for f in dataclasses.fields(cls):
             key = ENV_PREFIX + f.name.upper()
+            if key not in environ and f.default is not dataclasses.MISSING:
+                kw[f.name] = f.default
+                continue
             if key not in environ:
                 from resilax._src.errors import ResilaxError
 
@@ -63,7 +69,9 @@ class LaunchEnv:
                    devices_per_process=int(kw["devices_per_process"]), run_dir=kw["run_dir"],
                    heartbeat_file=kw["heartbeat_file"], heartbeat_s=float(kw["heartbeat_s"]),
                    jax_heartbeat_timeout_s=int(kw["jax_heartbeat_timeout_s"]),
-                   collective_timeout_s=int(kw["collective_timeout_s"]), init_timeout_s=int(kw["init_timeout_s"]))
+                   collective_timeout_s=int(kw["collective_timeout_s"]), init_timeout_s=int(kw["init_timeout_s"]),
+                   host_store=str(kw["host_store"]), host_store_step=int(kw["host_store_step"]),
+                   host_store_every=int(kw["host_store_every"]))
 
 
 def env() -> LaunchEnv | None:
@@ -170,6 +178,21 @@ def preemption_point(step: int) -> bool:
     hb.phase = "preempted"
     hb.beat()
     return True
+
+
+def agree(ok: bool, what: str) -> bool:
+    """True when every worker of this generation passed ``ok=True`` for ``what`` (through
+    the coordination service's key-value store; waits up to the init timeout)."""
+    e = _state.get("env")
+    if e is None:
+        return ok
+    from resilax._src.runtime import jaxdist
+
+    c = jaxdist.client()
+    prefix = f"resilax/agree/g{e.generation}/{what}"
+    c.key_value_set(f"{prefix}/{e.process_id}", "1" if ok else "0")
+    votes = [c.blocking_key_value_get(f"{prefix}/{i}", e.init_timeout_s * 1000) for i in range(e.num_processes)]
+    return all(v == "1" for v in votes)
 
 
 def is_primary() -> bool:

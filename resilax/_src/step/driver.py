@@ -24,6 +24,7 @@ from resilax._src.errors import ReplayLogError, ResilaxError, StateLostError, Wr
 from resilax._src.events import Event, event
 from resilax._src.protect import anomaly as _anomaly
 from resilax._src.protect import base as _base
+from resilax._src.protect import hoststore as _hoststore
 from resilax._src.protect import planner as _planner
 from resilax._src.protect import ring as _ring
 from resilax._src.protect.checkpoint import decode_data_state, encode_data_state
@@ -218,7 +219,10 @@ class ResilientStep:
         peers = Peers(cfg.peers) if cfg.peers is not None and self.topology.num_domains > 1 else None
         # after_step order: the log records the step, peers snapshot it (and tell the log),
         # the watcher reads the previous verdict; checkpoints are saved by the driver.
-        self._protections = [p for p in (self._log, peers, self._watch, self._ckpt) if p is not None]
+        job = launched.env()
+        store = (_hoststore.HostStore(job.host_store, job.process_id, job.num_processes, job.host_store_every)
+                 if job is not None and job.host_store else None)
+        self._protections = [p for p in (self._log, peers, self._watch, store, self._ckpt) if p is not None]
         self._peers = peers
         restored = None
         if self._ckpt is not None:
@@ -240,6 +244,9 @@ class ResilientStep:
             state = _sh.place_copy(state, self._state_sh)
         self._data_pos = encode_data_state(data.get_state()) if data is not None else None
         state = self._resume_from_disk(state)
+        if store is not None:  # under `resilax launch`: the other hosts' copies may be newer than the checkpoint
+            state = _hoststore.resume(self, store, state, job.host_store_step if job.host_store_step >= 0 else None,
+                                      lambda ok: launched.agree(ok, f"host_store/{job.host_store_step}"))
         self.live = state
         if self.program is not None:
             self._start_protections(state)
