@@ -13,11 +13,12 @@ restored worker's events:
   loading executables from the persistent cache, the step itself);
 - ``replay``: redoing the steps between the checkpoint and the step reached at the kill.
 
-``kill_to_resume_s`` is the kill -> the job is back at the step it had reached. The only
-recovery path built so far is the new generation restoring the checkpoint (path B), so
-``restart_kill_to_resume_s`` and ``restart_lost_steps`` are that same measurement, and
-``recovery_path`` says so. ``final_max_rel_diff`` compares the final state with a
-failure-free single-process run of the same topology.
+``kill_to_resume_s`` is the kill -> the job is back at the step it had reached. The run
+is done twice in one invocation: with the host state store (the new generation restores
+every shard from the hosts' stores, the dead host's from its neighbour's mirror) and with
+``--host-store-every 0`` (relaunch + the newest Orbax checkpoint: ``restart_*``).
+``final_max_rel_diff`` compares the final state with a failure-free single-process run
+of the same topology.
 """
 
 from __future__ import annotations
@@ -85,30 +86,14 @@ def _rel_diff(a, b) -> float:
     return worst
 
 
-def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=40, checkpoint_every=5,
-                       kill_after=12, seed=None, workdir=None) -> dict:
-    import numpy as np
-
-    rng = random.Random(seed)
-    own = workdir is None
-    work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mp-"))
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, kill_after, rng, store_every,
+                   ref) -> dict:
+    """One launch; SIGKILL one random worker once every worker is past ``kill_after``."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
-    train = ["resilax", "train", "--topology", topology, "--layout", "sharded", "--steps", str(steps),
-             "--checkpoint-every", str(checkpoint_every), "--log-every", "10"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    print(f"[1/2] failure-free single-process reference: {topology}, {steps} steps", flush=True)
-    ref = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--quiet", "--checkpoint-dir",
-                          str(work / "ref_ck"), "--out", str(work / "ref.npz")], env=env, timeout=600,
-                         capture_output=True, text=True)
-    if ref.returncode:
-        raise RuntimeError(f"resilax bench multiprocess: the reference run failed:\n{ref.stderr[-3000:]}")
-    print(f"[2/2] resilax launch -n {n} --devices-per-process {devices_per_process}: SIGKILL a random worker past "
-          f"step {kill_after}", flush=True)
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", str(n), "--devices-per-process", str(devices_per_process),
-           "--run-dir", str(run), "--heartbeat", "0.1", "--heartbeat-timeout", "3", "--max-restarts", "2", "--",
-           *train, "--out", str(out), "--summary", str(summ)]
+           "--run-dir", str(run), "--heartbeat", "0.1", "--heartbeat-timeout", "3", "--max-restarts", "2",
+           "--host-store-every", str(store_every), "--", *train, "--out", str(out), "--summary", str(summ)]
     log = open(work / "launch.log", "wb")
     p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -138,25 +123,58 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         raise RuntimeError(f"resilax bench multiprocess: the launcher exited with {rc}; see {work / 'launch.log'}")
     hist = json.loads((run / "launch_history.json").read_text())["generations"]
     events = json.loads(summ.read_text())["events"]
-    restore = next(e for e in events if e["kind"] == "restore")
-    restored_step = restore["step"]
+    restore = [e for e in events if e["kind"] == "restore"]
+    restored_step = restore[-1]["step"]
+    restore_s = sum(float(e["seconds"]) for e in restore)
     noticed = hist[0]["ended"]
-    restore_s = float(restore["seconds"])
-    phases = {"detect": noticed - t_kill, "agree": joined_t - noticed, "restore": restore_s,
-              "compile": max(0.0, first_t - joined_t - restore_s), "replay": t_resume - first_t}
-    final = np.load(out, allow_pickle=False)
-    result = {
+    import numpy as np
+
+    return {
         "kill_to_resume_s": t_resume - t_kill,
-        "phases": phases,
+        "phases": {"detect": noticed - t_kill, "agree": joined_t - noticed, "restore": restore_s,
+                   "compile": max(0.0, first_t - joined_t - restore_s), "replay": t_resume - first_t},
         "lost_steps": kill_step - restored_step,
-        "final_max_rel_diff": _rel_diff(final, np.load(work / "ref.npz", allow_pickle=False)),
-        "restart_kill_to_resume_s": t_resume - t_kill,
-        "restart_lost_steps": kill_step - restored_step,
-        "recovery_path": "new generation restoring the newest Orbax checkpoint (path B): the only path built so far, "
-                         "so the restart_* keys are the same measurement; host-store and shrink-in-place recovery "
-                         "are not built yet",
+        "final_max_rel_diff": _rel_diff(np.load(out, allow_pickle=False), ref),
         "killed_process": victim, "kill_step": kill_step, "restored_step": restored_step,
-        "detected_as": hist[0]["why"], "generations": len(hist),
+        "restored_from": [e["source"] for e in restore], "detected_as": hist[0]["why"],
+    }
+
+
+def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=40, checkpoint_every=5,
+                       kill_after=12, seed=None, workdir=None) -> dict:
+    import numpy as np
+
+    rng = random.Random(seed)
+    own = workdir is None
+    work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mp-"))
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    train = ["resilax", "train", "--topology", topology, "--layout", "sharded", "--steps", str(steps),
+             "--checkpoint-every", str(checkpoint_every), "--log-every", "10"]
+    print(f"[1/3] failure-free single-process reference: {topology}, {steps} steps", flush=True)
+    r = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--quiet", "--checkpoint-dir",
+                        str(work / "ref_ck"), "--out", str(work / "ref.npz")], env=dict(os.environ), timeout=600,
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"resilax bench multiprocess: the reference run failed:\n{r.stderr[-3000:]}")
+    ref = np.load(work / "ref.npz", allow_pickle=False)
+    common = dict(n=n, devices_per_process=devices_per_process, kill_after=kill_after, ref=ref)
+    print(f"[2/3] resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every step): "
+          f"SIGKILL a random worker past step {kill_after}", flush=True)
+    (work / "store").mkdir()
+    a = _kill_and_time(work / "store", train, rng=random.Random(rng.random()), store_every=1, **common)
+    print(f"[3/3] the same kill with --host-store-every 0: relaunch + Orbax checkpoint restore", flush=True)
+    (work / "restart").mkdir()
+    b = _kill_and_time(work / "restart", train, rng=random.Random(rng.random()), store_every=0, **common)
+    result = {
+        "kill_to_resume_s": a["kill_to_resume_s"], "phases": a["phases"], "lost_steps": a["lost_steps"],
+        "final_max_rel_diff": a["final_max_rel_diff"],
+        "restart_kill_to_resume_s": b["kill_to_resume_s"], "restart_lost_steps": b["lost_steps"],
+        "restart_phases": b["phases"], "restart_final_max_rel_diff": b["final_max_rel_diff"],
+        "recovery_path": "new generation on a fresh coordination service restoring from the host state stores "
+                         "(dead host's shards from its ring neighbour's mirror); restart_*: the same with the "
+                         "stores off (newest Orbax checkpoint)",
+        "host_store_run": a, "restart_run": b,
         "setup": {"processes": n, "devices_per_process": devices_per_process, "topology": topology, "steps": steps,
                   "checkpoint_every": checkpoint_every, "cpu_count": os.cpu_count()},
     }
@@ -169,13 +187,16 @@ def run(args) -> int:
     r = bench_multiprocess(n=args.n, devices_per_process=args.devices_per_process, topology=args.topology,
                            steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
                            seed=args.seed, workdir=args.workdir)
-    print(f"\n{'kill -> resume':<28}{r['kill_to_resume_s']:8.2f} s  (process {r['killed_process']} SIGKILLed at "
-          f"step {r['kill_step']}, checkpoint {r['restored_step']} restored)")
-    for k, v in r["phases"].items():
-        print(f"  {k:<26}{v:8.2f} s")
-    print(f"{'lost steps (recomputed)':<28}{r['lost_steps']:8d}")
-    print(f"{'final max rel diff':<28}{r['final_max_rel_diff']:8.1e}  (vs failure-free single-process run)")
-    print(f"recovery path: {r['recovery_path']}")
+    print(f"\n{'':<28}{'host store':>12}{'restart':>12}")
+    a, b = r["host_store_run"], r["restart_run"]
+    print(f"{'kill -> resume (s)':<28}{a['kill_to_resume_s']:12.2f}{b['kill_to_resume_s']:12.2f}")
+    for k in a["phases"]:
+        print(f"  {k:<26}{a['phases'][k]:12.2f}{b['phases'][k]:12.2f}")
+    print(f"{'killed at step':<28}{a['kill_step']:12d}{b['kill_step']:12d}")
+    print(f"{'restored step':<28}{a['restored_step']:12d}{b['restored_step']:12d}")
+    print(f"{'lost steps':<28}{a['lost_steps']:12d}{b['lost_steps']:12d}")
+    print(f"{'final max rel diff':<28}{a['final_max_rel_diff']:12.1e}{b['final_max_rel_diff']:12.1e}"
+          f"  (vs failure-free single-process run)")
     if args.json:
         write_json(args.json, r)
         print(f"wrote {args.json}")

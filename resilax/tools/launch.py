@@ -45,6 +45,7 @@ from resilax._src.protect import hoststore
 from resilax._src.runtime.launched import LaunchEnv
 
 PROCESSES_JSON = "processes.json"
+_STOPPED = "another worker of its generation died"
 
 
 def _die_with_parent():  # runs in the child between fork and exec
@@ -297,8 +298,12 @@ class Supervisor:
                          + (" after SIGTERM (preempted; relaunch to resume)" if outcome == "term" else ""))
                     return 0
                 _say(f"generation {self.generation} failed: {why}; stopping the other workers")
-                self._stop_generation("another worker of its generation died")
-                self._lose_host_store(self._dead_process)
+                self._stop_generation(_STOPPED)
+                # every worker that died on its own or was killed as hung lost its host
+                # (two killed at once: both); the ones this supervisor stopped did not
+                for w in self.workers:
+                    if w.process_id == self._dead_process or (w.proc.returncode != 0 and w.killed_for != _STOPPED):
+                        self._lose_host_store(w.process_id)
                 if self.store_root is not None:
                     self.store_step = hoststore.restorable_step(self.store_root, self.n)
                     _say(f"host stores hold every process's shards up to step {self.store_step}"
