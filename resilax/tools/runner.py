@@ -163,7 +163,8 @@ def train(
             how = f" (checkpoint + {replayed[-1].fields['steps']} steps replayed from the log)" if replayed else " (checkpoint)"
             hs = [e for e in step.events if e.kind == "restore" and e.fields.get("source") == "host_store"]
             if hs:
-                how = f" (host store: {hs[-1].fields['copy']}; checkpoint was step {hs[-1].fields['from_step']})"
+                ck = step.checkpoints.steps() if step.checkpoints else []
+                how = f" (host store: {hs[-1].fields['copy']}; newest checkpoint: {ck[-1] if ck else None})"
             print(f"resumed at step {start_step}{how}, data position restored", flush=True)
         bar = _progress(steps, start_step, progress)
         loss = acc = float("nan")

@@ -225,7 +225,16 @@ class ResilientStep:
         self._protections = [p for p in (self._log, peers, self._watch, store, self._ckpt) if p is not None]
         self._peers = peers
         restored = None
-        if self._ckpt is not None:
+        from_store = False
+        want = job.host_store_step if store is not None and job.host_store_step >= 0 else None
+        if want is not None and not (self._ckpt is not None and max(self._ckpt.store.steps(), default=-1) > want):
+            # under `resilax launch`: the hosts' copies first (newer than any checkpoint, which
+            # would only be read to be thrown away); every process takes the same branch
+            placed = _hoststore.resume(self, store, _sh.place_copy(state, self._state_sh), want,
+                                       lambda ok: launched.agree(ok, f"host_store/{want}"))
+            if self.step == want:
+                state, from_store = placed, True
+        if self._ckpt is not None and not from_store:
             t0 = time.perf_counter()
             abstract = self._ckpt.tree(_sh.abstract(state, self._state_sh), self._abstract_guard(self.mesh))
             with self.goodput_recorder.span("checkpoint_restore"):
@@ -240,13 +249,10 @@ class ResilientStep:
                 self.guard = restored.state.get("guard")
                 if self._log is not None:
                     self._log.checkpointed(restored.step)
-        if restored is None:
+        if restored is None and not from_store:
             state = _sh.place_copy(state, self._state_sh)
         self._data_pos = encode_data_state(data.get_state()) if data is not None else None
         state = self._resume_from_disk(state)
-        if store is not None:  # under `resilax launch`: the other hosts' copies may be newer than the checkpoint
-            state = _hoststore.resume(self, store, state, job.host_store_step if job.host_store_step >= 0 else None,
-                                      lambda ok: launched.agree(ok, f"host_store/{job.host_store_step}"))
         self.live = state
         if self.program is not None:
             self._start_protections(state)
