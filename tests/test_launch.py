@@ -228,11 +228,14 @@ def test_jax_assumptions_hold_and_a_broken_one_is_named(monkeypatch):
         jaxdist.check()
 
 
-def test_sigterm_to_one_worker_saves_on_all_and_a_relaunch_resumes_exactly(tmp_path):
-    """Preemption: SIGTERM to one worker reaches a sync point on every worker (JAX's
-    preemption sync manager over the supervisor's service); they save and exit 0, the
-    supervisor ends the job with 0, and launching the same command again resumes at the
-    saved step and ends where a failure-free run of the same program ends, bitwise."""
+def test_hung_worker_then_sigterm_to_one_worker_then_relaunch_resumes_exactly(tmp_path):
+    """A worker whose main thread hangs after step 5 (its heartbeat thread lives on, the
+    others wait in step 6's collective) is found by the step deadline and killed; the next
+    generation resumes from the host stores. Then preemption: SIGTERM to one worker reaches
+    a sync point on every worker (JAX's preemption sync manager over the supervisor's
+    service); they save and exit 0, the supervisor ends the job with 0, and launching the
+    same command again resumes at the saved step and ends where a failure-free run of the
+    same program ends, bitwise."""
     from helpers import child_env
 
     steps = 16
@@ -240,14 +243,16 @@ def test_sigterm_to_one_worker_saves_on_all_and_a_relaunch_resumes_exactly(tmp_p
              "--checkpoint-every", "100", "--log-every", "4"]
     run, out = tmp_path / "run", tmp_path / "final.npz"
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
-           "--heartbeat", "0.2", "--heartbeat-timeout", "3", "--max-restarts", "0", "--", *train, "--out", str(out)]
+           "--heartbeat", "0.2", "--heartbeat-timeout", "3", "--min-step-deadline", "10", "--step-deadline-factor", "5",
+           "--max-restarts", "1", "--", *train, "--out", str(out), "--fault", "hang@5:after_step/1"]
     logs = []
     for attempt in range(2):
         logs.append(open(tmp_path / f"launch{attempt}.log", "wb"))
         p = subprocess.Popen(cmd, env=child_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
         try:
             if attempt == 0:
-                _wait(lambda: _past_n(run, 0, 5, 2), 180, "step 5", p)
+                _wait(lambda: _running(run, 1, n=2), 120, "generation 1 (after the hang)", p)
+                _wait(lambda: _past_n(run, 1, 8, 2), 180, "step 8", p)
                 os.kill(_processes(run)["workers"][str(random.randrange(2))], signal.SIGTERM)
             rc = p.wait(timeout=180)
         finally:
@@ -257,9 +262,13 @@ def test_sigterm_to_one_worker_saves_on_all_and_a_relaunch_resumes_exactly(tmp_p
         assert rc == 0, text[-5000:]
         if attempt == 0:
             assert _processes(run)["status"] == "preempted" and not out.exists(), text[-3000:]
+            hist = json.loads((run / "launch_history.json").read_text())["generations"]
+            assert [g["outcome"] for g in hist] == ["failed", "term"], hist
+            assert "process 1 " in hist[0]["why"] and "hung: never started step 6" in hist[0]["why"], hist
+            assert [ln for ln in text.splitlines() if "resumed at step 5 (host store" in ln], text[-3000:]
             stopped = [int(line.split("after step ")[1].split(",")[0]) for line in text.splitlines()
                        if "preempted: every worker stopped after step" in line]
-            assert len(stopped) == 2 and stopped[0] == stopped[1] and 5 <= stopped[0] < steps, text[-3000:]
+            assert len(stopped) == 2 and stopped[0] == stopped[1] and 8 <= stopped[0] < steps, text[-3000:]
         else:
             assert f"resumed at step {stopped[0]} (checkpoint)" in text, text[-3000:]
     # the same program without the SIGTERM: bitwise

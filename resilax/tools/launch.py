@@ -238,6 +238,18 @@ class Supervisor:
                         f"{deadline:.1f} s: max(--min-step-deadline, {self.factor:g} x {hb['step_s'] * 1e3:.1f} ms))")
         return None
 
+    def _culprit(self, w: "_Worker", why: str) -> tuple["_Worker", str]:
+        """Past the step deadline every worker waiting in a collective looks hung; the one
+        that never started the step the others are in is the cause (ties: ``w``)."""
+        started = {x.process_id: (x.heartbeat() or {}).get("started") for x in self.workers}
+        known = [s for s in started.values() if s is not None]
+        if len(known) == len(self.workers) and min(known) < max(known):
+            lag = min(self.workers, key=lambda x: started[x.process_id])
+            if lag.proc.poll() is None:
+                return lag, (f"hung: never started step {max(known)}, which the other workers are waiting in "
+                             f"(it is at step {started[lag.process_id]}; process {w.process_id} {why})")
+        return w, why
+
     def _watch(self) -> tuple[str, int, str]:
         """Polls the generation until it ends: ("done", 0, ""), ("failed", rc, why) or ("term", rc, "")."""
         forwarded = None
@@ -256,6 +268,10 @@ class Supervisor:
                             pass
             for w in self.workers:
                 why = self._check(w, now)
+                if why is not None and (why.startswith("hung: no step") or (w.rc or 0) > 0):
+                    # past the deadline the workers waiting in a collective look hung too, and
+                    # with the collective timeout below the deadline they fail first (exit 1)
+                    w, why = self._culprit(w, why)
                 if why is not None:
                     if w.proc.poll() is None:
                         w.kill(why)
@@ -299,10 +315,11 @@ class Supervisor:
                     return 0
                 _say(f"generation {self.generation} failed: {why}; stopping the other workers")
                 self._stop_generation(_STOPPED)
-                # every worker that died on its own or was killed as hung lost its host
-                # (two killed at once: both); the ones this supervisor stopped did not
+                # a worker killed by a signal it did not get from this supervisor (two killed
+                # at once: both), or killed as hung, lost its host; one that exited with an
+                # error (a collective timed out) or that this supervisor stopped did not
                 for w in self.workers:
-                    if w.process_id == self._dead_process or (w.proc.returncode != 0 and w.killed_for != _STOPPED):
+                    if w.process_id == self._dead_process or ((w.proc.returncode or 0) < 0 and w.killed_for is None):
                         self._lose_host_store(w.process_id)
                 if self.store_root is not None:
                     self.store_step = hoststore.restorable_step(self.store_root, self.n)

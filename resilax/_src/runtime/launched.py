@@ -91,6 +91,7 @@ class _Heartbeat:
         self.step_s = None
         self.joined_t = None  # wall clock: attached to the service
         self.first_step_t = None  # wall clock: first step of this process completed
+        self.started = None  # the step being computed
         self._stop = threading.Event()
         os.makedirs(os.path.dirname(e.heartbeat_file), exist_ok=True)
         self.beat()
@@ -100,7 +101,7 @@ class _Heartbeat:
     def beat(self):
         rec = {"pid": os.getpid(), "generation": self.env.generation, "process_id": self.env.process_id,
                "t": time.time(), "phase": self.phase, "step": self.step, "step_t": self.step_t, "step_s": self.step_s,
-               "joined_t": self.joined_t, "first_step_t": self.first_step_t}
+               "joined_t": self.joined_t, "first_step_t": self.first_step_t, "started": self.started}
         tmp = f"{self.env.heartbeat_file}.{threading.get_ident()}.tmp"  # the main thread beats too
         with open(tmp, "w") as f:
             f.write(json.dumps(rec))
@@ -153,6 +154,14 @@ def set_phase(phase: str) -> None:
         hb.phase = phase
 
 
+def step_started(step: int) -> None:
+    """Step ``step`` (1-based: the step that will complete it) is being dispatched. When
+    workers are stuck, the one that never started the step the others wait in is the hung one."""
+    hb = _state.get("hb")
+    if hb is not None:
+        hb.started = int(step)
+
+
 def progress(step: int, step_s: float | None) -> None:
     """A step completed; ``step_s`` is the measured step time the deadline is derived from."""
     hb = _state.get("hb")
@@ -193,6 +202,19 @@ def agree(ok: bool, what: str) -> bool:
     c.key_value_set(f"{prefix}/{e.process_id}", "1" if ok else "0")
     votes = [c.blocking_key_value_get(f"{prefix}/{i}", e.init_timeout_s * 1000) for i in range(e.num_processes)]
     return all(v == "1" for v in votes)
+
+
+def barrier(name: str) -> None:
+    """Every worker of this generation waits here (a coordination-service barrier, not an XLA
+    collective: its timeout is the init timeout, not the short collective timeout). Used
+    before the first step: a worker still compiling must not make the others' first
+    collective time out."""
+    e = _state.get("env")
+    if e is None:
+        return
+    from resilax._src.runtime import jaxdist
+
+    jaxdist.client().wait_at_barrier(f"resilax/g{e.generation}/{name}", e.init_timeout_s * 1000)
 
 
 def is_primary() -> bool:

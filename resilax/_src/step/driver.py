@@ -394,6 +394,7 @@ class ResilientStep:
             self.program = self._first_program(abstract_batch)
             self._start_protections(self.live)
             self._compile_ahead()
+            launched.barrier("compiled")  # no worker enters the first collective while another still compiles
         elif jax.tree.structure(abstract_batch) != jax.tree.structure(self.program.spec.abstract_batch) or any(
                 a.shape != b.shape or a.dtype != b.dtype for a, b in
                 zip(jax.tree.leaves(abstract_batch), jax.tree.leaves(self.program.spec.abstract_batch))):
@@ -401,6 +402,7 @@ class ResilientStep:
                 f"resilax.ResilientStep: every batch must have the first batch's structure, shapes and dtypes "
                 f"(the compiled step and the record log depend on them), but got {abstract_batch} after "
                 f"{self.program.spec.abstract_batch}")
+        launched.step_started(self.step + 1)  # the supervisor tells a hung worker from the ones waiting on it
         self._fire("before_step")
         k = self.step
         prog = self.program
