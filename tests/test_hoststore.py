@@ -83,3 +83,21 @@ def test_resume_keeps_the_checkpoint_state_unless_every_process_agrees(tmp_path,
     assert run.step == 5 and run.events[-1][0] == "restore" and run.events[-1][2]["source"] == "host_store"
     assert np.array_equal(np.asarray(out["w"]), np.asarray(_run(5, mesh).live["w"]))
     assert out["w"].sharding == before["w"].sharding
+
+
+def test_a_restored_state_is_stored_again_at_once(tmp_path, mesh):
+    """A second death right after a recovery must not find the first dead host's copies
+    gone: resume (and start, after a checkpoint restore) write the restored step back."""
+    import shutil
+
+    a = hs.HostStore(str(tmp_path / "a"), 0, 2)
+    a.after_step(_run(5, mesh), None)
+    shutil.rmtree(tmp_path / "a" / "host0")  # host 0 died: its shards live on in host 1's mirror
+    run = _run(2, mesh)
+    hs.resume(run, a, run.live, 5, agree=lambda ok: ok)
+    assert run.step == 5 and hs.committed_steps(tmp_path / "a" / "host0" / "own") == [5]
+    b = hs.HostStore(str(tmp_path / "b"), 1, 2)
+    run = _run(3, mesh)
+    b.start(run, run.live)  # e.g. after a checkpoint restore at step 3
+    assert hs.committed_steps(tmp_path / "b" / "host1" / "own") == [3]
+    assert hs.committed_steps(tmp_path / "b" / "host0" / "mirror") == [3]

@@ -126,8 +126,18 @@ class HostStore(base.Protection):
     def after_step(self, run, rec) -> None:
         if run.step % self.every:
             return
+        self.write(run.step, run.live, run.guard, run._data_pos)
+
+    def start(self, run, state) -> None:
+        """Re-protects a restored state at once (own host and the neighbour's mirror): until
+        this generation's first stored step, a second death would otherwise find the dead
+        hosts' copies gone and fall back to the checkpoint."""
+        if run.step > 0 and run.step not in committed_steps(self._targets()[0]):
+            self.write(run.step, state, run.guard, run._data_pos)
+
+    def write(self, step: int, state, guard, data_pos) -> None:
         t0 = time.perf_counter()
-        leaves = jax.tree.leaves((run.live, run.guard))
+        leaves = jax.tree.leaves((state, guard))
         arrays = {}
         for i, x in enumerate(leaves):
             for s in x.addressable_shards:
@@ -135,7 +145,7 @@ class HostStore(base.Protection):
                 if k not in arrays:  # a replicated leaf: one copy per index is enough
                     arrays[k] = np.array(s.data, copy=True)
         for d in self._targets():
-            _write(d, run.step, arrays, run._data_pos, len(leaves))
+            _write(d, step, arrays, data_pos, len(leaves))
         self.seconds.append(time.perf_counter() - t0)
 
     def restore(self, step: int, abstract_leaves, shardings):
@@ -185,6 +195,7 @@ def resume(run, store: HostStore, state, step: int | None, agree):
         run.data.set_state(decode_data_state(meta["data_state"]))
     run._data_pos = meta.get("data_state")
     from_step, run.step, run.guard = run.step, step, guard
+    store.write(step, state, guard, run._data_pos)  # re-protected before anything else can fail
     run.event("restore", step, source="host_store", copy=source, from_step=from_step,
               seconds=time.perf_counter() - t0)
     return state
