@@ -15,7 +15,9 @@ def _cmd_train(args) -> int:
         log_every=args.log_every, progress=not args.quiet, log=not args.no_log, log_mode=args.log_mode,
         peers=not args.no_peers, peers_every=args.peers_every, anomaly=not args.no_anomaly, layout=args.layout,
     )
-    if args.summary:
+    from resilax._src.runtime import launched
+
+    if args.summary and launched.is_primary():  # one summary per job, from process 0
         from resilax._src.io import write_json
 
         write_json(args.summary, summary)
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, mod, help_ in (
         ("replay", "bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
         ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
+        ("multiprocess", "bench_multiprocess", "a worker SIGKILLed under resilax launch: kill to resume by phase"),
     ):
         try:
             m = __import__(f"resilax.tools.{mod}", fromlist=["add_arguments", "run"])
@@ -94,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_arguments(sp)
         sp.set_defaults(func=m.run)
 
-    for mod in ("simulate", "report", "validate", "campaign"):
+    for mod in ("simulate", "report", "validate", "campaign", "launch"):
         try:
             m = __import__(f"resilax.tools.{mod}", fromlist=["register_cli"])
         except ImportError:

@@ -42,9 +42,24 @@ def configure_compilation_cache() -> None:
 
 
 def configure_cpu_devices(n: int) -> None:
-    """Asks JAX for ``n`` CPU devices; must run before JAX initialises its backends."""
+    """Asks JAX for ``n`` CPU devices; must run before JAX initialises its backends.
+
+    Under `resilax launch` this process joins the job instead (its share of the devices is
+    ``--devices-per-process``); the job must hold ``n`` devices in all.
+    """
     import jax
 
+    from resilax._src.runtime import launched
+
+    e = launched.initialize()
+    if e is not None:
+        if e.num_processes * e.devices_per_process != n:
+            import resilax
+
+            raise resilax.TopologyError(
+                f"resilax train: the topology needs {n} devices, but `resilax launch` started {e.num_processes} "
+                f"processes x {e.devices_per_process} devices = {e.num_processes * e.devices_per_process}")
+        return
     if jax.config.jax_platforms in (None, "", "cpu") and os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
         jax.config.update("jax_num_cpu_devices", n)
 
@@ -110,8 +125,21 @@ def train(
     import resilax
     from resilax.tools import example as ex
 
+    from resilax._src.runtime import launched
+
     topo = resilax.Topology.load(topology) if not isinstance(topology, resilax.Topology) else topology
     configure_cpu_devices(topo.num_devices)
+    job = launched.env()
+    if job is not None:
+        # Under `resilax launch` a restarted generation resumes from durable state only: the
+        # checkpoints default to the run directory. The record log's disk sink and the peer
+        # copies are single-process for now (each would need per-process shards and an
+        # agreed resume step); see docs/multiprocess.md.
+        checkpoint_dir = checkpoint_dir or os.path.join(job.run_dir, "checkpoints")
+        if (log or peers) and job.process_id == 0:
+            print("resilax train under `resilax launch`: record log and peer copies are off in multi-process runs "
+                  "(not yet supported); a restart resumes from the newest checkpoint", flush=True)
+        log, log_mode, peers, peers_every = False, None, False, None
     spec = spec or ex.ExampleSpec()
     data = ex.make_iterator(spec)
     state = ex.make_state(spec)
@@ -133,10 +161,15 @@ def train(
         if start_step:
             replayed = [e for e in step.events if e.kind == "replay"]
             how = f" (checkpoint + {replayed[-1].fields['steps']} steps replayed from the log)" if replayed else " (checkpoint)"
+            hs = [e for e in step.events if e.kind == "restore" and e.fields.get("source") == "host_store"]
+            if hs:
+                ck = step.checkpoints.steps() if step.checkpoints else []
+                how = f" (host store: {hs[-1].fields['copy']}; newest checkpoint: {ck[-1] if ck else None})"
             print(f"resumed at step {start_step}{how}, data position restored", flush=True)
         bar = _progress(steps, start_step, progress)
         loss = acc = float("nan")
         last_t, last_s = time.perf_counter(), step.step
+        preempted = False
         while step.step < steps:
             state, metrics = step(state, next(data))
             if step.step % log_every == 0 or step.step == steps:
@@ -145,17 +178,21 @@ def train(
                 step_s = (now - last_t) / max(step.step - last_s, 1)
                 last_t, last_s = now, step.step
                 bar(step.step, loss, acc, step_s)
-        if checkpoint_dir and (not checkpoint_every or steps % checkpoint_every):
+            if launched.preemption_point(step.step):  # SIGTERM reached some worker: all stop here
+                preempted = True
+                break
+        saved = bool(checkpoint_every) and step.step % checkpoint_every == 0  # the driver saved it already
+        if checkpoint_dir and not saved:
             step.save(state)
+        if preempted:
+            print(f"preempted: every worker stopped after step {step.step}, checkpoint saved; relaunch to resume",
+                  flush=True)
     wall = time.perf_counter() - t_start
-    if out:
-        from resilax.tools.example import flat_state
-
-        tmp = f"{out}.tmp.npz"
-        np.savez(tmp, **flat_state(state))
-        os.replace(tmp, out)
+    if out and not preempted:
+        write_state(out, state)
     summary = {
         "steps": step.step,
+        "preempted": preempted,
         "resumed_from": start_step,
         "checkpoint_step": next((e.step for e in step.events if e.kind == "restore"
                                  and e.fields.get("source") == "checkpoint"), None),
@@ -167,6 +204,39 @@ def train(
         "events": [e.to_json() for e in step.events],
     }
     return summary
+
+
+def write_state(out: str, state) -> None:
+    """Writes the full state to ``out`` (``.npz`` of the flattened leaves by key path, no
+    pickle) and its SHA-256 to ``out.sha256`` (``sha256sum -c`` format).
+
+    In a multi-process run every process must call this (the leaves are gathered with a
+    collective); process 0 alone writes.
+    """
+    import hashlib
+
+    import jax
+
+    from resilax._src.runtime import launched
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flat = {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    else:
+        from resilax.tools.example import flat_state
+
+        flat = flat_state(state)
+    if not launched.is_primary():
+        return
+    tmp = f"{out}.tmp.npz"
+    np.savez(tmp, **flat)
+    digest = hashlib.sha256(pathlib.Path(tmp).read_bytes()).hexdigest()
+    os.replace(tmp, out)
+    sums = f"{out}.sha256"
+    pathlib.Path(f"{sums}.tmp").write_text(f"{digest}  {os.path.basename(out)}\n")
+    os.replace(f"{sums}.tmp", sums)
 
 
 def _progress(total: int, start: int, enabled: bool):

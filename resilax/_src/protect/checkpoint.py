@@ -171,8 +171,7 @@ class CheckpointStore:
                 raise CheckpointError(_signature_mismatch(self.directory, step, meta["signature"], want_sig))
             try:
                 leaves = len(want_sig)
-                cpu0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-                abs_sums = jax.ShapeDtypeStruct((leaves, 2), np.uint32, sharding=cpu0)
+                abs_sums = jax.ShapeDtypeStruct((leaves, 2), np.uint32, sharding=_sums_sharding())
                 out = self._mgr.restore(
                     step,
                     args=ocp.args.Composite(
@@ -227,6 +226,15 @@ class CheckpointStore:
         self._mgr.close()
         self._mgr = self._open()
         return moved
+
+
+def _sums_sharding():
+    """Where restored checksums go: one device, or replicated over every process's devices
+    in a multi-process run (another process's device is not addressable here)."""
+    if jax.process_count() == 1:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def _reason(e: BaseException) -> str:

@@ -34,6 +34,7 @@ import os
 import re
 import signal
 import sys
+import time
 from typing import Callable, Iterable
 
 from resilax._src.errors import ConfigError
@@ -88,8 +89,21 @@ def _grad_fault(fault, ctx):
     ctx.inject(fault.kind, ctx.step)
 
 
+def _hang(fault, ctx):
+    """The calling thread stops for good (the process stays alive, its other threads run):
+    under `resilax launch` the others wait in the next collective and the supervisor's step
+    deadline must find and kill this one. ``/target``: only the process with that index."""
+    import jax
+
+    if fault.target is not None and jax.process_index() != fault.target:
+        return
+    sys.stdout.flush()
+    while True:
+        time.sleep(3600)
+
+
 _KINDS: dict[str, Callable] = {"kill_process": _kill, "fail_slice": _fail_slice, "nan": _grad_fault,
-                               "spike": _grad_fault}
+                               "spike": _grad_fault, "hang": _hang}
 
 
 def register_kind(name: str, handler: Callable) -> None:
@@ -127,6 +141,8 @@ class FaultPlan:
                 if not 0 <= f.target < topology.num_domains:
                     raise ConfigError(f"{where}: target {f.target} is not a failure domain of topology "
                                       f"{topology.name!r} (domains 0..{topology.num_domains - 1})")
+            elif f.kind == "hang":
+                pass  # target: a process index (a multi-process run), or none: every process
             elif f.target is not None:
                 raise ConfigError(f"{where}: {f.kind} takes no target")
             if f.kind in GRAD_KINDS and f.phase not in ("before_step", "after_step"):

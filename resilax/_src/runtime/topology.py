@@ -158,6 +158,9 @@ class Topology:
         """
         import jax
 
+        from resilax._src.runtime import launched
+
+        launched.initialize()  # under `resilax launch`: join the job before JAX lists devices
         devices = list(jax.devices() if devices is None else devices)
         where = f"resilax.Topology {self.name!r}"
         platforms = sorted({d.platform for d in devices})

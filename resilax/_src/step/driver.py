@@ -24,6 +24,7 @@ from resilax._src.errors import ReplayLogError, ResilaxError, StateLostError, Wr
 from resilax._src.events import Event, event
 from resilax._src.protect import anomaly as _anomaly
 from resilax._src.protect import base as _base
+from resilax._src.protect import hoststore as _hoststore
 from resilax._src.protect import planner as _planner
 from resilax._src.protect import ring as _ring
 from resilax._src.protect.checkpoint import decode_data_state, encode_data_state
@@ -34,6 +35,7 @@ from resilax._src.protect.peers import Peers
 from resilax._src.protect.record_log import RecordLog
 from resilax._src.protect.replay_log import batch_template, scalar_value
 from resilax._src.runtime.faults import FaultPlan
+from resilax._src.runtime import launched
 from resilax._src.runtime.goodput import GoodputRecorder
 from resilax._src.step import sharding as _sh
 from resilax._src.step.program import Program, ProgramSpec
@@ -124,6 +126,7 @@ class ResilientStep:
         batch_sharding = _sh.from_logical(batch_sharding, logical_axis_rules)
         _sh.check_axes(state_sharding, topology.axis_names, "state_sharding", topology.name)
         _sh.check_axes(batch_sharding, topology.axis_names, "batch_sharding", topology.name)
+        launched.initialize()  # under `resilax launch`: join the job before anything touches JAX devices
         functools.update_wrapper(self, train_step, updated=())
         self.train_step = train_step
         self.topology = topology
@@ -206,7 +209,7 @@ class ResilientStep:
         cfg = self.config
         self.guard = None
         if cfg.anomaly is not None:
-            self.guard = jax.device_put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
+            self.guard = _sh.put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
         if cfg.checkpoint is not None:
             self._ckpt = Checkpoints(cfg.checkpoint)
         if cfg.log is not None:
@@ -218,10 +221,22 @@ class ResilientStep:
         # after_step order: the log records the step, peers snapshot it (and tell the log),
         # the watcher reads the previous verdict; checkpoints are saved by the driver.
         check = CrossCheck(cfg.verify) if cfg.verify is not None else None
-        self._protections = [p for p in (check, self._log, peers, self._watch, self._ckpt) if p is not None]
+        job = launched.env()
+        store = (_hoststore.HostStore(job.host_store, job.process_id, job.num_processes, job.host_store_every)
+                 if job is not None and job.host_store else None)
+        self._protections = [p for p in (check, self._log, peers, self._watch, store, self._ckpt) if p is not None]
         self._peers = peers
         restored = None
-        if self._ckpt is not None:
+        from_store = False
+        want = job.host_store_step if store is not None and job.host_store_step >= 0 else None
+        if want is not None and not (self._ckpt is not None and max(self._ckpt.store.steps(), default=-1) > want):
+            # under `resilax launch`: the hosts' copies first (newer than any checkpoint, which
+            # would only be read to be thrown away); every process takes the same branch
+            placed = _hoststore.resume(self, store, _sh.place_copy(state, self._state_sh), want,
+                                       lambda ok: launched.agree(ok, f"host_store/{want}"))
+            if self.step == want:
+                state, from_store = placed, True
+        if self._ckpt is not None and not from_store:
             t0 = time.perf_counter()
             abstract = self._ckpt.tree(_sh.abstract(state, self._state_sh), self._abstract_guard(self.mesh))
             with self.goodput_recorder.span("checkpoint_restore"):
@@ -236,7 +251,7 @@ class ResilientStep:
                 self.guard = restored.state.get("guard")
                 if self._log is not None:
                     self._log.checkpointed(restored.step)
-        if restored is None:
+        if restored is None and not from_store:
             state = _sh.place_copy(state, self._state_sh)
         self._data_pos = encode_data_state(data.get_state()) if data is not None else None
         state = self._resume_from_disk(state)
@@ -381,6 +396,7 @@ class ResilientStep:
             self.program = self._first_program(abstract_batch)
             self._start_protections(self.live)
             self._compile_ahead()
+            launched.barrier("compiled")  # no worker enters the first collective while another still compiles
         elif jax.tree.structure(abstract_batch) != jax.tree.structure(self.program.spec.abstract_batch) or any(
                 a.shape != b.shape or a.dtype != b.dtype for a, b in
                 zip(jax.tree.leaves(abstract_batch), jax.tree.leaves(self.program.spec.abstract_batch))):
@@ -388,6 +404,7 @@ class ResilientStep:
                 f"resilax.ResilientStep: every batch must have the first batch's structure, shapes and dtypes "
                 f"(the compiled step and the record log depend on them), but got {abstract_batch} after "
                 f"{self.program.spec.abstract_batch}")
+        launched.step_started(self.step + 1)  # the supervisor tells a hung worker from the ones waiting on it
         self._fire("before_step")
         k = self.step
         prog = self.program
@@ -412,6 +429,7 @@ class ResilientStep:
         self._fire("during_peer_copy", k)  # the step in flight makes the peer copy
         self._copy_in_flight = False
         self.step_seconds(time.perf_counter() - t0)
+        launched.progress(self.step, self._step_s)  # the supervisor's step deadline (no-op outside a launch)
         self._fire("after_step")
         if self._ckpt is not None and self._ckpt.due(self.step):
             self.save(self.live)
@@ -774,6 +792,7 @@ class ResilientStep:
         if self._closed:
             return
         self._closed = True
+        launched.set_phase("close")  # waiting for the last save is not a step: no step deadline
         try:
             if self._watch is not None and not self._broken:
                 self._watch.flush(self)

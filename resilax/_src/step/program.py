@@ -338,7 +338,7 @@ class Program:
         if self.m > 1:
             batch = jax.tree.map(lambda x: np.reshape(np.asarray(x), (self.m, np.shape(x)[0] // self.m) + np.shape(x)[1:]),
                                  batch)
-        return jax.device_put(batch, self.batch_sh)
+        return _sh.put(batch, self.batch_sh)
 
     def put_rec(self, host_leaves):
         """Host copies of recorded leaves -> device, in the recorded values' shardings."""

@@ -154,7 +154,31 @@ def place_copy(tree, shardings):
     it already lives on (seen with jax 0.10.2 on CPU), and a later donation would delete the
     caller's array; a jitted copy always writes fresh buffers.
     """
+    if jax.process_count() > 1:
+        tree = put(jax.tree.map(np.asarray, tree), shardings)
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+
+
+def put(tree, shardings):
+    """Host values -> device arrays laid out as ``shardings`` (a matching tree or one sharding).
+
+    One process: ``jax.device_put``. Several (``jax.distributed``): every process holds the
+    same global host value and builds only its addressable shards from it, with no
+    collective. ``jax.device_put`` would run an all-gather per call to assert the values
+    agree (per batch), and that check calls two NaN values different.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    leaves, treedef = jax.tree.flatten(tree)
+    shs = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    if len(shs) == 1 and len(leaves) != 1:
+        shs = shs * len(leaves)
+
+    def one(x, s):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
+    return jax.tree.unflatten(treedef, [one(x, s) for x, s in zip(leaves, shs, strict=True)])
 
 
 def as_array(x):

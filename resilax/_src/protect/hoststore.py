@@ -1,0 +1,201 @@
+"""Host state store: every process's shards of the state, kept in host memory that outlives
+the worker's JAX runtime, and mirrored to the ring neighbour host.
+
+Under `resilax launch` the supervisor owns a directory per host (on ``/dev/shm``: RAM);
+after every ``every``-th step worker ``i`` writes the shards of (state, anomaly guard) its
+devices hold into ``host<i>/own`` and into ``host<(i+1) % N>/mirror``, with the step, the
+data position and a SHA-256 of the bytes. When worker ``i`` dies the supervisor deletes
+``host<i>`` (honest emulation: that host's memory is gone), picks the newest step every
+process can get back (its own copy, or the mirror on the next host) and tells the next
+generation; there each worker reads its shards back, verifies them, and the workers agree
+through the coordination service's key-value store that all of them could, or all fall
+back to the checkpoint. The new generation has the same processes and mesh, so each
+process needs exactly the shard indices it wrote.
+
+Files: ``step<k>.npz`` (one array per (leaf, shard index), no pickle) committed by
+``step<k>.json`` (written last, atomically: ``{"step", "sha256", "data_state", "leaves"}``).
+The newest ``KEEP`` steps are kept: workers step in lock-step, so a process killed while
+writing step ``k`` leaves every other process with ``k - 1`` still on hand.
+
+Cost: each stored step waits for the step to finish and copies the process's shards to
+host memory (a synchronous device-to-host copy plus a write to RAM).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import time
+
+import jax
+import numpy as np
+
+from resilax._src.protect import base
+
+KEEP = 3
+
+
+def _key(leaf: int, index, shape) -> str:
+    parts = []
+    for sl, n in zip(index, shape):
+        a, b, _ = sl.indices(n)
+        parts.append(f"{a}-{b}")
+    return f"{leaf}:" + ",".join(parts)
+
+
+def committed_steps(d: pathlib.Path) -> list[int]:
+    """Steps with a commit record in ``d`` (not yet verified)."""
+    if not d.is_dir():
+        return []
+    out = []
+    for f in d.glob("step*.json"):
+        try:
+            out.append(int(f.stem[4:]))
+        except ValueError:
+            pass
+    return sorted(out)
+
+
+def sources(root: pathlib.Path, process: int, n: int) -> list[pathlib.Path]:
+    """Where process ``process``'s shards are: its own host first, then the mirror on the next host."""
+    out = [root / f"host{process}" / "own"]
+    if n > 1:
+        out.append(root / f"host{(process + 1) % n}" / "mirror")
+    return out
+
+
+def restorable_step(root: pathlib.Path, n: int) -> int | None:
+    """The newest step every one of the ``n`` processes can read back from some host."""
+    common = None
+    for i in range(n):
+        steps = set()
+        for d in sources(root, i, n):
+            steps |= set(committed_steps(d))
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
+def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".step{step}.npz.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    os.replace(tmp, d / f"step{step}.npz")
+    meta = {"step": step, "sha256": digest, "data_state": data_state, "leaves": leaves}
+    (d / f".step{step}.json.tmp").write_text(json.dumps(meta))
+    os.replace(d / f".step{step}.json.tmp", d / f"step{step}.json")
+    for old in committed_steps(d)[:-KEEP]:
+        for suffix in (".json", ".npz"):  # the commit record first: a half-deleted step is not offered
+            try:
+                os.unlink(d / f"step{old}{suffix}")
+            except FileNotFoundError:
+                pass
+
+
+def read(d: pathlib.Path, step: int) -> tuple[dict, dict] | None:
+    """``(arrays, meta)`` of ``step`` in ``d`` if it is committed and its bytes match; else None."""
+    try:
+        meta = json.loads((d / f"step{step}.json").read_text())
+        raw = (d / f"step{step}.npz").read_bytes()
+    except (OSError, ValueError):
+        return None
+    if hashlib.sha256(raw).hexdigest() != meta.get("sha256") or meta.get("step") != step:
+        return None
+    import io
+
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}, meta
+
+
+class HostStore(base.Protection):
+    """Writes this process's shards every ``every`` steps (see the module docstring)."""
+
+    name = "host_store"
+
+    def __init__(self, root: str, process: int, n: int, every: int = 1):
+        self.root = pathlib.Path(root)
+        self.process, self.n, self.every = process, n, every
+        self.seconds: list[float] = []
+
+    def _targets(self) -> list[pathlib.Path]:
+        return sources(self.root, self.process, self.n)
+
+    def after_step(self, run, rec) -> None:
+        if run.step % self.every:
+            return
+        self.write(run.step, run.live, run.guard, run._data_pos)
+
+    def start(self, run, state) -> None:
+        """Re-protects a restored state at once (own host and the neighbour's mirror): until
+        this generation's first stored step, a second death would otherwise find the dead
+        hosts' copies gone and fall back to the checkpoint."""
+        if run.step > 0 and run.step not in committed_steps(self._targets()[0]):
+            self.write(run.step, state, run.guard, run._data_pos)
+
+    def write(self, step: int, state, guard, data_pos) -> None:
+        t0 = time.perf_counter()
+        leaves = jax.tree.leaves((state, guard))
+        arrays = {}
+        for i, x in enumerate(leaves):
+            for s in x.addressable_shards:
+                k = _key(i, s.index, x.shape)
+                if k not in arrays:  # a replicated leaf: one copy per index is enough
+                    arrays[k] = np.array(s.data, copy=True)
+        for d in self._targets():
+            _write(d, step, arrays, data_pos, len(leaves))
+        self.seconds.append(time.perf_counter() - t0)
+
+    def restore(self, step: int, abstract_leaves, shardings):
+        """Arrays of ``step`` for this process's shards, from its own host or the mirror;
+        ``(leaves, meta, source)`` or None when no verified copy has every shard it needs."""
+        for d in self._targets():
+            got = read(d, step)
+            if got is None:
+                continue
+            arrays, meta = got
+            try:
+                out = [jax.make_array_from_callback(a.shape, sh, lambda idx, i=i, a=a: arrays[_key(i, idx, a.shape)])
+                       for i, (a, sh) in enumerate(zip(abstract_leaves, shardings))]
+            except KeyError:
+                continue
+            return out, meta, str(d)
+        return None
+
+
+def resume(run, store: HostStore, state, step: int | None, agree):
+    """Replaces the restored ``state`` (and guard, data position, step) by the host store's
+    copy of ``step`` when it is newer and every process could read its shards back.
+
+    ``agree(ok) -> bool``: True when every process reported ok (the coordination service's
+    key-value store); all processes take the same branch, so none resumes alone.
+    Returns the state to continue from.
+    """
+    if step is None or step <= run.step:
+        return state
+    t0 = time.perf_counter()
+    import jax.numpy as jnp
+
+    tree = (state, run.guard)
+    leaves, treedef = jax.tree.flatten(tree)
+    got = store.restore(step, leaves, [x.sharding for x in leaves])
+    if not agree(got is not None):
+        run.event("host_store_skipped", run.step, wanted_step=step,
+                  reason="some process could not read back a verified copy of its shards; using the checkpoint")
+        return state
+    new_leaves, meta, source = got
+    # fresh buffers: arrays built from host memory may alias it, and the state is donated
+    new_leaves = jax.jit(lambda t: [jnp.copy(x) for x in t], out_shardings=[x.sharding for x in leaves])(new_leaves)
+    state, guard = jax.tree.unflatten(treedef, new_leaves)
+    from resilax._src.protect.checkpoint import decode_data_state
+
+    if run.data is not None and meta.get("data_state") is not None:
+        run.data.set_state(decode_data_state(meta["data_state"]))
+    run._data_pos = meta.get("data_state")
+    from_step, run.step, run.guard = run.step, step, guard
+    store.write(step, state, guard, run._data_pos)  # re-protected before anything else can fail
+    run.event("restore", step, source="host_store", copy=source, from_step=from_step,
+              seconds=time.perf_counter() - t0)
+    return state

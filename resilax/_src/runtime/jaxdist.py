@@ -1,0 +1,194 @@
+"""Every private JAX name resilax relies on for multi-process runs, in one place.
+
+resilax runs the coordination service in its supervisor (`resilax launch`), not inside
+worker 0, because a service hosted by a worker dies with it and aborts every other worker
+(MULTIPROCESS.md, measured on jax/jaxlib 0.10.2). That needs names JAX does not export:
+
+- ``jax._src.lib._jax.get_distributed_runtime_service`` (with ``recoverable=``) and
+  ``get_distributed_runtime_client``: the service and client constructors;
+- ``jax._src.distributed.global_state``: where a client must be attached so that the
+  CPU backend (and Orbax, ``multihost_utils``) find it, and its fields ``client``,
+  ``service``, ``process_id``, ``num_processes``, ``coordinator_address``,
+  ``preemption_sync_manager``;
+- ``DistributedRuntimeClient.get_live_nodes`` and the key-value calls;
+- ``jax_enable_recoverability``, ``jax_cpu_collectives_implementation`` (``"gloo"``),
+  ``jax_num_cpu_devices``, and the XLA flag ``--xla_cpu_collective_timeout_seconds``
+  (a collective waiting on a dead peer otherwise blocks for 30 minutes);
+- ``jax._src.xla_bridge.backends_are_initialized``.
+
+`check()` verifies the installed JAX against these assumptions once and raises
+`JaxAssumptionError` naming the one that broke. Behaviour that cannot be checked by
+looking (a service in another process survives worker 0's death; gloo refuses a
+replacement under the same process id in the same service, so every restart is a new
+generation on a fresh service) was measured on the versions in ``TESTED_VERSIONS``;
+another version is refused unless ``RESILAX_ALLOW_UNTESTED_JAX=1``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+from resilax._src.errors import ResilaxError
+
+TESTED_VERSIONS = ("0.10.2",)
+_ALLOW_ENV = "RESILAX_ALLOW_UNTESTED_JAX"
+_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+
+_checked = False
+
+
+class JaxAssumptionError(ResilaxError, RuntimeError):
+    """The installed JAX lacks a private name or behaviour resilax's multi-process runtime uses."""
+
+
+def _fail(what: str, expected: str, got: str) -> JaxAssumptionError:
+    import jax
+
+    return JaxAssumptionError(
+        f"resilax multi-process runtime: {what}: expected {expected}, but jax {jax.__version__} has {got}. "
+        f"resilax was checked against jax {', '.join(TESTED_VERSIONS)} (resilax/_src/runtime/jaxdist.py); "
+        f"pin one of those, or adapt that module")
+
+
+def check() -> None:
+    """Checks every assumption once per process; raises `JaxAssumptionError` if one breaks."""
+    global _checked
+    if _checked:
+        return
+    import jax
+    from jax._src import config as jcfg
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    if jax.__version__ not in TESTED_VERSIONS:
+        msg = (f"resilax multi-process runtime: jax {jax.__version__} is not one of the versions its runtime "
+               f"assumptions were measured on ({', '.join(TESTED_VERSIONS)}): whether the coordination service "
+               f"survives a worker's death and how gloo treats a rejoining process are behaviour, not names")
+        if os.environ.get(_ALLOW_ENV) != "1":
+            raise JaxAssumptionError(msg + f"; set {_ALLOW_ENV}=1 to try anyway")
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    for name in ("get_distributed_runtime_service", "get_distributed_runtime_client",
+                 "create_preemption_sync_manager"):
+        if not callable(getattr(_jax, name, None)):
+            raise _fail(f"jax._src.lib._jax.{name}", "a callable", "none")
+    svc_doc = _jax.get_distributed_runtime_service.__doc__ or ""
+    if "recoverable" not in svc_doc or "heartbeat_timeout" not in svc_doc:
+        raise _fail("_jax.get_distributed_runtime_service", "keyword arguments recoverable= and heartbeat_timeout=",
+                    f"signature {svc_doc.splitlines()[0] if svc_doc else '(undocumented)'}")
+    cli_doc = _jax.get_distributed_runtime_client.__doc__ or ""
+    for kw in ("init_timeout", "heartbeat_timeout", "shutdown_timeout"):
+        if kw not in cli_doc:
+            raise _fail("_jax.get_distributed_runtime_client", f"keyword argument {kw}=",
+                        f"signature {cli_doc.splitlines()[0] if cli_doc else '(undocumented)'}")
+    for name in ("get_live_nodes", "key_value_set", "key_value_try_get", "blocking_key_value_get",
+                 "wait_at_barrier", "connect", "shutdown"):
+        if not hasattr(_jax.DistributedRuntimeClient, name):
+            raise _fail(f"DistributedRuntimeClient.{name}", "a method", "none")
+    gs = getattr(distributed, "global_state", None)
+    for field in ("client", "service", "process_id", "num_processes", "coordinator_address",
+                  "preemption_sync_manager", "initialize_preemption_sync_manager"):
+        if gs is None or not hasattr(gs, field):
+            raise _fail(f"jax._src.distributed.global_state.{field}", "an attribute", "none")
+    if not callable(getattr(xla_bridge, "backends_are_initialized", None)):
+        raise _fail("jax._src.xla_bridge.backends_are_initialized", "a callable", "none")
+    for flag in ("jax_enable_recoverability", "jax_cpu_collectives_implementation", "jax_num_cpu_devices"):
+        if flag not in jcfg.config._value_holders:
+            raise _fail(f"config flag {flag}", "a registered flag", "none")
+    if "gloo" not in inspect.getsource(xla_bridge):
+        raise _fail("jax._src.xla_bridge", "gloo CPU collectives (make_gloo_tcp_collectives)", "no gloo path")
+    _checked = True
+
+
+# ---------------------------------------------------------------- supervisor side
+def start_service(port: int, num_processes: int, *, heartbeat_timeout_s: int, shutdown_timeout_s: int = 5,
+                  host: str = "127.0.0.1"):
+    """Starts a coordination service for ``num_processes`` workers on ``host:port``.
+
+    The caller must do no JAX compute in this process: the service only relays
+    coordination traffic. ``recoverable=True`` keeps it serving the others after a worker
+    dies (the supervisor decides what a death means, not the service).
+    """
+    check()
+    from jax._src.lib import _jax
+
+    return _jax.get_distributed_runtime_service(
+        f"{host}:{port}", num_processes, heartbeat_timeout=heartbeat_timeout_s,
+        shutdown_timeout=shutdown_timeout_s, recoverable=True)
+
+
+# ---------------------------------------------------------------- worker side
+def backends_initialized() -> bool:
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def initialize_worker(*, coordinator: str, process_id: int, num_processes: int, local_devices: int,
+                      heartbeat_timeout_s: int, init_timeout_s: int, collective_timeout_s: int) -> None:
+    """Attaches this process to the coordination service as ``process_id``: what
+    ``jax.distributed.initialize`` does, minus starting a service in process 0.
+
+    Must run before JAX creates its backends (any ``jax.devices()``, any array).
+
+    Raises:
+      JaxAssumptionError: an assumption about JAX broke (see `check`).
+      ResilaxError: the backends already exist, or the service cannot be reached.
+    """
+    check()
+    import jax
+    from jax._src import distributed
+    from jax._src.lib import _jax
+
+    if backends_initialized():
+        raise ResilaxError(
+            "resilax: this process was started by `resilax launch` (RESILAX_COORDINATOR is set), so resilax must "
+            "attach it to the coordination service before JAX starts, but JAX's backends already exist (some "
+            "JAX call ran first: jax.devices(), an array, a PRNG key). Build the resilax.Topology (or call "
+            "resilax.launched.initialize()) before any other JAX call")
+    gs = distributed.global_state
+    if gs.client is not None:
+        raise ResilaxError("resilax: jax.distributed is already initialized in this process; under `resilax launch` "
+                           "resilax initializes it (do not call jax.distributed.initialize yourself)")
+    # The XLA flag is read once, when the CPU client is built: set it before that.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _TIMEOUT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_TIMEOUT_FLAG}={int(collective_timeout_s)}".strip()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", int(local_devices))
+    client = _jax.get_distributed_runtime_client(
+        coordinator, process_id, init_timeout=init_timeout_s, heartbeat_timeout=heartbeat_timeout_s,
+        shutdown_timeout=5, use_compression=True)
+    try:
+        client.connect()
+    except Exception as e:  # the service's own error type is private too
+        raise ResilaxError(f"resilax: process {process_id} could not join the coordination service at "
+                           f"{coordinator} within {init_timeout_s} s: {e}") from e
+    gs.coordinator_address = coordinator
+    gs.process_id = process_id
+    gs.num_processes = num_processes
+    gs.client = client
+    gs.initialize_preemption_sync_manager()
+
+
+def client():
+    """The attached coordination client, or None outside a multi-process run."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def live_nodes(process_ids) -> dict[int, int]:
+    """``{process id: incarnation}`` of the processes the service still sees alive."""
+    c = client()
+    if c is None:
+        raise ResilaxError("resilax.live_nodes: this process is not attached to a coordination service")
+    return dict(c.get_live_nodes(list(process_ids)))
+
+
+def shutdown() -> None:
+    """Detaches from the service (preemption manager first: it uses the client)."""
+    from jax._src import distributed
+
+    distributed.global_state.shutdown()

@@ -1,0 +1,203 @@
+"""`resilax bench multiprocess`: a worker SIGKILLed under `resilax launch`, kill to resume by phase.
+
+Runs ``resilax launch -n N --devices-per-process K -- resilax train --layout sharded``,
+kills a random worker by its pid in ``processes.json`` once generation 0 is past its first
+checkpoint, and times the way back from the heartbeats, the supervisor's history and the
+restored worker's events:
+
+- ``detect``: the kill -> the supervisor sees the death;
+- ``agree``: -> every worker of the new generation has joined the new coordination
+  service (stop the survivors, new service, start N processes, import, attach);
+- ``restore``: the newest Orbax checkpoint read back and verified (process 0's event);
+- ``compile``: the rest until the new generation's first step is done (state set-up,
+  loading executables from the persistent cache, the step itself);
+- ``replay``: redoing the steps between the checkpoint and the step reached at the kill.
+
+``kill_to_resume_s`` is the kill -> the job is back at the step it had reached. The run
+is done twice in one invocation: with the host state store (the new generation restores
+every shard from the hosts' stores, the dead host's from its neighbour's mirror) and with
+``--host-store-every 0`` (relaunch + the newest Orbax checkpoint: ``restart_*``).
+``final_max_rel_diff`` compares the final state with a failure-free single-process run
+of the same topology.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from resilax._src.io import write_json
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("-n", type=int, default=4, help="worker processes")
+    p.add_argument("--devices-per-process", type=int, default=2)
+    p.add_argument("--topology", default="cpu-4x2")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory)")
+
+
+def _hb(run: pathlib.Path, gen: int) -> dict:
+    out = {}
+    for f in (run / "heartbeats").glob(f"g{gen}.p*.json"):
+        try:
+            hb = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        out[hb["process_id"]] = hb
+    return out
+
+
+def _wait(pred, timeout, what, proc):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        if proc.poll() is not None:
+            raise RuntimeError(f"resilax bench multiprocess: the launcher exited with {proc.returncode} while "
+                               f"waiting for {what}")
+        time.sleep(0.02)
+    raise RuntimeError(f"resilax bench multiprocess: timed out after {timeout} s waiting for {what}")
+
+
+def _rel_diff(a, b) -> float:
+    import numpy as np
+
+    if sorted(a.files) != sorted(b.files):
+        raise RuntimeError(f"resilax bench multiprocess: final states differ in leaves: {sorted(a.files)} vs "
+                           f"{sorted(b.files)}")
+    worst = 0.0
+    for k in b.files:
+        x, y = a[k].astype(np.float64), b[k].astype(np.float64)
+        worst = max(worst, float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)))
+    return worst
+
+
+def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, kill_after, rng, store_every,
+                   ref) -> dict:
+    """One launch; SIGKILL one random worker once every worker is past ``kill_after``."""
+    run, out, summ = work / "run", work / "final.npz", work / "summary.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", str(n), "--devices-per-process", str(devices_per_process),
+           "--run-dir", str(run), "--heartbeat", "0.1", "--heartbeat-timeout", "3", "--max-restarts", "2",
+           "--host-store-every", str(store_every), "--", *train, "--out", str(out), "--summary", str(summ)]
+    log = open(work / "launch.log", "wb")
+    p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait(lambda: len(h := _hb(run, 0)) == n and all((x.get("step") or 0) >= kill_after for x in h.values()),
+              600, f"every worker past step {kill_after}", p)
+        time.sleep(rng.uniform(0, 0.5))
+        procs = json.loads((run / "processes.json").read_text())
+        victim = rng.randrange(n)
+        kill_step = max(x.get("step") or 0 for x in _hb(run, 0).values())
+        t_kill = time.time()
+        os.kill(procs["workers"][str(victim)], signal.SIGKILL)
+        print(f"      killed process {victim} (pid {procs['workers'][str(victim)]}) at step {kill_step}", flush=True)
+        first = _wait(lambda: (h := _hb(run, 1)) and len(h) == n and all(x.get("first_step_t") for x in h.values())
+                      and h, 600, "the new generation's first step", p)
+        joined_t = max(x["joined_t"] for x in first.values())
+        first_t = max(x["first_step_t"] for x in first.values())
+        _wait(lambda: len(h := _hb(run, 1)) == n and all((x.get("step") or 0) >= kill_step for x in h.values()),
+              600, f"the new generation back at step {kill_step}", p)
+        t_resume = time.time()
+        rc = p.wait(timeout=600)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        log.close()
+    if rc:
+        raise RuntimeError(f"resilax bench multiprocess: the launcher exited with {rc}; see {work / 'launch.log'}")
+    hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    events = json.loads(summ.read_text())["events"]
+    restore = [e for e in events if e["kind"] == "restore"]
+    restored_step = restore[-1]["step"]
+    restore_s = sum(float(e["seconds"]) for e in restore)
+    noticed = hist[0]["ended"]
+    import numpy as np
+
+    return {
+        "kill_to_resume_s": t_resume - t_kill,
+        "phases": {"detect": noticed - t_kill, "agree": joined_t - noticed, "restore": restore_s,
+                   "compile": max(0.0, first_t - joined_t - restore_s), "replay": t_resume - first_t},
+        "lost_steps": kill_step - restored_step,
+        "final_max_rel_diff": _rel_diff(np.load(out, allow_pickle=False), ref),
+        "killed_process": victim, "kill_step": kill_step, "restored_step": restored_step,
+        "restored_from": [e["source"] for e in restore], "detected_as": hist[0]["why"],
+    }
+
+
+def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=40, checkpoint_every=5,
+                       kill_after=12, seed=None, workdir=None) -> dict:
+    import numpy as np
+
+    rng = random.Random(seed)
+    own = workdir is None
+    work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mp-"))
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    train = ["resilax", "train", "--topology", topology, "--layout", "sharded", "--steps", str(steps),
+             "--checkpoint-every", str(checkpoint_every), "--log-every", "10"]
+    print(f"[1/3] failure-free single-process reference: {topology}, {steps} steps", flush=True)
+    r = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--quiet", "--checkpoint-dir",
+                        str(work / "ref_ck"), "--out", str(work / "ref.npz")], env=dict(os.environ), timeout=600,
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"resilax bench multiprocess: the reference run failed:\n{r.stderr[-3000:]}")
+    ref = np.load(work / "ref.npz", allow_pickle=False)
+    common = dict(n=n, devices_per_process=devices_per_process, kill_after=kill_after, ref=ref)
+    print(f"[2/3] resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every step): "
+          f"SIGKILL a random worker past step {kill_after}", flush=True)
+    (work / "store").mkdir()
+    a = _kill_and_time(work / "store", train, rng=random.Random(rng.random()), store_every=1, **common)
+    print(f"[3/3] the same kill with --host-store-every 0: relaunch + Orbax checkpoint restore", flush=True)
+    (work / "restart").mkdir()
+    b = _kill_and_time(work / "restart", train, rng=random.Random(rng.random()), store_every=0, **common)
+    result = {
+        "kill_to_resume_s": a["kill_to_resume_s"], "phases": a["phases"], "lost_steps": a["lost_steps"],
+        "final_max_rel_diff": a["final_max_rel_diff"],
+        "restart_kill_to_resume_s": b["kill_to_resume_s"], "restart_lost_steps": b["lost_steps"],
+        "restart_phases": b["phases"], "restart_final_max_rel_diff": b["final_max_rel_diff"],
+        "recovery_path": "new generation on a fresh coordination service restoring from the host state stores "
+                         "(dead host's shards from its ring neighbour's mirror); restart_*: the same with the "
+                         "stores off (newest Orbax checkpoint)",
+        "host_store_run": a, "restart_run": b,
+        "setup": {"processes": n, "devices_per_process": devices_per_process, "topology": topology, "steps": steps,
+                  "checkpoint_every": checkpoint_every, "cpu_count": os.cpu_count()},
+    }
+    if own:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def run(args) -> int:
+    r = bench_multiprocess(n=args.n, devices_per_process=args.devices_per_process, topology=args.topology,
+                           steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
+                           seed=args.seed, workdir=args.workdir)
+    print(f"\n{'':<28}{'host store':>12}{'restart':>12}")
+    a, b = r["host_store_run"], r["restart_run"]
+    print(f"{'kill -> resume (s)':<28}{a['kill_to_resume_s']:12.2f}{b['kill_to_resume_s']:12.2f}")
+    for k in a["phases"]:
+        print(f"  {k:<26}{a['phases'][k]:12.2f}{b['phases'][k]:12.2f}")
+    print(f"{'killed at step':<28}{a['kill_step']:12d}{b['kill_step']:12d}")
+    print(f"{'restored step':<28}{a['restored_step']:12d}{b['restored_step']:12d}")
+    print(f"{'lost steps':<28}{a['lost_steps']:12d}{b['lost_steps']:12d}")
+    print(f"{'final max rel diff':<28}{a['final_max_rel_diff']:12.1e}{b['final_max_rel_diff']:12.1e}"
+          f"  (vs failure-free single-process run)")
+    if args.json:
+        write_json(args.json, r)
+        print(f"wrote {args.json}")
+    return 0

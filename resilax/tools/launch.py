@@ -1,0 +1,405 @@
+"""`resilax launch`: a supervisor for N JAX worker processes on 127.0.0.1.
+
+    resilax launch -n 4 --devices-per-process 2 --run-dir D -- resilax train --topology cpu-4x2 ...
+
+The supervisor does no JAX compute. Per *generation* it starts a coordination service on
+a fresh loopback port (in this process, so no worker's death takes it down), starts N
+workers of CMD with their place in the job in ``RESILAX_*`` variables (resilax attaches
+them inside `Topology`/`wrap`), keeps ``D/processes.json`` current and watches them:
+
+- a worker that exits non-zero or by a signal is dead;
+- a worker whose heartbeat file is older than ``--heartbeat-timeout`` (SIGSTOPped, or the
+  whole process wedged) is hung: it is SIGKILLed, so a hang becomes a death;
+- a worker in its step loop that completes no step within the step deadline
+  (``max(--min-step-deadline, --step-deadline-factor x measured step time)``; stuck in a
+  collective whose peer is gone) is hung too.
+
+On any death every other worker of the generation is SIGKILLed (their collectives are
+broken) and a new generation starts with N fresh workers on a new service; they resume
+from durable state (the newest Orbax checkpoint). At most ``--max-restarts`` new
+generations; then the supervisor exits with the last failure's code. SIGTERM/SIGINT to the
+supervisor are forwarded to the workers (each saves at the next preemption sync point and
+exits); a generation whose workers all exit 0 ends the job with 0.
+
+Why a new generation and not a rejoin: a replacement joining the same service under the
+same process id connects, but gloo then fails (``ALREADY_EXISTS: key cpu:gloo/...``);
+measured on jax 0.10.2 (docs/multiprocess.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import shutil
+import threading
+import time
+
+from resilax._src.io import write_json
+from resilax._src.protect import hoststore
+from resilax._src.runtime.launched import LaunchEnv
+
+PROCESSES_JSON = "processes.json"
+_STOPPED = "another worker of its generation died"
+
+
+def _die_with_parent():  # runs in the child between fork and exec
+    """Linux: the worker gets SIGKILL when the supervisor dies (even by SIGKILL), so no
+    worker outlives the process that owns its coordination service."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _say(msg: str) -> None:
+    print(f"[resilax launch {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class _Worker:
+    def __init__(self, pid_: int, env: LaunchEnv, proc: subprocess.Popen, log_path: pathlib.Path):
+        self.process_id = pid_
+        self.env = env
+        self.proc = proc
+        self.log_path = log_path
+        self.started = time.time()
+        self.rc: int | None = None
+        self.killed_for: str | None = None
+        self._pump = threading.Thread(target=self._forward, daemon=True)
+        self._pump.start()
+
+    def _forward(self):
+        """Copies the worker's output to its log file and, prefixed, to the supervisor's stdout."""
+        prefix = f"[g{self.env.generation} p{self.process_id}] "
+        with open(self.log_path, "ab") as log:
+            for line in iter(self.proc.stdout.readline, b""):
+                log.write(line)
+                log.flush()
+                try:
+                    sys.stdout.write(prefix + line.decode(errors="replace"))
+                    sys.stdout.flush()
+                except (OSError, ValueError):
+                    pass
+
+    def heartbeat(self) -> dict | None:
+        try:
+            with open(self.env.heartbeat_file) as f:
+                hb = json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        return hb if hb.get("pid") == self.proc.pid and hb.get("generation") == self.env.generation else None
+
+    def kill(self, why: str | None = None):
+        if self.proc.poll() is None:
+            if why and self.killed_for is None:
+                self.killed_for = why
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: children (grain workers) too
+            except ProcessLookupError:
+                pass
+
+
+class Supervisor:
+    """Runs generations of workers until one ends cleanly or the restart budget is spent.
+
+    Args:
+      cmd: the worker command (argv).
+      n: workers per generation; ``devices_per_process``: CPU devices each asks JAX for.
+      run_dir: ``processes.json``, heartbeats and per-worker logs live here.
+      heartbeat_s / heartbeat_timeout_s: how often workers write their heartbeat; how old it
+        may get before the worker is declared hung and killed.
+      step_deadline_factor / min_step_deadline_s: the step deadline is
+        ``max(min_step_deadline_s, factor x measured step time)``.
+      collective_timeout_s: XLA's CPU collective timeout in the workers (default: below the
+        step deadline, so a collective on a dead peer errors instead of waiting 30 minutes).
+      startup_timeout_s: a generation whose workers have not all written a heartbeat by
+        then is a failure.
+    """
+
+    def __init__(self, cmd, *, n: int, devices_per_process: int, run_dir, max_restarts: int = 3,
+                 heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, step_deadline_factor: float = 20.0,
+                 min_step_deadline_s: float = 30.0, collective_timeout_s: int | None = None,
+                 startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 10, grace_s: float = 60.0,
+                 host_store_every: int = 1):
+        if not cmd:
+            raise ValueError("resilax launch: a worker command is required after --")
+        if n < 1 or devices_per_process < 1:
+            raise ValueError(f"resilax launch: -n and --devices-per-process must be >= 1, got {n} and "
+                             f"{devices_per_process}")
+        if heartbeat_timeout_s <= heartbeat_s:
+            raise ValueError(f"resilax launch: --heartbeat-timeout ({heartbeat_timeout_s} s) must exceed the heartbeat "
+                             f"interval --heartbeat ({heartbeat_s} s)")
+        self.cmd = list(cmd)
+        self.n = n
+        self.k = devices_per_process
+        self.run_dir = pathlib.Path(run_dir).absolute()
+        self.max_restarts = max_restarts
+        self.heartbeat_s = heartbeat_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.factor = step_deadline_factor
+        self.min_deadline = min_step_deadline_s
+        self.collective_timeout_s = collective_timeout_s or max(1, int(min_step_deadline_s * 0.5))
+        self.startup_timeout_s = startup_timeout_s
+        self.jax_heartbeat_timeout_s = jax_heartbeat_timeout_s
+        self.grace_s = grace_s
+        self.host_store_every = host_store_every
+        self.store_root: pathlib.Path | None = None
+        self.store_step: int | None = None
+        self.generation = -1
+        self.workers: list[_Worker] = []
+        self.history: list[dict] = []
+        self._term: int | None = None
+        self._dead_process: int | None = None
+        self._service = None
+
+    # ------------------------------------------------------------------ files
+    def _write_processes(self, status: str):
+        write_json(self.run_dir / PROCESSES_JSON, {
+            "generation": self.generation, "supervisor": os.getpid(),
+            "workers": {str(w.process_id): w.proc.pid for w in self.workers if w.proc.poll() is None},
+            "status": status, "coordinator": self.workers[0].env.coordinator if self.workers else None,
+        })
+
+    # ------------------------------------------------------------------ one generation
+    def _start_generation(self):
+        from resilax._src.runtime import jaxdist
+
+        self.generation += 1
+        g = self.generation
+        port = free_port()
+        self._service = jaxdist.start_service(port, self.n, heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
+        (self.run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.workers = []
+        for i in range(self.n):
+            env = LaunchEnv(
+                coordinator=f"127.0.0.1:{port}", process_id=i, num_processes=self.n, generation=g,
+                devices_per_process=self.k, run_dir=str(self.run_dir),
+                heartbeat_file=str(self.run_dir / "heartbeats" / f"g{g}.p{i}.json"), heartbeat_s=self.heartbeat_s,
+                jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
+                init_timeout_s=int(min(self.startup_timeout_s, 600)),
+                host_store=str(self.store_root or ""), host_store_every=self.host_store_every,
+                host_store_step=-1 if self.store_step is None else self.store_step)
+            proc = subprocess.Popen(self.cmd, env={**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            self.workers.append(_Worker(i, env, proc, self.run_dir / "logs" / f"g{g}.p{i}.log"))
+        self._write_processes("running")
+        _say(f"generation {g}: {self.n} workers x {self.k} devices, coordinator 127.0.0.1:{port}, pids "
+             f"{[w.proc.pid for w in self.workers]}")
+
+    def _stop_generation(self, why: str):
+        for w in self.workers:
+            w.kill(why)
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            w._pump.join(timeout=2)
+        if self._service is not None:
+            self._service.shutdown()
+            self._service = None
+
+    def _check(self, w: _Worker, now: float) -> str | None:
+        """Why ``w`` counts as dead now, or None."""
+        rc = w.proc.poll()
+        if rc is not None:
+            w.rc = rc
+            if rc == 0:
+                return None
+            return f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
+        hb = w.heartbeat()
+        if hb is None:
+            if now - w.started > self.startup_timeout_s:
+                return f"wrote no heartbeat within --startup-timeout {self.startup_timeout_s:g} s"
+            return None
+        age = now - hb["t"]
+        if age > self.heartbeat_timeout_s:
+            return f"hung: heartbeat {age:.1f} s old (--heartbeat-timeout {self.heartbeat_timeout_s:g} s; SIGSTOP?)"
+        if hb.get("phase") == "step" and hb.get("step_t") and hb.get("step_s"):
+            deadline = max(self.min_deadline, self.factor * hb["step_s"])
+            late = now - hb["step_t"]
+            if late > deadline:
+                return (f"hung: no step completed for {late:.1f} s after step {hb['step']} (step deadline "
+                        f"{deadline:.1f} s: max(--min-step-deadline, {self.factor:g} x {hb['step_s'] * 1e3:.1f} ms))")
+        return None
+
+    def _culprit(self, w: "_Worker", why: str) -> tuple["_Worker", str]:
+        """Past the step deadline every worker waiting in a collective looks hung; the one
+        that never started the step the others are in is the cause (ties: ``w``)."""
+        started = {x.process_id: (x.heartbeat() or {}).get("started") for x in self.workers}
+        known = [s for s in started.values() if s is not None]
+        if len(known) == len(self.workers) and min(known) < max(known):
+            lag = min(self.workers, key=lambda x: started[x.process_id])
+            if lag.proc.poll() is None:
+                return lag, (f"hung: never started step {max(known)}, which the other workers are waiting in "
+                             f"(it is at step {started[lag.process_id]}; process {w.process_id} {why})")
+        return w, why
+
+    def _watch(self) -> tuple[str, int, str]:
+        """Polls the generation until it ends: ("done", 0, ""), ("failed", rc, why) or ("term", rc, "")."""
+        forwarded = None
+        self._dead_process = None
+        while True:
+            now = time.time()
+            if self._term is not None and forwarded is None:
+                forwarded = now
+                _say(f"{signal.Signals(self._term).name}: forwarding SIGTERM to the workers (they save at the next "
+                     f"preemption sync point and exit)")
+                for w in self.workers:
+                    if w.proc.poll() is None:
+                        try:
+                            w.proc.send_signal(signal.SIGTERM)
+                        except ProcessLookupError:
+                            pass
+            for w in self.workers:
+                why = self._check(w, now)
+                if why is not None and (why.startswith("hung: no step") or (w.rc or 0) > 0):
+                    # past the deadline the workers waiting in a collective look hung too, and
+                    # with the collective timeout below the deadline they fail first (exit 1)
+                    w, why = self._culprit(w, why)
+                if why is not None:
+                    if w.proc.poll() is None:
+                        w.kill(why)
+                        try:
+                            w.proc.wait(timeout=10)
+                        except subprocess.TimeoutExpired:
+                            pass
+                        w.rc = w.proc.returncode
+                    why = w.killed_for or why
+                    self._dead_process = w.process_id
+                    return "failed", (w.rc if w.rc and w.rc > 0 else 1), f"process {w.process_id} (pid {w.proc.pid}) {why}"
+            if all(w.proc.poll() == 0 for w in self.workers):
+                return ("term" if forwarded else "done"), 0, ""
+            if forwarded is not None and now - forwarded > self.grace_s:
+                return "failed", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ the job
+    def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.host_store_every:
+            self._make_store()
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        rc = 1
+        try:
+            while True:
+                t_gen = time.time()
+                self._start_generation()
+                outcome, rc, why = self._watch()
+                t_end = time.time()
+                self.history.append({"generation": self.generation, "outcome": outcome, "why": why,
+                                     "started": t_gen, "ended": t_end})
+                if outcome == "done" and any((w.heartbeat() or {}).get("phase") == "preempted" for w in self.workers):
+                    outcome = "term"  # SIGTERM reached a worker directly (not through this supervisor)
+                    self.history[-1]["outcome"] = outcome
+                if outcome in ("done", "term"):
+                    self._stop_generation("generation ended")
+                    self._write_processes("done" if outcome == "done" else "preempted")
+                    _say(f"generation {self.generation}: all {self.n} workers exited 0"
+                         + (" after SIGTERM (preempted; relaunch to resume)" if outcome == "term" else ""))
+                    return 0
+                _say(f"generation {self.generation} failed: {why}; stopping the other workers")
+                self._stop_generation(_STOPPED)
+                # a worker killed by a signal it did not get from this supervisor (two killed
+                # at once: both), or killed as hung, lost its host; one that exited with an
+                # error (a collective timed out) or that this supervisor stopped did not
+                for w in self.workers:
+                    if w.process_id == self._dead_process or ((w.proc.returncode or 0) < 0 and w.killed_for is None):
+                        self._lose_host_store(w.process_id)
+                if self.store_root is not None:
+                    self.store_step = hoststore.restorable_step(self.store_root, self.n)
+                    _say(f"host stores hold every process's shards up to step {self.store_step}"
+                         if self.store_step is not None else "host stores hold no complete step")
+                if self._term is not None:
+                    self._write_processes("failed")
+                    return rc
+                if self.generation >= self.max_restarts:
+                    self._write_processes("failed")
+                    _say(f"giving up: {self.generation} restarts (--max-restarts {self.max_restarts}); exit {rc}")
+                    return rc
+                self._write_processes("restarting")
+        finally:
+            for w in self.workers:
+                w.kill()
+            if self._service is not None:
+                self._service.shutdown()
+                self._service = None
+            for s, h in old.items():
+                signal.signal(s, h)
+            if self.store_root is not None:
+                shutil.rmtree(self.store_root, ignore_errors=True)
+            write_json(self.run_dir / "launch_history.json", {"generations": self.history})
+
+    # ------------------------------------------------------------------ host state store
+    def _make_store(self):
+        """One directory per host, in RAM (/dev/shm) where there is one; the supervisor owns them."""
+        base = pathlib.Path("/dev/shm") if os.path.isdir("/dev/shm") else self.run_dir
+        self.store_root = base / f"resilax-store-{os.getpid()}-{time.time_ns()}"
+        for i in range(self.n):
+            (self.store_root / f"host{i}").mkdir(parents=True)
+
+    def _lose_host_store(self, process_id):
+        """Honest emulation: the host of a dead worker lost its memory, so its store is gone."""
+        if self.store_root is None or process_id is None:
+            return
+        shutil.rmtree(self.store_root / f"host{process_id}", ignore_errors=True)
+        (self.store_root / f"host{process_id}").mkdir(parents=True, exist_ok=True)
+        _say(f"host {process_id}'s state store deleted with its worker")
+
+    def _on_signal(self, signum, frame):
+        self._term = signum
+
+
+def register_cli(sub) -> None:
+    p = sub.add_parser("launch", help="run N JAX worker processes under a supervisor that restarts the job on failures",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", "--num-processes", type=int, required=True, dest="n")
+    p.add_argument("--devices-per-process", type=int, default=1, help="CPU devices each worker asks JAX for")
+    p.add_argument("--run-dir", required=True, help="processes.json, heartbeats, worker logs (and the default "
+                                                    "checkpoint directory of `resilax train`)")
+    p.add_argument("--max-restarts", type=int, default=3, help="new generations after failures before giving up")
+    p.add_argument("--heartbeat", type=float, default=0.5, metavar="S", help="worker heartbeat interval (s)")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S",
+                   help="a worker whose heartbeat is older is hung and gets SIGKILLed (s)")
+    p.add_argument("--step-deadline-factor", type=float, default=20.0,
+                   help="step deadline = max(--min-step-deadline, this x measured step time)")
+    p.add_argument("--min-step-deadline", type=float, default=30.0, metavar="S")
+    p.add_argument("--collective-timeout", type=int, default=None, metavar="S",
+                   help="XLA CPU collective timeout in the workers (default: half of --min-step-deadline)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    p.add_argument("--host-store-every", type=int, default=1, metavar="K",
+                   help="workers copy their shards to the host state store (RAM, mirrored to the next host) every K "
+                        "steps; a new generation restores from there (0: off, restore from checkpoints only)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
+    p.set_defaults(func=_cmd_launch)
+
+
+def _cmd_launch(args) -> int:
+    cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
+    if cmd and cmd[0] == "resilax":  # the same interpreter and resilax as the supervisor
+        cmd = [sys.executable, "-m", "resilax", *cmd[1:]]
+    try:
+        sup = Supervisor(cmd, n=args.n, devices_per_process=args.devices_per_process, run_dir=args.run_dir,
+                         max_restarts=args.max_restarts, heartbeat_s=args.heartbeat,
+                         heartbeat_timeout_s=args.heartbeat_timeout, step_deadline_factor=args.step_deadline_factor,
+                         min_step_deadline_s=args.min_step_deadline, collective_timeout_s=args.collective_timeout,
+                         startup_timeout_s=args.startup_timeout, host_store_every=args.host_store_every)
+    except ValueError as e:
+        print(f"resilax: error: {e}", file=sys.stderr)
+        return 2
+    return sup.run()

@@ -1,0 +1,290 @@
+"""`resilax launch`: real worker processes under jax.distributed, killed from outside.
+
+The end-to-end test runs 4 processes x 2 CPU devices (`cpu-4x2`, state sharded over all 8
+devices), kills workers by the pids in ``processes.json`` (a random non-zero worker at a
+random moment, then process 0, then SIGSTOPs one) and checks that the job ends on its own
+with the state of a failure-free single-process run of the same topology (per-leaf
+relative norm <= 1e-4: gloo sums in another order than the in-process all-reduce).
+Every subprocess has a timeout and is killed in a ``finally``.
+"""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from resilax._src.runtime import jaxdist
+from resilax._src.runtime.launched import LaunchEnv
+from resilax.tools.launch import PROCESSES_JSON, Supervisor
+
+STEPS, EVERY = 40, 5
+TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
+         "--checkpoint-every", str(EVERY), "--log-every", "10"]
+
+
+def _kill_tree(p: subprocess.Popen):
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=10)
+
+
+def _wait(pred, timeout, what, proc=None):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the launcher exited with {proc.returncode} while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _processes(run_dir):
+    try:
+        return json.loads((run_dir / PROCESSES_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _steps(run_dir, gen) -> dict:
+    out = {}
+    for f in (run_dir / "heartbeats").glob(f"g{gen}.p*.json"):
+        try:
+            hb = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        out[hb["process_id"]] = hb.get("step")
+    return out
+
+
+def _running(run_dir, gen, n=4):
+    p = _processes(run_dir)
+    return p if p and p["generation"] == gen and p.get("status") == "running" and len(p["workers"]) == n else None
+
+
+def _past(run_dir, gen, step):
+    s = _steps(run_dir, gen)
+    return len(s) == 4 and all(v is not None and v >= step for v in s.values())
+
+
+def _rel_diff(a, b) -> float:
+    assert sorted(a.files) == sorted(b.files)
+    worst = 0.0
+    for k in b.files:
+        x, y = a[k].astype(np.float64), b[k].astype(np.float64)
+        worst = max(worst, float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A failure-free single-process run of the same topology and program."""
+    from helpers import child_env
+
+    d = tmp_path_factory.mktemp("ref")
+    out = d / "ref.npz"
+    cmd = [sys.executable, "-m", *TRAIN, "--no-log", "--no-peers",
+           "--checkpoint-dir", str(d / "ck"), "--out", str(out), "--quiet"]
+    r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return np.load(out, allow_pickle=False)
+
+
+def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
+    from helpers import child_env
+
+    rng = random.Random(int(os.environ.get("RESILAX_TEST_SEED", "0")) or None)
+    run = tmp_path / "run"
+    out = tmp_path / "final.npz"
+    log = open(tmp_path / "launch.log", "wb")
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "4", "--devices-per-process", "2", "--run-dir", str(run),
+           "--heartbeat", "0.2", "--heartbeat-timeout", "2", "--min-step-deadline", "20", "--max-restarts", "4",
+           "--", *TRAIN, "--out", str(out)]
+    p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    done = []
+    try:
+        # generation 0: a random non-zero worker, at a random moment after the first checkpoint
+        _wait(lambda: _past(run, 0, EVERY + 2), 180, "generation 0 past step 7", p)
+        time.sleep(rng.uniform(0, 1.0))
+        victim = rng.randrange(1, 4)
+        reached = [min(_steps(run, 0).values())]
+        os.kill(_processes(run)["workers"][str(victim)], signal.SIGKILL)
+        done.append(("SIGKILL", victim))
+        # generation 1: process 0 (its death must not take the job down: the service is elsewhere)
+        procs = _wait(lambda: _running(run, 1), 120, "generation 1 running", p)
+        _wait(lambda: _past(run, 1, 2 * EVERY + 2), 180, "generation 1 past step 12", p)
+        time.sleep(rng.uniform(0, 1.0))
+        reached.append(min(_steps(run, 1).values()))
+        os.kill(procs["workers"]["0"], signal.SIGKILL)
+        done.append(("SIGKILL", 0))
+        # generation 2: a hung worker (SIGSTOP) is detected by its stale heartbeat and killed
+        procs = _wait(lambda: _running(run, 2), 120, "generation 2 running", p)
+        _wait(lambda: _past(run, 2, 3 * EVERY + 2), 180, "generation 2 past step 17", p)
+        victim = rng.randrange(0, 4)
+        reached.append(min(_steps(run, 2).values()))
+        os.kill(procs["workers"][str(victim)], signal.SIGSTOP)
+        done.append(("SIGSTOP", victim))
+        rc = p.wait(timeout=240)
+    finally:
+        _kill_tree(p)
+        log.close()
+    text = (tmp_path / "launch.log").read_text(errors="replace")
+    assert rc == 0, f"{done}\n{text[-6000:]}"
+    hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["failed", "failed", "failed", "done"], (done, hist)
+    assert "signal SIGKILL" in hist[0]["why"] and f"process {done[0][1]} " in hist[0]["why"]
+    assert "process 0 " in hist[1]["why"] and "signal SIGKILL" in hist[1]["why"]
+    assert "hung: heartbeat" in hist[2]["why"] and f"process {done[2][1]} " in hist[2]["why"]
+    assert _processes(run)["status"] == "done" and _processes(run)["generation"] == 3
+    final = np.load(out, allow_pickle=False)
+    digest = (pathlib.Path(f"{out}.sha256").read_text().split()[0])
+    import hashlib
+
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == digest
+    assert _rel_diff(final, reference) <= 1e-4, (done, text[-3000:])
+    # zero lost steps: every worker of generations 1-3 resumed from the host stores (the
+    # dead host's shards from its ring neighbour's mirror) at least at the step every worker
+    # had reported before the failure, not at the older checkpoint
+    for g in (1, 2, 3):
+        lines = [ln for ln in text.splitlines() if ln.startswith(f"[g{g} p") and "resumed at step" in ln]
+        assert len(lines) == 4 and all("(host store: " in ln for ln in lines), (g, lines)
+        resumed = {int(ln.split("resumed at step ")[1].split()[0]) for ln in lines}
+        assert len(resumed) == 1 and resumed.pop() >= reached[g - 1], (g, lines, reached)
+        if g in (1, 2):  # the SIGKILLed host's own store was deleted: its shards came from the mirror
+            dead = done[g - 1][1]
+            assert any(ln.startswith(f"[g{g} p{dead}]") and f"host{(dead + 1) % 4}/mirror" in ln for ln in lines)
+
+
+# ---------------------------------------------------------------- the supervisor alone (no JAX workers)
+def _sup(tmp_path, code: str, **kw):
+    return Supervisor([sys.executable, "-c", code], n=2, devices_per_process=1, run_dir=tmp_path / "run",
+                      heartbeat_s=0.1, heartbeat_timeout_s=1.0, startup_timeout_s=20, **kw)
+
+
+def test_supervisor_gives_up_after_max_restarts_with_the_workers_exit_code(tmp_path):
+    sup = _sup(tmp_path, "import sys; sys.exit(3)", max_restarts=2)
+    assert sup.run() == 3
+    hist = json.loads((tmp_path / "run" / "launch_history.json").read_text())["generations"]
+    assert len(hist) == 3 and all("exited with code 3" in g["why"] for g in hist)
+    procs = _processes(tmp_path / "run")
+    assert procs["status"] == "failed" and procs["generation"] == 2 and procs["supervisor"] == os.getpid()
+
+
+def test_supervisor_kills_a_worker_that_never_heartbeats(tmp_path):
+    # a worker command that is not resilax never writes a heartbeat: the startup deadline ends it
+    sup = Supervisor([sys.executable, "-c", "import time; time.sleep(60)"], n=1, devices_per_process=1,
+                     run_dir=tmp_path / "run", heartbeat_s=0.1, heartbeat_timeout_s=1.0, startup_timeout_s=1.0,
+                     max_restarts=0)
+    t0 = time.time()
+    assert sup.run() != 0
+    assert time.time() - t0 < 15
+    hist = json.loads((tmp_path / "run" / "launch_history.json").read_text())["generations"]
+    assert "no heartbeat within --startup-timeout" in hist[0]["why"]
+
+
+def test_supervisor_ends_cleanly_when_workers_exit_0_and_sets_their_env(tmp_path):
+    code = ("import os, json; e = {k: v for k, v in os.environ.items() if k.startswith('RESILAX_')}; "
+            "open(os.path.join(e['RESILAX_RUN_DIR'], 'env' + e['RESILAX_PROCESS_ID'] + '.json'), 'w').write(json.dumps(e))")
+    assert _sup(tmp_path, code).run() == 0
+    envs = [LaunchEnv.from_env(json.loads((tmp_path / "run" / f"env{i}.json").read_text())) for i in range(2)]
+    assert [e.process_id for e in envs] == [0, 1] and {e.num_processes for e in envs} == {2}
+    assert envs[0].coordinator == envs[1].coordinator and envs[0].coordinator.startswith("127.0.0.1:")
+    assert _processes(tmp_path / "run")["status"] == "done"
+
+
+def test_launch_cli_rejects_a_missing_command(tmp_path):
+    from helpers import child_env
+
+    r = subprocess.run([sys.executable, "-m", "resilax", "launch", "-n", "2", "--run-dir", str(tmp_path)],
+                       env=child_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "a worker command is required after --" in r.stderr
+
+
+def test_jax_assumptions_hold_and_a_broken_one_is_named(monkeypatch):
+    jaxdist.check()  # the installed JAX (0.10.2) satisfies every assumption
+    import jax
+
+    monkeypatch.setattr(jaxdist, "_checked", False)
+    monkeypatch.setattr(jax, "__version__", "0.0.1")
+    monkeypatch.delenv("RESILAX_ALLOW_UNTESTED_JAX", raising=False)
+    with pytest.raises(jaxdist.JaxAssumptionError, match=r"jax 0\.0\.1 is not one of the versions"):
+        jaxdist.check()
+    monkeypatch.setattr(jax, "__version__", jaxdist.TESTED_VERSIONS[0])
+    from jax._src import distributed
+
+    monkeypatch.delattr(type(distributed.global_state), "preemption_sync_manager")
+    with pytest.raises(jaxdist.JaxAssumptionError, match=r"global_state\.preemption_sync_manager: expected an attribute"):
+        jaxdist.check()
+
+
+def test_hung_worker_then_sigterm_to_one_worker_then_relaunch_resumes_exactly(tmp_path):
+    """A worker whose main thread hangs after step 5 (its heartbeat thread lives on, the
+    others wait in step 6's collective) is found by the step deadline and killed; the next
+    generation resumes from the host stores. Then preemption: SIGTERM to one worker reaches
+    a sync point on every worker (JAX's preemption sync manager over the supervisor's
+    service); they save and exit 0, the supervisor ends the job with 0, and launching the
+    same command again resumes at the saved step and ends where a failure-free run of the
+    same program ends, bitwise."""
+    from helpers import child_env
+
+    steps = 16
+    train = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", str(steps),
+             "--checkpoint-every", "100", "--log-every", "4"]
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
+           "--heartbeat", "0.2", "--heartbeat-timeout", "3", "--min-step-deadline", "10", "--step-deadline-factor", "5",
+           "--max-restarts", "1", "--", *train, "--out", str(out), "--fault", "hang@5:after_step/1"]
+    logs = []
+    for attempt in range(2):
+        logs.append(open(tmp_path / f"launch{attempt}.log", "wb"))
+        p = subprocess.Popen(cmd, env=child_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            if attempt == 0:
+                _wait(lambda: _running(run, 1, n=2), 120, "generation 1 (after the hang)", p)
+                _wait(lambda: _past_n(run, 1, 8, 2), 180, "step 8", p)
+                os.kill(_processes(run)["workers"][str(random.randrange(2))], signal.SIGTERM)
+            rc = p.wait(timeout=180)
+        finally:
+            _kill_tree(p)
+            logs[-1].close()
+        text = (tmp_path / f"launch{attempt}.log").read_text(errors="replace")
+        assert rc == 0, text[-5000:]
+        if attempt == 0:
+            assert _processes(run)["status"] == "preempted" and not out.exists(), text[-3000:]
+            hist = json.loads((run / "launch_history.json").read_text())["generations"]
+            assert [g["outcome"] for g in hist] == ["failed", "term"], hist
+            assert "process 1 " in hist[0]["why"] and "hung: never started step 6" in hist[0]["why"], hist
+            assert [ln for ln in text.splitlines() if "resumed at step 5 (host store" in ln], text[-3000:]
+            stopped = [int(line.split("after step ")[1].split(",")[0]) for line in text.splitlines()
+                       if "preempted: every worker stopped after step" in line]
+            assert len(stopped) == 2 and stopped[0] == stopped[1] and 8 <= stopped[0] < steps, text[-3000:]
+        else:
+            assert f"resumed at step {stopped[0]} (checkpoint)" in text, text[-3000:]
+    # the same program without the SIGTERM: bitwise
+    ref_run, ref_out = tmp_path / "ref", tmp_path / "ref.npz"
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir",
+           str(ref_run), "--max-restarts", "0", "--", *train, "--out", str(ref_out), "--quiet"]
+    p = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        assert p.wait(timeout=180) == 0
+    finally:
+        _kill_tree(p)
+    a, b = np.load(out, allow_pickle=False), np.load(ref_out, allow_pickle=False)
+    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def _past_n(run_dir, gen, step, n):
+    s = _steps(run_dir, gen)
+    return len(s) == n and all(v is not None and v >= step for v in s.values())
