@@ -89,19 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
         ("multiprocess", "bench_multiprocess", "a worker SIGKILLed under resilax launch: kill to resume by phase"),
     ):
-        try:
-            m = __import__(f"resilax.tools.{mod}", fromlist=["add_arguments", "run"])
-        except ImportError:
-            continue
+        # every tool ships with the package: a module that fails to import is a bug to show, not to skip
+        m = __import__(f"resilax.tools.{mod}", fromlist=["add_arguments", "run"])
         sp = bsub.add_parser(name, help=help_)
         m.add_arguments(sp)
         sp.set_defaults(func=m.run)
 
     for mod in ("simulate", "report", "validate", "campaign", "launch"):
-        try:
-            m = __import__(f"resilax.tools.{mod}", fromlist=["register_cli"])
-        except ImportError:
-            continue
+        m = __import__(f"resilax.tools.{mod}", fromlist=["register_cli"])
         m.register_cli(sub)
     return p
 
