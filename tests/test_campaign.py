@@ -67,3 +67,15 @@ def test_random_schedules_match_failure_free_runs(seed):
     t = C.random_trial(random.Random(seed), seed)
     rec = C.run_trial(t)
     assert rec["outcome"] in ("ok", "expected_lost"), rec
+
+
+def test_campaign_runs_trials_in_worker_processes_and_writes_json(tmp_path):
+    """`resilax campaign` runs its trials in worker processes (a single process ran out of memory
+    mappings after ~280 trials) and keeps the JSON current."""
+    import io
+    import json
+
+    out = C.run_campaign(2, 11, json_path=str(tmp_path / "c.json"), every=1, stream=io.StringIO(), chunk=1)
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["done"] == 2 and sum(saved["counts"].values()) == 2 and saved["bad"] == out["bad"] == 0
+    assert [r["trial"]["seed"] for r in saved["records"]] == [11 * 1_000_003, 11 * 1_000_003 + 1]

@@ -352,18 +352,32 @@ def run_trial(trial: Trial, *, timeout_s: float = 300.0) -> dict:
     return rec
 
 
-def run_campaign(trials: int, seed: int, *, json_path: str | None = None, every: int = 10, stream=None) -> dict:
+def run_campaign(trials: int, seed: int, *, json_path: str | None = None, every: int = 10, stream=None,
+                 chunk: int = 20) -> dict:
     """``trials`` seeded trials; prints a progress line every ``every`` trials and a summary
-    table; writes JSON (counts, per-trial records) when ``json_path`` is given."""
+    table; writes JSON (counts, per-trial records) when ``json_path`` is given, after every
+    progress line too (a long run that is stopped keeps what it measured).
+
+    Trials run in worker processes, ``chunk`` at a time: one process that compiles hundreds
+    of distinct programs ran out of memory mappings (LLVM "Cannot allocate memory", then a
+    segfault, after ~280 trials). A worker that dies mid-trial (a crash in resilax or JAX)
+    counts that trial as ``unexpected_exception`` and the campaign goes on in a new worker.
+    """
     stream = stream or sys.stdout
     rng = random.Random(seed)
+    todo = [random_trial(rng, seed * 1_000_003 + i) for i in range(trials)]
     records, counts = [], {o: 0 for o in OUTCOMES}
     t0 = time.perf_counter()
-    for i in range(trials):
-        trial = random_trial(rng, seed * 1_000_003 + i)
-        rec = run_trial(trial)
+
+    def summary():
+        return {"trials": trials, "done": len(records), "seed": seed, "counts": counts,
+                "bad": sum(counts[b] for b in BAD), "seconds": time.perf_counter() - t0, "records": records}
+
+    def take(rec):
+        i = len(records)
         records.append(rec)
         counts[rec["outcome"]] += 1
+        trial = Trial.from_json(rec["trial"])
         if rec["outcome"] in BAD:
             print(f"  trial {i}: {rec['outcome']}: {trial.faults} {trial.model} {trial.topology} {trial.layout} "
                   f"ckpt={trial.ckpt_every} {rec.get('error', '')[:300]} diff={rec.get('max_rel_diff')}",
@@ -371,8 +385,33 @@ def run_campaign(trials: int, seed: int, *, json_path: str | None = None, every:
         if (i + 1) % every == 0 or i + 1 == trials:
             print(f"campaign: {i + 1}/{trials} trials, {time.perf_counter() - t0:.0f} s, "
                   + ", ".join(f"{k} {v}" for k, v in counts.items() if v), file=stream, flush=True)
-    out = {"trials": trials, "seed": seed, "counts": counts, "bad": sum(counts[b] for b in BAD),
-           "seconds": time.perf_counter() - t0, "records": records}
+            if json_path:
+                from resilax._src.io import write_json
+
+                write_json(json_path, summary())
+
+    while len(records) < trials:
+        batch = todo[len(records):len(records) + chunk]
+        with tempfile.TemporaryDirectory(prefix="resilax-campaign-worker-") as d:
+            out = os.path.join(d, "records.jsonl")
+            args = [sys.executable, "-m", "resilax.tools.campaign", "--worker",
+                    json.dumps([t.to_json() for t in batch]), out]
+            try:
+                rc = subprocess.run(args, timeout=400 * len(batch), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+                code, err = rc.returncode, rc.stderr
+            except subprocess.TimeoutExpired as e:
+                code, err = "timeout", str(e.stderr or "")
+            got = []
+            if os.path.exists(out):
+                with open(out) as f:
+                    got = [json.loads(line) for line in f if line.strip()]
+        for rec in got:
+            take(rec)
+        if len(got) < len(batch):  # the worker died in the trial after the last record it wrote
+            take({"trial": batch[len(got)].to_json(), "outcome": "unexpected_exception",
+                  "error": f"worker process ended ({code}) during the trial: {err[-1200:]}"})
+    out = summary()
     print("\n| outcome | trials |\n| --- | --- |", file=stream)
     for k, v in counts.items():
         print(f"| {k} | {v} |", file=stream)
@@ -407,6 +446,20 @@ def _child(trial_json: str, work: str) -> None:
     sys.exit(3)  # the kill should have fired
 
 
+def _worker(trials_json: str, out: str) -> None:
+    """Runs trials, appending one JSON record per line to ``out`` as each ends."""
+    from resilax.tools.runner import configure_compilation_cache, configure_cpu_devices
+
+    configure_cpu_devices(8)
+    configure_compilation_cache()
+    for t in json.loads(trials_json):
+        rec = run_trial(Trial.from_json(t))
+        with open(out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--child":
         _child(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3])
