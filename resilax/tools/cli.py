@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, mod, help_ in (
         ("replay", "bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
         ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
+        ("protection", "bench_protection", "each protection's cost per step (>= 40 MB state, two layouts, A/A), "
+                                           "checkpoint blocking vs Orbax and the host copy, recovery in step-times"),
     ):
         try:
             m = __import__(f"resilax.tools.{mod}", fromlist=["add_arguments", "run"])
