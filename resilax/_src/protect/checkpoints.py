@@ -22,6 +22,13 @@ class Checkpoints(base.Protection):
     def tree(self, state, guard):
         return {"state": state} if guard is None else {"state": state, "guard": guard}
 
+    def start(self, run, state):
+        """Warms the snapshot program and Orbax off the loop (see `CheckpointStore.warm`)."""
+        self.store.warm(self.tree(state, run.guard))
+
+    def restart(self, run, state):
+        self.start(run, state)
+
     def due(self, step_after: int) -> bool:
         return bool(self.cfg.every) and step_after % self.cfg.every == 0
 
