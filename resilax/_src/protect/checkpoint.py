@@ -82,7 +82,7 @@ class Restored:
 def _snapshot_fn(tree):
     # jnp.copy of a non-donated input is a new buffer (XLA never aliases an output to an
     # input that was not donated), so the snapshot survives the next step's donation.
-    return jax.tree.map(jnp.copy, tree), tree_checksums(tree)
+    return jax.tree.map(jnp.copy, tree)
 
 
 _snapshot_jit = jax.jit(_snapshot_fn)
@@ -123,6 +123,7 @@ class CheckpointStore:
         self._error: BaseException | None = None
         self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
         self._compiled = None  # (abstract tree, compiled snapshot program)
+        self._sums = None  # (abstract tree, compiled checksum program)
         self._warming: threading.Thread | None = None
 
     def _open(self):
@@ -135,16 +136,23 @@ class CheckpointStore:
         return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "checksums", "meta"))
 
     # ------------------------------------------------------------------ warm-up
-    def warm(self, tree) -> None:
-        """Compiles the snapshot program for ``tree``'s shapes and shardings on a background
-        thread (lowering and compiling are thread-safe), so no save compiles on the loop."""
+    def warm(self, tree, also: Callable[[], None] | None = None) -> None:
+        """Compiles the snapshot and checksum programs for ``tree``'s shapes and shardings on a
+        background thread (lowering and compiling are thread-safe), then ``also`` (the
+        caller's own warm-up), so no save compiles on the loop."""
         abstract = _abstract(tree)
-        if self._compiled is not None and self._compiled[0] == abstract:
+        if self._compiled is not None and self._compiled[0] == abstract and also is None:
             return
 
         def compile_it():
             try:
+                self._sums = (abstract, tree_checksums.lower(abstract).compile())
+                if also is not None:  # the caller's first (the loop may need it sooner)
+                    also()
+                    also = None
                 self._compiled = (abstract, _snapshot_jit.lower(abstract).compile())
+                if also is not None:
+                    also()
             except Exception:  # the first save compiles it instead (same program)
                 self._compiled = None
 
@@ -162,11 +170,23 @@ class CheckpointStore:
                 return fn(tree)
         return _snapshot_jit(tree)
 
+    def _checksums(self, tree):
+        if self._sums is not None and _abstract(tree) == self._sums[0]:
+            return self._sums[1](tree)
+        return tree_checksums(tree)
+
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state, meta: dict, *, after_dispatch: Callable[[], None] | None = None) -> float:
+    def save(self, step: int, state, meta: dict, *, after_dispatch: Callable[[], None] | None = None,
+             copy: bool = True) -> float:
         """Starts saving ``state`` as checkpoint ``step``; returns the seconds the caller blocked
-        (dispatching the on-device snapshot and its checksums; with ``async_save=False``, the
-        whole commit).
+        (with ``copy``: dispatching the on-device snapshot; with ``async_save=False``, the whole
+        commit).
+
+        ``copy=False`` is the caller's promise that ``state``'s buffers stay untouched (not
+        donated, not deleted) until `settle` returns: then nothing is copied on device and
+        the caller blocks for nothing but the hand-off (the driver runs the next step
+        without donating its input). The checksums are computed on the persister thread,
+        from the very buffers Orbax writes.
 
         Raises:
           StorageError: an earlier background save failed (full disk, permissions), or this
@@ -179,11 +199,11 @@ class CheckpointStore:
         # one save behind".
         self.settle()
         self._raise_error()
-        snap, sums = self._snapshot(state)
+        snap = self._snapshot(state) if copy else state
         meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
         self._start_thread()
         self._handed.clear()
-        self._q.put((int(step), snap, sums, meta))
+        self._q.put((int(step), snap, meta))
         del snap
         if not self._async:
             self.wait()
@@ -207,13 +227,15 @@ class CheckpointStore:
             try:
                 if job is None:
                     return
-                step, snap, sums, meta = job
+                step, snap, meta = job
                 job = None
                 if self._error is not None:
+                    self._handed.set()
                     continue  # a failed save stops the later ones: the caller is told at its next call
                 t0 = time.perf_counter()
                 with self._lock:
                     try:
+                        sums = self._checksums(snap)
                         self._mgr.save(step, args=ocp.args.Composite(
                             state=ocp.args.StandardSave(snap),
                             checksums=ocp.args.StandardSave({"sums": sums}),

@@ -159,6 +159,7 @@ class ResilientStep:
         self._grad_faults: dict[int, str] = {}
         self._step_s = None
         self._copy_in_flight = False
+        self._keep_input = False  # the next step does not donate the live state (a save reads it)
         self.goodput_recorder = GoodputRecorder()
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
@@ -439,7 +440,8 @@ class ResilientStep:
         t0 = time.perf_counter()
         dev_batch = prog.put_batch(batch)
         gout = prog.grad(log_ring, self._grad_faults.pop(k, None))(self.live, self.guard, dev_batch, np.uint32(k))
-        new_state, ring, local = prog.update(copy)(self.live, gout.rec, gout.ok, np.uint32(k))
+        keep, self._keep_input = self._keep_input, False  # a checkpoint's persister still reads this state
+        new_state, ring, local = prog.update(copy, keep_input=keep)(self.live, gout.rec, gout.ok, np.uint32(k))
         self.live, self.guard, self.step, self._data_pos = new_state, gout.guard, k + 1, after
         rec = _base.StepRecord(k, batch, gout, copy, new_state, ring, local, before, after, prog)
         with self.goodput_recorder.span("protection"):
@@ -773,8 +775,17 @@ class ResilientStep:
             raise WrapError("resilax.ResilientStep.save: Config.checkpoint is None (no checkpoint directory)")
         state = self.live if state is None else state
         after = (lambda: self.faults.fire("during_save", self.step, self)) if self.faults else None
+        # The live state needs no copy when the next step keeps its input (the variant was
+        # compiled ahead at start): the persister reads these very buffers, and `settle`
+        # (before any failure deletes buffers, before a recovery) waits for it.
+        prog = self.program
+        uncopied = (state is self.live and prog is not None and
+                    (not self.config.donate_state or all(prog.has_update(v, keep_input=True) for v in
+                                                         (None, "ring" if self._peers is None or self._peers.every == 1
+                                                          else "ring+local"))))
         with self.goodput_recorder.span("checkpoint_save", step=self.step):
-            dt = self._ckpt.save(self, state, after_dispatch=after)
+            dt = self._ckpt.save(self, state, after_dispatch=after, copy=not uncopied)
+        self._keep_input = uncopied and self.config.donate_state
         if self._log is not None:
             self._log.checkpointed(self.step)
             if self._log.disk is not None:
@@ -785,8 +796,8 @@ class ResilientStep:
         if self._failures:  # a domain was lost while the save was in flight
             self._recover()  # nothing may read the state before this: some of its buffers are gone
             state = self.live  # the same step, rebuilt bitwise
-        if self._log is not None:
-            self._log.anchor(self.step, state, self.guard)
+        if self._log is not None:  # uncopied: the buffers stay valid, the log's writer checksums them
+            self._log.anchor(self.step, state, self.guard, defer=self._keep_input or not self.config.donate_state)
         return dt
 
     @property
