@@ -789,9 +789,11 @@ class ResilientStep:
         if self._log is not None:
             self._log.checkpointed(self.step)
             if self._log.disk is not None:
-                prev = self._ckpt.store.steps()
-                if len(prev) >= 2:  # entries behind the previous committed checkpoint are not needed
-                    self._log.disk.truncate_before(prev[-2])
+                # entries behind the newest committed checkpoint are not needed (the one just
+                # started is in flight on the persister: it may still fail)
+                prev = [s for s in self._ckpt.store.steps() if s < self.step]
+                if prev:
+                    self._log.disk.truncate_before(prev[-1])
         self._save_goodput()
         if self._failures:  # a domain was lost while the save was in flight
             self._recover()  # nothing may read the state before this: some of its buffers are gone
