@@ -147,14 +147,11 @@ class CheckpointStore:
         def compile_it():
             try:
                 self._sums = (abstract, tree_checksums.lower(abstract).compile())
-                if also is not None:  # the caller's first (the loop may need it sooner)
+                if also is not None:  # before the snapshot copy: the loop may need it sooner
                     also()
-                    also = None
                 self._compiled = (abstract, _snapshot_jit.lower(abstract).compile())
-                if also is not None:
-                    also()
-            except Exception:  # the first save compiles it instead (same program)
-                self._compiled = None
+            except Exception:  # the first save compiles what is missing instead (same programs)
+                pass
 
         self._warming = threading.Thread(target=compile_it, name="resilax-ckpt-warm", daemon=True)
         self._warming.start()
@@ -227,6 +224,13 @@ class CheckpointStore:
             try:
                 if job is None:
                     return
+                if job[0] == "call":
+                    try:
+                        job[1]()
+                    except BaseException as e:
+                        self._error = e if isinstance(e, StorageError) else StorageError(
+                            f"resilax checkpoints: a chore after a save failed: {type(e).__name__}: {e}")
+                    continue
                 step, snap, meta = job
                 job = None
                 if self._error is not None:
@@ -250,6 +254,13 @@ class CheckpointStore:
                 self.persist_s.append(time.perf_counter() - t0)
             finally:
                 self._q.task_done()
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` on the persister thread once the save in flight is committed (host-side
+        chores that need not block the loop: log truncation, goodput files). An exception
+        from it is reported like a failed save."""
+        self._start_thread()
+        self._q.put(("call", fn))
 
     def _raise_error(self):
         if self._error is not None:
