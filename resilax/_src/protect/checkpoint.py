@@ -79,6 +79,12 @@ class Restored:
     skipped: tuple[tuple[int, str], ...]  # (step, reason) of newer checkpoints that failed
 
 
+# Orbax calls from several threads at once (two runs' persisters saving together) raced in
+# Orbax's directory creation: "100.orbax-checkpoint-tmp/meta.orbax-checkpoint-tmp/metadata:
+# No such file or directory". Every Orbax call of every store goes through this one lock.
+_ORBAX_LOCK = threading.RLock()
+
+
 def _snapshot_fn(tree):
     # jnp.copy of a non-donated input is a new buffer (XLA never aliases an output to an
     # input that was not donated), so the snapshot survives the next step's donation.
@@ -102,8 +108,8 @@ class CheckpointStore:
       async_save: persist in the background (the caller blocks only to dispatch the
         snapshot); ``False``: `save` returns once the checkpoint is committed.
 
-    Thread-safety: every Orbax call runs under one lock; the persister thread makes the
-    saves, the caller's thread everything else (after waiting for queued saves).
+    Thread-safety: every Orbax call runs under one process-wide lock; the persister thread
+    makes the saves, the caller's thread everything else (after waiting for queued saves).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
@@ -117,7 +123,7 @@ class CheckpointStore:
         self._mgr = self._open()
         self.blocking_s: list[float] = []  # seconds the caller blocked per save
         self.persist_s: list[float] = []  # seconds from handing a snapshot to Orbax to its commit (persister thread)
-        self._lock = threading.RLock()
+        self._lock = _ORBAX_LOCK
         self._q: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
