@@ -779,10 +779,9 @@ class ResilientStep:
         # compiled ahead at start): the persister reads these very buffers, and `settle`
         # (before any failure deletes buffers, before a recovery) waits for it.
         prog = self.program
+        variants = [None] if self._peers is None else [None, "ring" if self._peers.every == 1 else "ring+local"]
         uncopied = (state is self.live and prog is not None and
-                    (not self.config.donate_state or all(prog.has_update(v, keep_input=True) for v in
-                                                         (None, "ring" if self._peers is None or self._peers.every == 1
-                                                          else "ring+local"))))
+                    (not self.config.donate_state or all(prog.has_update(v, keep_input=True) for v in variants)))
         with self.goodput_recorder.span("checkpoint_save", step=self.step):
             dt = self._ckpt.save(self, state, after_dispatch=after, copy=not uncopied)
         self._keep_input = uncopied and self.config.donate_state
