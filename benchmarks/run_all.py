@@ -20,6 +20,7 @@ BENCHES = {
     "overhead": ["bench", "overhead", "--steps", "300"],
     "replay": ["bench", "replay"],
     "recovery": ["bench", "recovery"],
+    "protection": ["bench", "protection", "--quiet"],
     "simulate": ["simulate", "--chips", "16384", "--model-params", "405e9", "--failures", "llama3",
                  "--days", "30", "--seed", "0", "--sweep"],
     "validate": ["validate", "--steps", "2000", "--checkpoint-every", "200", "--kills", "700,1500"],

@@ -178,3 +178,57 @@ def test_rng_key_in_state_is_checkpointed(tmp_path):
     s = go(tmp_path / "a", 6)
     assert np.array_equal(s["w"], ref["w"])
     assert np.array_equal(jax.random.key_data(s["rng"]), jax.random.key_data(ref["rng"]))
+
+
+def test_save_blocks_only_for_a_snapshot_that_is_a_real_copy(tmp_path):
+    """The loop gives save() the live state and then donates it to the next step: the
+    checkpoint must hold the state as it was at save(), even when the source buffers are
+    overwritten or deleted right after save() returned."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from resilax._src.protect.checkpoint import CheckpointStore
+
+    mesh = TOPO.mesh([list(d) for d in TOPO.domains()])
+    sh = NamedSharding(mesh, P(("data", "fsdp")))
+    host = {"a": np.arange(8 * 1024, dtype=np.float32).reshape(8, 1024), "b": np.full((16, 4), 7, np.int32)}
+    store = CheckpointStore(tmp_path / "ckpt")
+    try:
+        store.warm(jax.device_put(host, sh))
+        src = jax.device_put(host, sh)
+        store.save(3, src, {"note": "x"})
+        bump = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
+        moved = bump(src)  # the donated source buffers are reused for the next values
+        jax.block_until_ready(moved)
+        for x in jax.tree.leaves(moved):
+            x.delete()
+        store.wait()
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), host)
+        got = store.restore_newest(abstract)
+        assert got.step == 3 and state_equal(got.state, host)
+        assert len(store.blocking_s) == 1 and len(store.persist_s) == 1
+    finally:
+        store.close()
+
+
+def test_a_failed_background_save_is_a_storage_error_at_the_next_call(tmp_path):
+    """The persister's error is not lost: the next save()/wait() raises it as StorageError."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from resilax._src.protect.checkpoint import CheckpointStore
+
+    mesh = TOPO.mesh([list(d) for d in TOPO.domains()])
+    x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("data")))
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save(1, {"x": x}, {})
+    store.wait()
+    import shutil
+    shutil.rmtree(tmp_path / "ckpt")
+    (tmp_path / "ckpt").write_text("not a directory")  # the next write fails on the persister thread
+    assert store.save(2, {"x": x}, {}) < 5.0  # returns: the failure is in the background
+    with pytest.raises(resilax.StorageError, match="saving checkpoint 2|finishing a checkpoint save"):
+        store.wait()
+    with pytest.raises(resilax.StorageError):  # and it is not forgotten: the next save raises too
+        store.save(3, {"x": x}, {})
+        store.wait()
+    try:
+        store.close()
+    except resilax.StorageError:
+        pass

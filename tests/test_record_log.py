@@ -23,7 +23,7 @@ def replicated(st):
     return jax.tree.map(lambda x: P("fsdp") if np.ndim(x) and np.shape(x)[0] % 4 == 0 else P(), st)
 
 
-def mlp_run(config, steps, *, state=None, layout=sharded, faults=()):
+def mlp_run(config, steps, *, state=None, layout=sharded, faults=(), wait_compiled=False):
     """The example MLP with a grain iterator; returns (host state, step)."""
     template = ex.make_state(SMALL) if state is None else state
     data = ex.make_iterator(SMALL)
@@ -32,6 +32,9 @@ def mlp_run(config, steps, *, state=None, layout=sharded, faults=()):
     s = step.init(template, data=data)
     while step.step < steps:
         s, _ = step(s, next(data))
+        if wait_compiled:  # background compiles of the degraded meshes done before any failure
+            assert step.wait_compiled(timeout=300)
+            wait_compiled = False
     out = jax.device_get(s)
     step.close()
     return out, step
@@ -137,7 +140,7 @@ def test_peer_copy_fault_on_a_copy_step_and_on_a_mesh_without_copies():
 def test_compile_ahead_takes_compiles_off_the_recovery(tmp_path):
     cfg = resilax.Config(peers=resilax.PeersConfig(compile_ahead=True))
     ref, _ = mlp_run(resilax.Config(log=None, peers=None, anomaly=None), 6)
-    got, step = mlp_run(cfg, 6, faults=["fail_slice@3:mid_step/1"])
+    got, step = mlp_run(cfg, 6, faults=["fail_slice@3:mid_step/1"], wait_compiled=True)
     ahead = [e for e in step.events if e.kind == "compile_ahead"]
     assert ahead and ahead[0].step == 0 and ahead[0].fields["meshes"] == [{"data": 1, "fsdp": 4}] * 2
     ev = next(e for e in step.events if e.kind == "recovery")

@@ -39,7 +39,7 @@ def flat(state):
 
 
 def run(topo_name, kind, faults=(), peer_every=1, compile_ahead=False, checkpoint_dir=None, checkpoint_every=0,
-        protect=True):
+        protect=True, wait_compiled=False):
     topo = resilax.Topology.load(topo_name)
     st = make_state(SPEC)
     if protect:
@@ -54,6 +54,9 @@ def run(topo_name, kind, faults=(), peer_every=1, compile_ahead=False, checkpoin
     states = {}
     for b in batches():
         state, _ = step(state, b)
+        if wait_compiled:  # the background compiles of the degraded meshes finish before any failure
+            assert step.wait_compiled(timeout=300)
+            wait_compiled = False
         states[step.step] = flat(state)
         if any(e.kind == "recovery" for e in step.events):
             assert_nothing_on_dead_devices(step, state)
@@ -152,9 +155,9 @@ def test_slice_failure_recovers_bitwise_and_continues(topo_name, kind, phase, ta
 
 def test_compile_ahead_makes_recovery_skip_compiles():
     ref = reference("cpu-2x4", "sharded")
-    got, step = run("cpu-2x4", "sharded", ["fail_slice@3:mid_step/0"], compile_ahead=True)
+    got, step = run("cpu-2x4", "sharded", ["fail_slice@3:mid_step/0"], compile_ahead=True, wait_compiled=True)
     ahead = [e for e in step.events if e.kind == "compile_ahead"]
-    assert ahead and ahead[0].fields["meshes"] == [{"data": 1, "fsdp": 4}] * 2
+    assert ahead and ahead[0].fields["meshes"] == [{"data": 1, "fsdp": 4}] * 2 and ahead[0].fields["background"]
     (ev,) = [e for e in step.events if e.kind == "recovery"]
     assert ev.fields["compiled_ahead"] is True
     assert ev.fields["seconds"]["compile"] < 0.5 * ahead[0].fields["seconds"]
@@ -244,3 +247,27 @@ def test_failure_before_the_first_step():
     assert ev.fields["replicated_across_domains_now"]  # 64-row leaves no longer divide 3x2 devices
     for s in range(1, STEPS + 1):
         close(got[s], ref[s], "cpu-4x2-before-first-step")
+
+
+def test_a_recovery_during_the_background_compile_builds_the_mesh_once(monkeypatch):
+    """Compile-ahead runs on a background thread; a failure that comes first waits for the
+    compile in flight (or builds the mesh itself if it had not started): never twice, and
+    the run still matches the failure-free one."""
+    from resilax._src.step import driver, program
+
+    built = []
+    init = program.Program.__init__
+
+    def counting(self, spec, mesh, *, full_mesh):
+        built.append(tuple(sorted(d.id for d in mesh.devices.flat)))
+        init(self, spec, mesh, full_mesh=full_mesh)
+
+    monkeypatch.setattr(driver.Program, "__init__", counting)
+    ref = reference("cpu-2x4", "sharded")
+    got, step = run("cpu-2x4", "sharded", ["fail_slice@1:after_step/1"], compile_ahead=True)
+    (ev,) = [e for e in step.events if e.kind == "recovery"]
+    survivors = tuple(sorted(d.id for d in step.mesh.devices.flat))
+    assert built.count(survivors) == 1, built
+    assert ev.fields["compiled_ahead"] in (True, False)
+    for s in range(2, STEPS + 1):
+        close(got[s], ref[s], "cpu-2x4-recovery-during-compile")

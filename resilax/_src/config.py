@@ -109,14 +109,15 @@ class PeersConfig:
       every: copy every this many steps; between copies the record log's device entries
         (ring-copied too) cover the steps. 1 = every step (no replay needed on recovery).
       compile_ahead: compile the executables of every mesh one more domain loss would leave,
-        up front, so a recovery does not wait for XLA.
+        on a background thread (never on a step's critical path), so a recovery does not
+        wait for XLA; a recovery that comes first waits for the compile in flight.
       device_memory_bytes: memory per device a degraded mesh may use; on a smaller mesh the
         gradient part runs on the global batch when its compiled program fits, else in
         microbatches. ``None``: the device's own limit (unbounded where it reports none).
     """
 
     every: int = 1
-    compile_ahead: bool = False
+    compile_ahead: bool = True
     device_memory_bytes: int | None = None
 
     def __post_init__(self):

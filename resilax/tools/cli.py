@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("replay", "bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
         ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
         ("multiprocess", "bench_multiprocess", "a worker SIGKILLed under resilax launch: kill to resume by phase"),
+        ("protection", "bench_protection", "each protection's cost per step (>= 40 MB state, two layouts, A/A), "
+                                           "checkpoint blocking vs Orbax and the host copy, recovery in step-times"),
     ):
         # every tool ships with the package: a module that fails to import is a bug to show, not to skip
         m = __import__(f"resilax.tools.{mod}", fromlist=["add_arguments", "run"])

@@ -10,6 +10,14 @@ a temporary name, then renamed) holding three items:
 On restore the newest step is read and its checksums recomputed; a checkpoint that cannot
 be read or does not match is moved into ``quarantine/`` (never deleted) and the next older
 one is tried, with a warning that names both.
+
+Saving is snapshot-then-persist (CheckFreq's split): the training thread only dispatches
+one compiled program that copies the state on device and computes its checksums (an
+asynchronous dispatch: the copy runs on the device queue, in order, before the next step
+may reuse the donated buffers); a persister thread hands the copy to Orbax (which copies
+it to host and writes it in its own background thread) and drops the device copy as soon
+as Orbax holds the host copy. Orbax's start-up (handlers, thread pools, the first
+directory) and the snapshot program's compilation happen off the loop (`warm`).
 """
 
 from __future__ import annotations
@@ -19,12 +27,15 @@ import dataclasses
 import errno
 import os
 import pathlib
+import queue
 import shutil
+import threading
 import time
 import warnings
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -68,13 +79,37 @@ class Restored:
     skipped: tuple[tuple[int, str], ...]  # (step, reason) of newer checkpoints that failed
 
 
+# Orbax calls from several threads at once (two runs' persisters saving together) raced in
+# Orbax's directory creation: "100.orbax-checkpoint-tmp/meta.orbax-checkpoint-tmp/metadata:
+# No such file or directory". Every Orbax call of every store goes through this one lock.
+_ORBAX_LOCK = threading.RLock()
+
+
+def _snapshot_fn(tree):
+    # jnp.copy of a non-donated input is a new buffer (XLA never aliases an output to an
+    # input that was not donated), so the snapshot survives the next step's donation.
+    return jax.tree.map(jnp.copy, tree)
+
+
+_snapshot_jit = jax.jit(_snapshot_fn)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
 class CheckpointStore:
-    """Orbax ``CheckpointManager`` with checksums and newest-good restore.
+    """Orbax ``CheckpointManager`` with checksums, newest-good restore, and saves that block
+    the caller only for dispatching an on-device snapshot.
 
     Args:
       directory: checkpoint root (created if missing).
       keep: complete checkpoints kept by Orbax.
-      async_save: write in the background (the caller blocks only for the device-to-host copy).
+      async_save: persist in the background (the caller blocks only to dispatch the
+        snapshot); ``False``: `save` returns once the checkpoint is committed.
+
+    Thread-safety: every Orbax call runs under one process-wide lock; the persister thread
+    makes the saves, the caller's thread everything else (after waiting for queued saves).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
@@ -86,7 +121,16 @@ class CheckpointStore:
         except OSError as e:
             raise StorageError(f"resilax checkpoints: cannot create checkpoint_dir {str(self.directory)!r}: {e}") from e
         self._mgr = self._open()
-        self.blocking_s: list[float] = []
+        self.blocking_s: list[float] = []  # seconds the caller blocked per save
+        self.persist_s: list[float] = []  # seconds from handing a snapshot to Orbax to its commit (persister thread)
+        self._lock = _ORBAX_LOCK
+        self._q: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
+        self._compiled = None  # (abstract tree, compiled snapshot program)
+        self._sums = None  # (abstract tree, compiled checksum program)
+        self._warming: threading.Thread | None = None
 
     def _open(self):
         opts = ocp.CheckpointManagerOptions(
@@ -97,46 +141,169 @@ class CheckpointStore:
         )
         return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "checksums", "meta"))
 
+    # ------------------------------------------------------------------ warm-up
+    def warm(self, tree, also: Callable[[], None] | None = None) -> None:
+        """Compiles the snapshot and checksum programs for ``tree``'s shapes and shardings on a
+        background thread (lowering and compiling are thread-safe), then ``also`` (the
+        caller's own warm-up), so no save compiles on the loop."""
+        abstract = _abstract(tree)
+        if self._compiled is not None and self._compiled[0] == abstract and also is None:
+            return
+
+        def compile_it():
+            try:
+                self._sums = (abstract, tree_checksums.lower(abstract).compile())
+                if also is not None:  # before the snapshot copy: the loop may need it sooner
+                    also()
+                self._compiled = (abstract, _snapshot_jit.lower(abstract).compile())
+            except Exception:  # the first save compiles what is missing instead (same programs)
+                pass
+
+        self._warming = threading.Thread(target=compile_it, name="resilax-ckpt-warm", daemon=True)
+        self._warming.start()
+        self._start_thread()
+
+    def _snapshot(self, tree):
+        if self._warming is not None:
+            self._warming.join()  # compiling now: finishing it is quicker than compiling again
+            self._warming = None
+        if self._compiled is not None:
+            abstract, fn = self._compiled
+            if _abstract(tree) == abstract:
+                return fn(tree)
+        return _snapshot_jit(tree)
+
+    def _checksums(self, tree):
+        if self._sums is not None and _abstract(tree) == self._sums[0]:
+            return self._sums[1](tree)
+        return tree_checksums(tree)
+
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state, meta: dict, *, after_dispatch: Callable[[], None] | None = None) -> float:
-        """Starts saving ``state`` as checkpoint ``step``; returns the seconds the caller blocked.
+    def save(self, step: int, state, meta: dict, *, after_dispatch: Callable[[], None] | None = None,
+             copy: bool = True) -> float:
+        """Starts saving ``state`` as checkpoint ``step``; returns the seconds the caller blocked
+        (with ``copy``: dispatching the on-device snapshot; with ``async_save=False``, the whole
+        commit).
+
+        ``copy=False`` is the caller's promise that ``state``'s buffers stay untouched (not
+        donated, not deleted) until `settle` returns: then nothing is copied on device and
+        the caller blocks for nothing but the hand-off (the driver runs the next step
+        without donating its input). The checksums are computed on the persister thread,
+        from the very buffers Orbax writes.
 
         Raises:
-          StorageError: the previous background save failed, or this one could not start
-            (full disk, permissions). Checkpoints already committed are untouched.
+          StorageError: an earlier background save failed (full disk, permissions), or this
+            one failed with ``async_save=False``. Checkpoints already committed are untouched.
         """
         t0 = time.perf_counter()
-        sums = tree_checksums(state)
+        # One checkpoint in flight at a time, as with Orbax alone: a save waits for the previous
+        # one to commit (at a usual cadence it did long ago), which bounds the device memory
+        # held by snapshots to one copy and keeps "the newest committed checkpoint is at most
+        # one save behind".
+        self.settle()
+        self._raise_error()
+        snap = self._snapshot(state) if copy else state
         meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
-        try:
-            self._mgr.save(
-                int(step),
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
-                    checksums=ocp.args.StandardSave({"sums": sums}),
-                    meta=ocp.args.JsonSave(meta),
-                ),
-            )
-        except Exception as e:  # Orbax re-raises a failed background commit here too
-            raise _storage_error(f"saving checkpoint {step}", self.directory, e) from e
+        self._start_thread()
+        self._handed.clear()
+        self._q.put((int(step), snap, meta))
+        del snap
+        if not self._async:
+            self.wait()
         dt = time.perf_counter() - t0
         self.blocking_s.append(dt)
         if after_dispatch is not None:
+            # chaos hook ("during_save"): fire once Orbax's write is really in flight (its
+            # temporary directory exists), not while the snapshot is still queued
+            self._handed.wait()
             after_dispatch()
         return dt
 
+    def _start_thread(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._persist, name="resilax-ckpt-persist", daemon=True)
+            self._thread.start()
+
+    def _persist(self):
+        while True:
+            job = self._q.get()
+            try:
+                if job is None:
+                    return
+                if job[0] == "call":
+                    try:
+                        job[1]()
+                    except BaseException as e:
+                        self._error = e if isinstance(e, StorageError) else StorageError(
+                            f"resilax checkpoints: a chore after a save failed: {type(e).__name__}: {e}")
+                    continue
+                step, snap, meta = job
+                job = None
+                if self._error is not None:
+                    self._handed.set()
+                    continue  # a failed save stops the later ones: the caller is told at its next call
+                t0 = time.perf_counter()
+                with self._lock:
+                    try:
+                        sums = self._checksums(snap)
+                        self._mgr.save(step, args=ocp.args.Composite(
+                            state=ocp.args.StandardSave(snap),
+                            checksums=ocp.args.StandardSave({"sums": sums}),
+                            meta=ocp.args.JsonSave(meta)))
+                        del snap, sums  # Orbax holds its host copy now: the device copy can go
+                        self._handed.set()
+                        self._mgr.wait_until_finished()  # committed (tmp dir renamed) before the next save
+                    except BaseException as e:  # Orbax re-raises a failed background commit here too
+                        self._error = _storage_error(f"saving checkpoint {step}", self.directory, e)
+                    finally:
+                        self._handed.set()
+                self.persist_s.append(time.perf_counter() - t0)
+            finally:
+                self._q.task_done()
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` on the persister thread once the save in flight is committed (host-side
+        chores that need not block the loop: log truncation, goodput files). An exception
+        from it is reported like a failed save."""
+        self._start_thread()
+        self._q.put(("call", fn))
+
+    def _raise_error(self):
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def settle(self) -> None:
+        """Blocks until the save in flight (if any) is committed or failed: after this no
+        resilax thread reads a device buffer of a snapshot."""
+        if self._thread is not None:
+            self._q.join()
+
     def wait(self):
-        """Blocks until the background save (if any) is committed."""
+        """Blocks until the background save (if any) is committed.
+
+        Raises:
+          StorageError: a background save failed (the message says why; a full disk says so).
+        """
+        self.settle()
         try:
-            self._mgr.wait_until_finished()
+            with self._lock:
+                self._mgr.wait_until_finished()
         except Exception as e:
+            self._error = None
             raise _storage_error("finishing a checkpoint save", self.directory, e) from e
+        self._raise_error()
 
     def close(self):
         try:
             self.wait()
         finally:
-            self._mgr.close()
+            if self._thread is not None:
+                self._q.put(None)
+                self._thread.join()
+                self._thread = None
+            with self._lock:
+                self._mgr.close()
 
     def steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
@@ -156,6 +323,11 @@ class CheckpointStore:
             is moved; the caller passed the wrong state).
           CorruptCheckpointError: checkpoints exist but none is good (all were quarantined).
         """
+        self.settle()
+        with self._lock:
+            return self._restore_newest(abstract_state)
+
+    def _restore_newest(self, abstract_state):
         self._mgr.reload()
         want_sig = state_signature(abstract_state)
         skipped: list[tuple[int, str]] = []

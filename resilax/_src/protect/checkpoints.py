@@ -22,14 +22,32 @@ class Checkpoints(base.Protection):
     def tree(self, state, guard):
         return {"state": state} if guard is None else {"state": state, "guard": guard}
 
+    def start(self, run, state):
+        """Warms, off the loop, the programs a save needs: the checksums, the snapshot copy
+        (for a state the caller still donates), and the update variants that keep their
+        input (the step after a save runs one: the persister reads that state, uncopied)."""
+        prog = run.program
+        variants = {None}
+        if run._peers is not None and prog.protects:
+            variants.add("ring" if run._peers.every == 1 else "ring+local")
+
+        def keep_variants():
+            for v in variants:
+                prog.update(v, keep_input=True)
+
+        self.store.warm(self.tree(state, run.guard), also=keep_variants if prog.spec.donate else None)
+
+    def restart(self, run, state):
+        self.start(run, state)
+
     def due(self, step_after: int) -> bool:
         return bool(self.cfg.every) and step_after % self.cfg.every == 0
 
-    def save(self, run, state, *, after_dispatch=None) -> float:
+    def save(self, run, state, *, after_dispatch=None, copy=True) -> float:
         meta = {"seed": run.config.seed, "topology": run.topology.name}
         if run.data is not None:
             meta["data_state"] = encode_data_state(run.data.get_state())
-        return self.store.save(run.step, self.tree(state, run.guard), meta, after_dispatch=after_dispatch)
+        return self.store.save(run.step, self.tree(state, run.guard), meta, after_dispatch=after_dispatch, copy=copy)
 
     def candidates(self, run):
         steps = self.store.steps()

@@ -56,12 +56,14 @@ class RecordLog(base.Protection):
         self._anchor = None  # (step, device checksums of (state, guard) at that step)
 
     # ---------------------------------------------------------------- failure-free
-    def anchor(self, step: int, state, guard) -> None:
+    def anchor(self, step: int, state, guard, *, defer: bool = False) -> None:
         """Step ``step`` is where a restart may resume (the start, or a checkpoint): its disk
         entry carries the checksums of the state it starts from, so a resume onto any other
-        state is refused instead of replaying the log onto it."""
+        state is refused instead of replaying the log onto it. ``defer``: the caller promises
+        these buffers are not donated, so the log's writer thread computes the checksums
+        (off the loop) instead of this one."""
         if self.disk is not None:
-            self._anchor = (step, tree_checksums((state, guard)))
+            self._anchor = (step, (state, guard) if defer else tree_checksums((state, guard)))
 
     def start(self, run, state):
         self.anchor(run.step, state, run.guard)

@@ -284,7 +284,7 @@ class ReplayLog:
         leaves = [] if recorded is None else jax.tree.leaves(recorded)
         paths = None if recorded is None else [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(recorded)[0]]
         scalars = dict(scalars or {})
-        for x in leaves + ([state_sums] if state_sums is not None else []) + list(scalars.values()):
+        for x in leaves + ([state_sums] if isinstance(state_sums, jax.Array) else []) + list(scalars.values()):
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
         with self._cv:
@@ -306,6 +306,9 @@ class ReplayLog:
             step, leaves, paths, sums, ds, dn, bsig, scalars = job
             try:
                 if self._error is None:
+                    if sums is not None and not isinstance(sums, (np.ndarray, jax.Array)):
+                        from resilax._src.protect.checksum import tree_checksums
+                        sums = tree_checksums(sums)  # a tree whose checksums were deferred to this thread
                     head = {"step": step, "data_state": ds, "data_next": dn, "batch_sig": bsig,
                             "state_sums": None if sums is None else np.asarray(sums).tolist(),
                             "scalars": {k: _json_scalar(v) for k, v in scalars.items()}}

@@ -9,6 +9,7 @@ again on the new mesh. It owns no protection logic.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import time
@@ -152,6 +153,9 @@ class ResilientStep:
         self._log: RecordLog | None = None
         self._watch = None
         self._programs: dict = {}
+        self._ahead: dict = {}  # mesh key -> Future of a Program compiled in the background
+        self._ahead_pool = None
+        self._ahead_done = None
         self._dead: set = set()
         self._failures: list[dict] = []
         self._bufmaps: dict = {}
@@ -159,6 +163,7 @@ class ResilientStep:
         self._grad_faults: dict[int, tuple] = {}
         self._step_s = None
         self._copy_in_flight = False
+        self._keep_input = False  # the next step does not donate the live state (a save reads it)
         self.goodput_recorder = GoodputRecorder()
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
@@ -316,9 +321,22 @@ class ResilientStep:
         return prog
 
     def _program_for(self, alive) -> tuple[Program, bool]:
+        """The program of the mesh of domains ``alive``, and whether it was compiled ahead.
+
+        A compile ahead still in flight is waited for (never compiled twice); one that has
+        not started yet is cancelled and built here."""
         key = tuple(alive)
         if key in self._programs:
             return self._programs[key], True
+        fut = self._ahead.pop(key, None)
+        if fut is not None and not fut.cancel():
+            try:
+                prog = fut.result()
+            except Exception:  # built again below: a real error repeats there, on this thread
+                prog = None
+            if prog is not None:
+                self._programs[key] = prog
+                return prog, True
         mesh = self.topology.mesh([self._domains[i] for i in alive])
         prog = Program(self.program.spec, mesh, full_mesh=False)
         prog.fits_global_batch()
@@ -326,29 +344,55 @@ class ResilientStep:
         return prog, False
 
     def _compile_ahead(self):
-        """``PeersConfig.compile_ahead``: compiles now the executables of every mesh one more
-        domain loss would leave, so that recovery does not wait for XLA (on this thread,
-        before the next step; an event says how long it took)."""
+        """``PeersConfig.compile_ahead`` (default on): compiles the executables of every mesh
+        one more domain loss would leave, on a background thread, so that neither a step nor
+        a recovery waits for XLA (a recovery that comes first waits for the one it needs, or
+        builds it itself if it has not started). Compiling reads only shapes and shardings,
+        never a buffer, so it cannot touch a dead device's memory. When all are built, an
+        event ``compile_ahead`` says which meshes and how long it took."""
         pc = self.config.peers
         if pc is None or not pc.compile_ahead or len(self._alive) < 2:
             return
+        keys = [tuple(j for j in self._alive if j != i) for i in self._alive]
+        keys = [k for k in keys if k not in self._programs and k not in self._ahead]
+        if not keys:
+            return
+        if self._ahead_pool is None:
+            self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-compile-ahead")
+        spec, every, at = self.program.spec, pc.every, self.step
         t0 = time.perf_counter()
-        meshes = []
-        with self.goodput_recorder.span("compile"):
-            for i in self._alive:
-                prog, had = self._program_for([j for j in self._alive if j != i])
-                if had:
+        futs = []
+        for k in keys:
+            mesh = self.topology.mesh([self._domains[i] for i in k])
+            futs.append(self._ahead_pool.submit(_build_ahead, spec, mesh, every))
+            self._ahead[k] = futs[-1]
+
+        def report():
+            meshes = []
+            for f in futs:
+                if f.cancelled() or f.exception() is not None:
                     continue
-                prog.grad(False)
-                prog.update(None)
-                if prog.protects:
-                    if pc.every == 1:
-                        prog.update("ring")
-                    else:
-                        prog.grad(True)
-                        prog.update("ring+local")
-                meshes.append(dict(prog.mesh.shape))
-        self.event("compile_ahead", self.step, meshes=meshes, seconds=time.perf_counter() - t0)
+                meshes.append(dict(f.result().mesh.shape))
+            try:
+                self.event("compile_ahead", at, meshes=meshes, seconds=time.perf_counter() - t0, background=True)
+            except Exception:  # the run was closed meanwhile: nobody reads the event
+                pass
+
+        self._ahead_done = self._ahead_pool.submit(report)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Blocks until the background compiles of the degraded meshes are done (benchmarks,
+        tests); returns whether they are."""
+        fut = self._ahead_done
+        if fut is None:
+            return True
+        try:
+            fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        except concurrent.futures.CancelledError:
+            pass
+        return True
 
     # ================================================================ the step
     def __call__(self, state, batch):
@@ -417,7 +461,8 @@ class ResilientStep:
         gout = prog.grad(log_ring, self._grad_faults.pop(k, None))(self.live, self.guard, dev_batch, np.uint32(k))
         for p in self._protections:
             p.before_update(self, self.live, batch, k, gout, prog)
-        new_state, ring, local = prog.update(copy)(self.live, gout.rec, gout.ok, np.uint32(k))
+        keep, self._keep_input = self._keep_input, False  # a checkpoint's persister still reads this state
+        new_state, ring, local = prog.update(copy, keep_input=keep)(self.live, gout.rec, gout.ok, np.uint32(k))
         self.live, self.guard, self.step, self._data_pos = new_state, gout.guard, k + 1, after
         rec = _base.StepRecord(k, batch, gout, copy, new_state, ring, local, before, after, prog)
         with self.goodput_recorder.span("protection"):
@@ -498,6 +543,8 @@ class ResilientStep:
             raise WrapError(f"resilax fail_slice: target must be a failure domain index in [0, {len(self._domains)}), "
                             f"but got {domain}")
         devs = set(self._domains[domain])
+        if self._ckpt is not None:  # a snapshot being handed to Orbax reads device buffers: let it finish
+            self._ckpt.store.settle()
         if devs <= self._dead:
             self.event("fault_ignored", self.step, fault="fail_slice", domain=domain, phase=phase,
                        reason="the domain is already dead")
@@ -568,8 +615,10 @@ class ResilientStep:
                 f"{list(plan.leaves)[:8]} have no surviving copy that can reach step {target} "
                 f"({'; '.join(f'{n}: {w}' for n, w in plan.why)}); {self._newest_ckpt()}")
         # -- the new mesh's program
-        new_prog, ahead = self._program_for(survivors)
+        for k in [k for k in self._ahead if not set(k) <= set(survivors)]:
+            self._ahead.pop(k).cancel()  # meshes with a dead domain are never needed
         t_compile0 = time.perf_counter()
+        new_prog, ahead = self._program_for(survivors)
         new_prog.grad(False)
         new_prog.update(None)
         t_compile = time.perf_counter() - t_compile0
@@ -749,20 +798,33 @@ class ResilientStep:
             raise WrapError("resilax.ResilientStep.save: Config.checkpoint is None (no checkpoint directory)")
         state = self.live if state is None else state
         after = (lambda: self.faults.fire("during_save", self.step, self)) if self.faults else None
+        # The live state needs no copy when the next step keeps its input (the variant was
+        # compiled ahead at start): the persister reads these very buffers, and `settle`
+        # (before any failure deletes buffers, before a recovery) waits for it.
+        prog = self.program
+        variants = [None] if self._peers is None else [None, "ring" if self._peers.every == 1 else "ring+local"]
+        uncopied = (state is self.live and prog is not None and
+                    (not self.config.donate_state or all(prog.has_update(v, keep_input=True) for v in variants)))
         with self.goodput_recorder.span("checkpoint_save", step=self.step):
-            dt = self._ckpt.save(self, state, after_dispatch=after)
+            dt = self._ckpt.save(self, state, after_dispatch=after, copy=not uncopied)
+        self._keep_input = uncopied and self.config.donate_state
         if self._log is not None:
             self._log.checkpointed(self.step)
             if self._log.disk is not None:
-                prev = self._ckpt.store.steps()
-                if len(prev) >= 2:  # entries behind the previous committed checkpoint are not needed
-                    self._log.disk.truncate_before(prev[-2])
-        self._save_goodput()
+                # entries behind the newest committed checkpoint are not needed (the one just
+                # started is in flight on the persister: it may still fail); unlinking a few
+                # hundred MB of grads files took ~0.6 s on the loop, so the persister does it
+                prev = [s for s in self._ckpt.store.steps() if s < self.step]
+                if prev:
+                    disk, floor = self._log.disk, prev[-1]
+                    self._ckpt.store.after_commit(lambda: disk.truncate_before(floor))
+        if self.run_dir:
+            self._ckpt.store.after_commit(self._save_goodput)
         if self._failures:  # a domain was lost while the save was in flight
             self._recover()  # nothing may read the state before this: some of its buffers are gone
             state = self.live  # the same step, rebuilt bitwise
-        if self._log is not None:
-            self._log.anchor(self.step, state, self.guard)
+        if self._log is not None:  # uncopied: the buffers stay valid, the log's writer checksums them
+            self._log.anchor(self.step, state, self.guard, defer=self._keep_input or not self.config.donate_state)
         return dt
 
     @property
@@ -807,6 +869,8 @@ class ResilientStep:
                         with self.goodput_recorder.span("checkpoint_save", phase="final wait"):
                             self._ckpt.close()
                 finally:
+                    if self._ahead_pool is not None:
+                        self._ahead_pool.shutdown(wait=False, cancel_futures=True)
                     self._loop_span.close()
                     self._save_goodput()
 
@@ -815,6 +879,21 @@ class ResilientStep:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _build_ahead(spec, mesh, every) -> Program:
+    """A degraded mesh's program with the executables a recovery and the steps after it run."""
+    prog = Program(spec, mesh, full_mesh=False)
+    prog.fits_global_batch()
+    prog.grad(False)
+    prog.update(None)
+    if prog.protects:
+        if every == 1:
+            prog.update("ring")
+        else:
+            prog.grad(True)
+            prog.update("ring+local")
+    return prog
 
 
 @jax.jit

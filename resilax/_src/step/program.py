@@ -303,18 +303,29 @@ class Program:
 
         return fn
 
-    def update(self, copy: str | None = None):
+    def update(self, copy: str | None = None, keep_input: bool = False):
+        """The update executable of variant ``copy``. ``keep_input``: the input state is not
+        donated (the step after a checkpoint: the persister still reads it), else as
+        ``ProgramSpec.donate`` says."""
         if copy is not None and not self.protects:
             copy = None
-        if copy not in self._update:
+        donate = self.spec.donate and not keep_input
+        key = copy if donate == self.spec.donate else (copy, "keep")
+        if key not in self._update:
             jitted = jax.jit(self._update_fn(copy),
                              in_shardings=(self.state_sh, self.rec_sh, self.rep, self.rep),
                              out_shardings=(self.state_sh, None, None),
-                             donate_argnums=(0,) if self.spec.donate else ())
+                             donate_argnums=(0,) if donate else ())
             abs_rec = _sh.abstract(self.abstract_rec, self.rec_sh)
-            self._update[copy] = jitted.lower(self.abstract_state(), abs_rec, jax.ShapeDtypeStruct((), jnp.int32),
-                                              self._u32).compile()
-        return self._update[copy]
+            self._update[key] = jitted.lower(self.abstract_state(), abs_rec, jax.ShapeDtypeStruct((), jnp.int32),
+                                             self._u32).compile()
+        return self._update[key]
+
+    def has_update(self, copy: str | None = None, keep_input: bool = False) -> bool:
+        if copy is not None and not self.protects:
+            copy = None
+        donate = self.spec.donate and not keep_input
+        return (copy if donate == self.spec.donate else (copy, "keep")) in self._update
 
     def snapshot(self, local: bool):
         """``state -> (packed ring copy, local copy or None)``: a peer copy outside a step
