@@ -19,6 +19,18 @@ import time
 from resilax._src.io import write_json
 
 
+def option_adder(parser):
+    """``opt(name, **kw)``: adds an option unless the parser already has it (the bench
+    subcommands share ``--json``, ``--steps``, ... with their parent parser)."""
+    have = set(getattr(parser, "_option_string_actions", {}))
+
+    def opt(name, **kw):
+        if name not in have:
+            parser.add_argument(name, **kw)
+
+    return opt
+
+
 def _write_json(path, obj):
     if path:
         write_json(path, obj)

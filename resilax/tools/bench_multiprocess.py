@@ -163,7 +163,7 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
           f"SIGKILL a random worker past step {kill_after}", flush=True)
     (work / "store").mkdir()
     a = _kill_and_time(work / "store", train, rng=random.Random(rng.random()), store_every=1, **common)
-    print(f"[3/3] the same kill with --host-store-every 0: relaunch + Orbax checkpoint restore", flush=True)
+    print("[3/3] the same kill with --host-store-every 0: relaunch + Orbax checkpoint restore", flush=True)
     (work / "restart").mkdir()
     b = _kill_and_time(work / "restart", train, rng=random.Random(rng.random()), store_every=0, **common)
     result = {

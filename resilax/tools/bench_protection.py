@@ -44,12 +44,9 @@ VARIANTS = ("plain", "plain_aa", "all", "checkpoint", "peers", "log", "log_input
 
 
 def add_arguments(parser) -> None:
-    have = set(getattr(parser, "_option_string_actions", {}))
+    from resilax.tools.bench import option_adder
 
-    def opt(name, **kw):
-        if name not in have:
-            parser.add_argument(name, **kw)
-
+    opt = option_adder(parser)
     opt("--json", default=None, help="write results here")
     opt("--steps", type=int, default=300, help="timed steps per variant and layout")
     opt("--topology", default="cpu-2x4")

@@ -39,12 +39,9 @@ from resilax._src.io import write_json
 
 def add_arguments(parser) -> None:
     """Adds this benchmark's options (skipping ones the parser already has)."""
-    have = set(getattr(parser, "_option_string_actions", {}))
+    from resilax.tools.bench import option_adder
 
-    def opt(name, **kw):
-        if name not in have:
-            parser.add_argument(name, **kw)
-
+    opt = option_adder(parser)
     opt("--json", default=None, help="write results here")
     opt("--steps", type=int, default=300)
     opt("--topology", default="cpu-2x4")
