@@ -131,6 +131,7 @@ class CheckpointStore:
         self._compiled = None  # (abstract tree, compiled snapshot program)
         self._sums = None  # (abstract tree, compiled checksum program)
         self._warming: threading.Thread | None = None
+        self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
 
     def _open(self):
         opts = ocp.CheckpointManagerOptions(
@@ -196,6 +197,8 @@ class CheckpointStore:
             one failed with ``async_save=False``. Checkpoints already committed are untouched.
         """
         t0 = time.perf_counter()
+        if jax.process_count() > 1:
+            return self._save_collectively(t0, step, state, meta, after_dispatch)
         # One checkpoint in flight at a time, as with Orbax alone: a save waits for the previous
         # one to commit (at a usual cadence it did long ago), which bounds the device memory
         # held by snapshots to one copy and keeps "the newest committed checkpoint is at most
@@ -216,6 +219,40 @@ class CheckpointStore:
             # chaos hook ("during_save"): fire once Orbax's write is really in flight (its
             # temporary directory exists), not while the snapshot is still queued
             self._handed.wait()
+            after_dispatch()
+        return dt
+
+    def _save_collectively(self, t0, step, state, meta, after_dispatch) -> float:
+        """A multi-process save, on the caller's thread. The checksums are a collective over
+        every process's devices, and every process must issue its collectives in the same
+        order: from a persister thread they interleaved with the training step's own (under
+        `resilax launch`: gloo mismatches, then Orbax timing out on 'step_directory_creation').
+        Orbax's ``save`` copies the local shards to host before it returns and commits in its
+        own background threads, as it does for plain Orbax users."""
+        self.settle()
+        self._raise_error()
+        meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
+        with self._lock:
+            try:
+                self._mgr.wait_until_finished()  # one save in flight, as on one process
+            except Exception as e:
+                self._deferred = []
+                raise _storage_error(f"finishing the checkpoint before {step}", self.directory, e) from e
+        self._run_deferred()
+        with self._lock:
+            try:
+                sums = self._checksums(state)
+                self._mgr.save(int(step), args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    checksums=ocp.args.StandardSave({"sums": sums}),
+                    meta=ocp.args.JsonSave(meta)))
+            except Exception as e:  # Orbax re-raises a failed background commit here too
+                raise _storage_error(f"saving checkpoint {step}", self.directory, e) from e
+        if not self._async:
+            self.wait()
+        dt = time.perf_counter() - t0
+        self.blocking_s.append(dt)
+        if after_dispatch is not None:
             after_dispatch()
         return dt
 
@@ -264,9 +301,21 @@ class CheckpointStore:
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Runs ``fn`` on the persister thread once the save in flight is committed (host-side
         chores that need not block the loop: log truncation, goodput files). An exception
-        from it is reported like a failed save."""
+        from it is reported like a failed save. In a multi-process run (the save is Orbax's
+        own async commit) it runs once that commit is known: at the next save or `wait`."""
+        if jax.process_count() > 1:
+            self._deferred.append(fn)
+            return
         self._start_thread()
         self._q.put(("call", fn))
+
+    def _run_deferred(self):
+        chores, self._deferred = self._deferred, []
+        for fn in chores:
+            try:
+                fn()
+            except Exception as e:
+                raise StorageError(f"resilax checkpoints: a chore after a save failed: {type(e).__name__}: {e}") from e
 
     def _raise_error(self):
         if self._error is not None:
@@ -291,8 +340,10 @@ class CheckpointStore:
                 self._mgr.wait_until_finished()
         except Exception as e:
             self._error = None
+            self._deferred = []  # the save they followed did not commit
             raise _storage_error("finishing a checkpoint save", self.directory, e) from e
         self._raise_error()
+        self._run_deferred()
 
     def close(self):
         try:
