@@ -79,3 +79,12 @@ def test_campaign_runs_trials_in_worker_processes_and_writes_json(tmp_path):
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved["done"] == 2 and sum(saved["counts"].values()) == 2 and saved["bad"] == out["bad"] == 0
     assert [r["trial"]["seed"] for r in saved["records"]] == [11 * 1_000_003, 11 * 1_000_003 + 1]
+
+
+def test_slice_loss_right_after_a_save_does_not_checksum_deleted_buffers():
+    """Campaign trial 172 of seed 0 (segfault): a save defers its record-log anchor checksums to
+    the log's writer; a slice lost before the next step deleted those buffers, and the anchor
+    survived the recovery. It is taken again from the rebuilt state now."""
+    t = C.Trial(172, "dropout_mlp", (8, 1), "replicated", 2, 6, ("fail_slice@4:before_step/1",))
+    rec = C.run_trial(t)
+    assert rec["outcome"] == "ok", rec

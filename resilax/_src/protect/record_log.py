@@ -197,6 +197,15 @@ class RecordLog(base.Protection):
         self.pending.clear()
         self.verdicts.clear()
         self.now = self.covered = run.step
+        if self._anchor is not None:
+            # an anchor deferred at a save still holds the old mesh's arrays, some of whose
+            # buffers the failure deleted: checksumming them on the writer thread crashed the
+            # process (campaign trial 172 of seed 0). The rebuilt state is bitwise the same,
+            # so the anchor is taken again from it; one for another step cannot be.
+            step = self._anchor[0]
+            self._anchor = None
+            if step == run.step:
+                self.anchor(step, state, run.guard)
         self._trim()
 
     def close(self):
