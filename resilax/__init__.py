@@ -15,6 +15,7 @@ from resilax._src.config import (
     LogConfig as LogConfig,
     PeersConfig as PeersConfig,
     VerifyConfig as VerifyConfig,
+    DeterministicConfig as DeterministicConfig,
 )
 from resilax._src.errors import (
     CheckpointError as CheckpointError,
@@ -44,6 +45,7 @@ __all__ = [
     "PeersConfig",
     "ProgramMismatchError",
     "VerifyConfig",
+    "DeterministicConfig",
     "CheckpointError",
     "Config",
     "ConfigError",

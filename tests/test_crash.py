@@ -107,10 +107,11 @@ def test_random_external_sigkills_resume_bitwise(tmp_path, reference):
 
 
 def test_slice_loss_then_sigkill_resumes_near_the_kill(tmp_path):
-    """Every protection on by default: a slice is lost mid-step at 30 (peers rebuild it, the
-    run goes on on one slice), then the process is SIGKILLed at 50. The restart (the same
-    command without faults) resumes within LogConfig.max_lag of the kill, from the newest
-    checkpoint plus the record log, and ends within 1e-4 of a failure-free run."""
+    """Every protection on by default: a slice is lost mid-step at 30 (the run goes on on
+    one slice), then the process is SIGKILLed at 50. The restart (the same command without
+    faults) resumes within LogConfig.max_lag of the kill, from the newest checkpoint plus the
+    record log, and ends bitwise where a failure-free run ends (the CLI's default is the
+    bit-exact mode; the default mode's 1e-4 is checked in test_pipeline)."""
     base = [sys.executable, "-m", "resilax", "train", "--steps", "60", "--layout", "sharded", "--quiet"]
     ref = subprocess.run(base + ["--checkpoint-dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.npz")],
                          env=_env(), capture_output=True, text=True)
@@ -127,5 +128,4 @@ def test_slice_loss_then_sigkill_resumes_near_the_kill(tmp_path):
     got, want = load(tmp_path / "got.npz"), load(tmp_path / "ref.npz")
     assert sorted(got) == sorted(want)
     for k in want:
-        d_ = np.linalg.norm(got[k].astype(np.float64) - want[k]) / max(np.linalg.norm(want[k].astype(np.float64)), 1e-30)
-        assert d_ < 1e-4, (k, d_)
+        assert np.array_equal(got[k], want[k]), k

@@ -198,8 +198,31 @@ class VerifyConfig:
             raise ConfigError(f"resilax.VerifyConfig: on_mismatch must be 'raise' or 'warn', but got {self.on_mismatch!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class DeterministicConfig:
+    """The bit-exact elastic mode: the trajectory is bitwise the same whatever the number of
+    live failure domains (see ``step/deterministic.py`` and docs/recovery.md).
+
+    Gradients are computed over ``replicas`` virtual replicas of ``B / replicas`` examples
+    each (each with its own random stream, BatchNorm statistics per replica), each by the
+    same one-domain executable, and combined in a fixed order; the state is replicated
+    across failure domains (sharded only inside a domain).
+
+    Attributes:
+      replicas: virtual replicas; ``None``: the topology's number of failure domains. Must
+        divide the global batch.
+    """
+
+    replicas: int | None = None
+
+    def __post_init__(self):
+        _check_type("DeterministicConfig", "replicas", self.replicas, (int, type(None)))
+        if self.replicas is not None and self.replicas < 1:
+            raise ConfigError(f"resilax.DeterministicConfig: replicas must be >= 1 or None, but got {self.replicas}")
+
+
 _GROUPS = {"checkpoint": CheckpointConfig, "log": LogConfig, "peers": PeersConfig, "anomaly": AnomalyConfig,
-           "verify": VerifyConfig}
+           "verify": VerifyConfig, "deterministic": DeterministicConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +235,8 @@ class Config:
     Attributes:
       checkpoint, log, peers, anomaly: the protection groups; ``None`` turns one off.
       verify: the cross-check of each mesh's compiled gradient part (`VerifyConfig`).
+      deterministic: the bit-exact elastic mode (`DeterministicConfig`); ``None``: the
+        default mode (the same maths on every mesh up to reduction order).
       seed: base of the per-step RNG (``wrap(..., rng=True)``): step ``n`` gets
         ``fold_in(key(seed), n)``, so a resumed or replayed step sees the same key.
       donate_state: donate the input state to the step (saves a copy of the state).
@@ -223,6 +248,7 @@ class Config:
     peers: PeersConfig | None = PeersConfig()
     anomaly: AnomalyConfig | None = AnomalyConfig()
     verify: VerifyConfig | None = VerifyConfig()
+    deterministic: DeterministicConfig | None = None
     seed: int = 0
     donate_state: bool = True
     run_dir: str | None = None

@@ -66,7 +66,7 @@ def configure_cpu_devices(n: int) -> None:
 
 def make_config(*, checkpoint_dir: str | None = None, checkpoint_every: int = 10, log: bool = True,
                 log_mode: str | None = None, peers: bool = True, peers_every: int | None = None,
-                anomaly: bool = True):
+                anomaly: bool = True, deterministic: bool = False):
     """The `resilax.Config` of the CLI's protection flags: every protection on unless turned
     off; checkpoints when ``checkpoint_dir`` is given (the record log then also goes to disk,
     in ``checkpoint_dir/record_log``).
@@ -86,6 +86,7 @@ def make_config(*, checkpoint_dir: str | None = None, checkpoint_every: int = 10
         log=resilax.LogConfig(mode=log_mode or "grads") if log else None,
         peers=resilax.PeersConfig(every=1 if peers_every is None else peers_every) if peers else None,
         anomaly=resilax.AnomalyConfig() if anomaly else None,
+        deterministic=resilax.DeterministicConfig() if deterministic else None,
     )
 
 
@@ -106,6 +107,7 @@ def train(
     peers_every: int | None = None,
     anomaly: bool = True,
     layout: str = "fsdp",
+    deterministic: bool = True,
 ) -> dict:
     """Trains the example model to ``steps`` completed steps (resuming if checkpoints exist).
 
@@ -117,6 +119,12 @@ def train(
     ``layout``: ``fsdp`` shards state within a slice (replicated across slices: the live
     replicas are the backup); ``sharded`` shards it over every device (each slice holds a
     distinct part, so resilax keeps peer copies on the next slice).
+
+    ``deterministic`` (the default): the bit-exact elastic mode (`resilax.DeterministicConfig`):
+    the run is bitwise the same whatever slices it lost and when, so a faulted run ends
+    exactly where a failure-free one does. It holds the state whole in every slice (sharded
+    only within one), so ``layout="sharded"`` then shards within a slice too (a line says
+    so); ``deterministic=False`` is the default mode (same maths up to reduction order).
 
     Returns a summary dict; writes the final state to ``out`` (``.npz``, no pickle) if given.
     """
@@ -140,6 +148,13 @@ def train(
             print("resilax train under `resilax launch`: record log and peer copies are off in multi-process runs "
                   "(not yet supported); a restart resumes from the newest checkpoint", flush=True)
         log, log_mode, peers, peers_every = False, None, False, None
+        if deterministic and job.process_id == 0:
+            print("resilax train under `resilax launch`: the bit-exact mode is single-process for now; this run uses "
+                  "the default mode (the same maths up to reduction order)", flush=True)
+        deterministic = False
+    if deterministic and layout == "sharded" and not launched.env():
+        print("layout sharded: the bit-exact mode (default) holds the state whole in every slice, sharded over the "
+              "slice's devices; --no-deterministic shards it over every device", flush=True)
     spec = spec or ex.ExampleSpec()
     data = ex.make_iterator(spec)
     state = ex.make_state(spec)
@@ -151,7 +166,8 @@ def train(
                         else ex.fsdp_specs(state, tuple(topo.axis_names), topo.num_devices)),
         batch_sharding=jax.sharding.PartitionSpec(topo.elastic_axis),
         config=make_config(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, log=log,
-                           log_mode=log_mode, peers=peers, peers_every=peers_every, anomaly=anomaly),
+                           log_mode=log_mode, peers=peers, peers_every=peers_every, anomaly=anomaly,
+                           deterministic=deterministic),
         faults=resilax.FaultPlan(faults),
     )
     t_start = time.perf_counter()
@@ -304,7 +320,8 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
     fail_at = (3 * steps) // 4
     print(f"\n[4/4] losing a whole slice: state sharded over all {topology} devices, slice 1 fails while a step is "
           f"in flight (fault fail_slice@{fail_at}:mid_step/1)")
-    r = subprocess.run(_child_cmd([*common, "--layout", "sharded", "--checkpoint-dir", str(work / "slice_ckpt"),
+    # the default mode (not the bit-exact one): the state really is sharded over every device
+    r = subprocess.run(_child_cmd([*common, "--layout", "sharded", "--no-deterministic", "--checkpoint-dir", str(work / "slice_ckpt"),
                                    "--fault", f"fail_slice@{fail_at}:mid_step/1", "--out", str(work / "slice.npz"),
                                    "--summary", str(work / "slice.json")]))
     if r.returncode:
@@ -313,7 +330,8 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
     # above uses another program than phases 1-3, so comparing across them would measure
     # two different float trajectories, not the failure
     print("      and the same run without the failure, for comparison")
-    r = subprocess.run(_child_cmd([*common, "--layout", "sharded", "--checkpoint-dir", str(work / "slice_ref_ckpt"),
+    r = subprocess.run(_child_cmd([*common, "--layout", "sharded", "--no-deterministic",
+                                   "--checkpoint-dir", str(work / "slice_ref_ckpt"),
                                    "--out", str(work / "slice_ref.npz"), "--log-every", str(steps)]))
     if r.returncode:
         return r.returncode

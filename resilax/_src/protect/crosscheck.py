@@ -65,15 +65,24 @@ class CrossCheck(Protection):
             run.event("crosscheck", step_no, mesh=mesh, checked=False,
                       reason=f"state + batch {nbytes} bytes > VerifyConfig.max_bytes {self.cfg.max_bytes}")
             return
-        got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(gout.rec))]
+        split = prog.spec.split
+        if prog.deterministic:
+            # the bit-exact mode: replica 0's values (one domain's executable) against the
+            # same replica on one device: its slice of the batch, its random stream
+            got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(prog.last_replica0))]
+            n = np.shape(jax.tree.leaves(batch)[0])[0] // prog.V
+            batch = jax.tree.map(lambda x: np.asarray(x)[:n], batch)
+            key = jax.random.fold_in(split.key(np.uint32(step_no)), np.uint32(0)) if split.rng else None
+        else:
+            got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(gout.rec))]
+            key = None
         if not all(np.all(np.isfinite(x)) for x in got if np.issubdtype(x.dtype, np.inexact)):
             return  # a NaN step (real or injected) says nothing about the compiler: check the next one
-        split = prog.spec.split
         if self._single is None:
-            self._single = jax.jit(lambda s, b, n: split.grad(s, b, n)[0])
+            self._single = jax.jit(lambda s, b, n, k: split.grad(s, b, n, k)[0])
         dev = prog.mesh.devices.flat[0]
-        one = jax.device_put((state, batch), dev)
-        want = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(self._single(*one, jnp.uint32(step_no))))]
+        one = jax.device_put((state, batch, key), dev)
+        want = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(self._single(one[0], one[1], jnp.uint32(step_no), one[2])))]
         del one
         self._done.add(id(prog))
         bad = _differing(got, want, self.cfg.rtol,

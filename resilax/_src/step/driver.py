@@ -39,6 +39,7 @@ from resilax._src.runtime.faults import FaultPlan
 from resilax._src.runtime import launched
 from resilax._src.runtime.goodput import GoodputRecorder
 from resilax._src.step import sharding as _sh
+from resilax._src.step import program as _program
 from resilax._src.step.program import Program, ProgramSpec
 from resilax._src.step.split import Split, update_reads_batch
 from resilax._src.runtime.topology import Topology
@@ -134,6 +135,13 @@ class ResilientStep:
         self.config = config
         self.faults = faults if faults is not None else FaultPlan()
         self.faults.validate(topology, config)
+        if config.deterministic is not None:
+            # the bit-exact mode computes and holds the state per failure domain (sharded inside one only)
+            from resilax._src.step.deterministic import strip_axis
+            state_sharding = strip_axis(state_sharding, topology.elastic_axis)
+            if jax.process_count() > 1:
+                raise WrapError("resilax.wrap: Config.deterministic (the bit-exact mode) runs in one process for now; "
+                                "under resilax launch use the default mode (Config.deterministic=None)")
         self._state_spec = state_sharding
         self._batch_spec = P(topology.elastic_axis) if batch_sharding is None else batch_sharding
         self._reductions = reductions
@@ -287,7 +295,8 @@ class ResilientStep:
             metric_reductions=self._reductions,
             anomaly_check=None if cfg.anomaly is None else _anomaly.make_check(cfg.anomaly),
             memory_limit=None if cfg.peers is None else cfg.peers.device_memory_bytes,
-            watched_metric=cfg.anomaly.metric if cfg.anomaly is not None else "loss")
+            watched_metric=cfg.anomaly.metric if cfg.anomaly is not None else "loss",
+            replicas=None if cfg.deterministic is None else (cfg.deterministic.replicas or self.topology.num_domains))
 
     def _first_program(self, abstract_batch):
         """The full mesh's program; validates the step against the state and batch."""
@@ -314,7 +323,7 @@ class ResilientStep:
                 f"{', batch'.join(reads)}; replay and recovery redo the update from the recorded values only. Record "
                 f"everything the update needs, e.g. resilax.record((grads, new_batch_stats))")
         with self.goodput_recorder.span("compile"):
-            prog = Program(spec, self.mesh, full_mesh=True)
+            prog = _program.make(spec, self.mesh, full_mesh=True)
             prog.grad(False)
             prog.update(None)
         self._programs[tuple(self._alive)] = prog
@@ -338,7 +347,7 @@ class ResilientStep:
                 self._programs[key] = prog
                 return prog, True
         mesh = self.topology.mesh([self._domains[i] for i in alive])
-        prog = Program(self.program.spec, mesh, full_mesh=False)
+        prog = _program.make(self.program.spec, mesh, full_mesh=False)
         prog.fits_global_batch()
         self._programs[key] = prog
         return prog, False
@@ -883,7 +892,7 @@ class ResilientStep:
 
 def _build_ahead(spec, mesh, every) -> Program:
     """A degraded mesh's program with the executables a recovery and the steps after it run."""
-    prog = Program(spec, mesh, full_mesh=False)
+    prog = _program.make(spec, mesh, full_mesh=False)
     prog.fits_global_batch()
     prog.grad(False)
     prog.update(None)

@@ -131,11 +131,24 @@ class ProgramSpec:
     anomaly_check: Callable | None  # (guard, rec, metrics) -> (ok, loss, guard) traced; None: always ok
     memory_limit: int | None  # bytes per device the grad part may use on a smaller mesh
     watched_metric: str = "loss"  # the metric a `spike` fault multiplies
+    replicas: int | None = None  # the bit-exact mode's virtual replicas (None: the default mode)
+    cache: dict = dataclasses.field(default_factory=dict)  # the bit-exact mode's per-domain executables
+
+
+def make(spec: ProgramSpec, mesh, *, full_mesh: bool) -> "Program":
+    """The program of ``mesh``: the default mode's, or the bit-exact mode's
+    (`resilax._src.step.deterministic`) when ``spec.replicas`` is set."""
+    if spec.replicas is not None:
+        from resilax._src.step.deterministic import DeterministicProgram
+        return DeterministicProgram(spec, mesh, full_mesh=full_mesh)
+    return Program(spec, mesh, full_mesh=full_mesh)
 
 
 class Program:
     """The executables of one mesh (see the module docstring). Variants are compiled on
     first use: ``grad(log_ring)``, ``update(copy)`` with copy in (None, "ring", "ring+local")."""
+
+    deterministic = False  # the bit-exact mode's subclass says True
 
     def __init__(self, spec: ProgramSpec, mesh, *, full_mesh: bool):
         self.spec = spec

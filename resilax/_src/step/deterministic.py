@@ -1,0 +1,306 @@
+"""The bit-exact elastic mode (`DeterministicConfig`): the same trajectory, bit for bit,
+whatever number of failure domains is alive.
+
+Why the default mode cannot promise that: on a smaller mesh the gradient part is the same
+maths in another reduction order (an all-reduce over 1 domain instead of 2, a batch
+sharded over 4 devices instead of 8), so values differ in the last bit; Adam turns such
+differences into a drift that grows with the steps (1e-7 after a shrink, 1e-2 two hundred
+steps later on the CLI's MLP).
+
+What this mode does instead:
+
+- The global batch is cut into ``V`` **virtual replicas** (``V`` fixed for the run: by
+  default the topology's number of failure domains), each of ``B / V`` examples with its
+  own random stream ``fold_in(key(step), v)``.
+- Each replica's gradient part runs as **one domain's executable**: the user's step
+  compiled for a single failure domain's devices (the inner mesh axes, the same on every
+  mesh), dispatched to the domain the replica is assigned to (``v mod live domains``).
+  Executables compiled from the same program for same-shaped device sets compute the same
+  bits, so a replica's values do not depend on how many domains are alive or which one
+  ran it.
+- The ``V`` results are brought to every live domain (pure data movement) and combined
+  there in the fixed order ``v = 0 .. V-1`` (``sum(w_v * r_v) / sum(w_v)`` with `record`
+  weights, else the plain mean), metrics by their declared reductions; then the anomaly
+  verdict and the update run, again as one domain's executable on each live domain.
+- So the state is **replicated across failure domains** (the elastic axis is dropped
+  from ``state_sharding``; sharding inside a domain is kept): losing domains loses no
+  state, and there are no peer copies to make.
+
+Semantics differ from the default mode in two places, documented in docs/recovery.md:
+batch statistics (BatchNorm) are per virtual replica (like per-device BatchNorm in data
+parallelism), and dropout masks come from the replicas' streams. Both are the same on
+every mesh, which is the point.
+
+Cost: the gradient work is the default mode's (each domain computes the replicas it
+would have computed anyway); the combine moves ``V - 1`` recorded copies to every domain
+instead of one all-reduce, and every domain holds the whole state (FSDP only inside a
+domain). ``resilax bench health`` reports ``deterministic_overhead_ratio``.
+
+Executables are per domain and shared by every mesh that domain is part of, so a
+recovery onto fewer domains compiles nothing. One process only (the combine moves
+arrays between domains with ``device_put``); under ``resilax launch`` it is refused with
+a clear error for now.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from resilax._src.errors import WrapError
+from resilax._src.step import sharding as _sh
+from resilax._src.step.program import GradOut, Program, combine_metrics, recorded_shardings, _watched
+
+
+def strip_axis(specs, axis: str):
+    """The prefix tree of specs with ``axis`` dropped from every entry."""
+
+    def one(spec):
+        if spec is None:
+            return spec
+        entries = []
+        for e in spec:
+            axes = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None and a != axis)
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*entries)
+
+    return jax.tree.map(one, specs, is_leaf=_sh.is_spec)
+
+
+def combine_fixed(values, weights):
+    """``sum(w_v * r_v) / sum(w_v)`` (or the plain mean) accumulated in the order given."""
+    if weights is None:
+        acc = values[0]
+        for v in values[1:]:
+            acc = jax.tree.map(jnp.add, acc, v)
+        n = len(values)
+        return jax.tree.map(lambda a: a / jnp.asarray(n, a.dtype), acc), None
+    acc = jax.tree.map(lambda x: x * weights[0].astype(x.dtype), values[0])
+    total = weights[0]
+    for v, w in zip(values[1:], weights[1:]):
+        acc = jax.tree.map(lambda a, x: a + x * w.astype(x.dtype), acc, v)
+        total = total + w
+    return jax.tree.map(lambda a: a / total.astype(a.dtype), acc), total
+
+
+class _Domain:
+    """One live failure domain: its devices as a one-domain mesh and its shardings."""
+
+    def __init__(self, prog: "DeterministicProgram", index: int):
+        mesh = prog.mesh
+        self.devices = list(mesh.devices[index].flat)
+        self.devset = set(self.devices)
+        self.key = tuple(d.id for d in self.devices)
+        self.mesh = Mesh(mesh.devices[index : index + 1], mesh.axis_names)
+        self.rep = NamedSharding(self.mesh, P())
+        self.state_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s.spec), prog.state_sh)
+        self.rec_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s.spec), prog.rec_sh)
+        self.batch_sh = _sh.resolve(prog.replica_batch_specs, prog.replica_batch, self.mesh, "batch_sharding")
+
+
+class DeterministicProgram(Program):
+    """`Program` of the bit-exact mode (see the module docstring). Same interface: ``grad``
+    and ``update`` return callables with the default program's signatures; ``put_batch``
+    returns the replicas' batches, each on the domain that computes it."""
+
+    deterministic = True
+
+    def __init__(self, spec, mesh, *, full_mesh: bool):
+        super().__init__(spec, mesh, full_mesh=full_mesh)
+        if self.protects:  # strip_axis at wrap time makes every state leaf replicated across domains
+            raise WrapError("resilax: deterministic mode needs the state replicated across failure domains")
+        axis = spec.elastic_axis
+        self.V = spec.replicas
+        leaves = jax.tree.leaves(spec.abstract_batch)
+        bsz = leaves[0].shape[0] if leaves else 0
+        if not leaves or bsz % self.V:
+            raise WrapError(f"resilax: DeterministicConfig.replicas={self.V} must divide the global batch ({bsz} "
+                            f"examples along the first dimension of every batch leaf)")
+        self.replica_batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.V,) + x.shape[1:], x.dtype), spec.abstract_batch)
+        self.replica_batch_specs = strip_axis(spec.batch_specs, axis)
+        self.live = mesh.shape[axis]
+        self.doms = [_Domain(self, i) for i in range(self.live)]
+        self.cache = spec.cache  # executables per domain, shared by every mesh the domain is part of
+
+    # ----------------------------------------------------------------- executables
+    def _exe(self, key, build):
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
+
+    def _grad_exe(self, dom: _Domain):
+        split = self.spec.split
+
+        def fn(state, batch, step_no, v):
+            key = jax.random.fold_in(split.key(step_no), v) if split.rng else None
+            return split.grad(state, batch, step_no, key)
+
+        def build():
+            out_sh = (dom.rec_sh, dom.rep if self.has_weight else None,
+                      jax.tree.map(lambda _: dom.rep, self.abstract_metrics))
+            j = jax.jit(fn, in_shardings=(dom.state_sh, dom.batch_sh, dom.rep, dom.rep), out_shardings=out_sh)
+            return j.lower(_sh.abstract(self.spec.abstract_state, dom.state_sh),
+                           _sh.abstract(self.replica_batch, dom.batch_sh), self._u32, self._u32).compile()
+
+        return self._exe(("grad", dom.key), build)
+
+    def _combine_exe(self, dom: _Domain, fault):
+        spec = self.spec
+        V = self.V
+
+        def fn(recs, ws, mets, guard):
+            rec, weight = combine_fixed(recs, ws)
+            metrics = combine_metrics(mets, ws, spec.metric_reductions)
+            faults = () if fault is None else fault
+            if "nan" in faults:
+                rec = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else x, rec)
+            if "spike" in faults and isinstance(metrics, dict):
+                metrics = {k: (v * 1000.0 if k == _watched(spec) else v) for k, v in metrics.items()}
+            if spec.anomaly_check is not None:
+                ok, loss, guard = spec.anomaly_check(guard, rec, metrics)
+            else:
+                ok, loss = jnp.zeros((), jnp.int32), None
+            return rec, weight, metrics, ok, loss, guard
+
+        def build():
+            rep = dom.rep
+            guard_sh = jax.tree.map(lambda _: rep, spec.abstract_guard)
+            met_sh = jax.tree.map(lambda _: rep, self.abstract_metrics)
+            w_sh = [rep] * V if self.has_weight else None
+            out_sh = (dom.rec_sh, rep if self.has_weight else None, met_sh, rep,
+                      rep if spec.anomaly_check is not None else None, guard_sh)
+            j = jax.jit(fn, in_shardings=([dom.rec_sh] * V, w_sh, [met_sh] * V, guard_sh), out_shardings=out_sh)
+            f32 = jax.ShapeDtypeStruct((), jnp.float32)
+            return j.lower([_sh.abstract(self.abstract_rec, dom.rec_sh)] * V, [f32] * V if self.has_weight else None,
+                           [self.abstract_metrics] * V, spec.abstract_guard).compile()
+
+        return self._exe(("combine", dom.key, fault), build)
+
+    def _update_exe(self, dom: _Domain, donate: bool):
+        split = self.spec.split
+        template = self.spec.abstract_batch
+
+        def fn(state, rec, ok, step_no):
+            zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), template)  # dead code: read via record only
+            new = jax.lax.cond(ok == 0, lambda s: split.update(s, zeros, step_no, rec), lambda s: s, state)
+            return jax.lax.with_sharding_constraint(new, dom.state_sh)
+
+        def build():
+            j = jax.jit(fn, in_shardings=(dom.state_sh, dom.rec_sh, dom.rep, dom.rep), out_shardings=dom.state_sh,
+                        donate_argnums=(0,) if donate else ())
+            return j.lower(_sh.abstract(self.spec.abstract_state, dom.state_sh),
+                           _sh.abstract(self.abstract_rec, dom.rec_sh), jax.ShapeDtypeStruct((), jnp.int32),
+                           self._u32).compile()
+
+        return self._exe(("update", dom.key, donate), build)
+
+    # ----------------------------------------------------------------- the parts
+    def assignment(self):
+        """``[(replica v, live domain index)]`` in the fixed replica order."""
+        return [(v, v % self.live) for v in range(self.V)]
+
+    def put_batch(self, batch):
+        leaves, treedef = jax.tree.flatten(batch)
+        n = np.shape(leaves[0])[0] // self.V if leaves else 0
+        out = []
+        for v, j in self.assignment():
+            part = jax.tree.unflatten(treedef, [np.asarray(x)[v * n : (v + 1) * n] for x in leaves])
+            out.append(_sh.put(part, self.doms[j].batch_sh))
+        return out
+
+    def _compile(self, builders):
+        """Builds missing executables, the domains' in parallel (XLA compiles without the GIL)."""
+        if len(builders) < 2:
+            for b in builders:
+                b()
+            return
+        with concurrent.futures.ThreadPoolExecutor(min(len(builders), os.cpu_count() or 1)) as pool:
+            for f in [pool.submit(b) for b in builders]:
+                f.result()
+
+    def grad(self, log_ring: bool = False, fault: tuple | None = None):
+        doms = self.doms
+        self._compile([functools.partial(f, d) for d in doms for f in (
+            self._grad_exe, lambda d: self._combine_exe(d, fault))])
+
+        def run(state, guard, batches, step_no):
+            views = [_view(state, d.state_sh, d.devset) for d in doms]
+            outs = []
+            for (v, j), b in zip(self.assignment(), batches):
+                outs.append(self._grad_exe(doms[j])(views[j], b, step_no, np.uint32(v)))
+            self.last_replica0 = outs[0][0]  # the cross-check compares it with one device's result
+            results = []
+            for d in doms:
+                recs = [jax.device_put(o[0], d.rec_sh) for o in outs]
+                ws = [jax.device_put(o[1], d.rep) for o in outs] if self.has_weight else None
+                mets = [jax.device_put(o[2], d.rep) for o in outs]
+                g = None if guard is None else _view(guard, jax.tree.map(lambda _: d.rep, guard), d.devset)
+                results.append(self._combine_exe(d, fault)(recs, ws, mets, g))
+            rec, weight, metrics, ok, loss, new_guard = (
+                _assemble([r[i] for r in results], sh) for i, sh in enumerate(
+                    (self.rec_sh, self.rep, self.rep, self.rep, self.rep, self.rep)))
+            return GradOut(rec, metrics, ok, new_guard, loss, None, weight)
+
+        return run
+
+    def update(self, copy: str | None = None, keep_input: bool = False):
+        donate = self.spec.donate and not keep_input
+        doms = self.doms
+        self._compile([functools.partial(self._update_exe, d, donate) for d in doms])
+
+        def run(state, rec, ok, step_no):
+            # every view first: a donation deletes the donated buffers in the global arrays too
+            args = [(_view(state, d.state_sh, d.devset), _view(rec, d.rec_sh, d.devset), _view(ok, d.rep, d.devset))
+                    for d in doms]
+            parts = [self._update_exe(d, donate)(*a, step_no) for d, a in zip(doms, args)]
+            return _assemble(parts, self.state_sh), None, None
+
+        return run
+
+    def has_update(self, copy: str | None = None, keep_input: bool = False) -> bool:
+        donate = self.spec.donate and not keep_input
+        return all(("update", d.key, donate) in self.cache for d in self.doms)
+
+    def fits_global_batch(self) -> bool:
+        return True  # each domain runs B / V examples per call, as on the full mesh
+
+    def compile_all(self, variants) -> None:
+        self.grad(False)
+        self.update(None)
+        self.update(None, keep_input=True)
+
+
+def _view(tree, shardings, devset):
+    """The part of each (domain-replicated) global array held by one domain, as an array
+    on that domain's mesh: no copy."""
+
+    def one(x, sh):
+        if not isinstance(x, jax.Array):  # a host value (a logged verdict): placed on the domain
+            return jax.device_put(x, sh)
+        shards = [s.data for s in x.addressable_shards if s.device in devset]
+        return jax.make_array_from_single_device_arrays(x.shape, sh, shards)
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def _assemble(parts, sharding):
+    """Per-domain arrays (one tree per live domain, equal values) -> global arrays laid out
+    as ``sharding`` (a tree, or one sharding for every leaf): no copy."""
+    if parts[0] is None:
+        return None
+    treedef = jax.tree.structure(parts[0])
+    leaves = [jax.tree.leaves(p) for p in parts]
+    shs = jax.tree.leaves(sharding) if not isinstance(sharding, jax.sharding.Sharding) else [sharding] * len(leaves[0])
+    out = []
+    for i, sh in enumerate(shs):
+        x0 = leaves[0][i]
+        shards = [s.data for p in leaves for s in p[i].addressable_shards]
+        out.append(jax.make_array_from_single_device_arrays(x0.shape, sh, shards))
+    return jax.tree.unflatten(treedef, out)

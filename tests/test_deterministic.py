@@ -1,0 +1,98 @@
+"""The bit-exact elastic mode (`resilax.DeterministicConfig`): a run that loses failure
+domains ends bitwise where the failure-free run of the same config ends, on 2x4 and 4x2,
+for dropout, BatchNorm, a token-weighted loss and a transformer."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import resilax
+from resilax.tools.models import CASES, tree_rel_diff
+from test_pipeline import host, run, sharded
+
+DET = resilax.Config(deterministic=resilax.DeterministicConfig())
+
+
+def _run(name, faults=(), topo=(2, 4), config=DET, steps=6, **kw):
+    return run(name, faults, topo=resilax.Topology.emulated(*topo), config=config, steps=steps, **kw)
+
+
+@pytest.mark.parametrize("name,topo,faults", [
+    ("transformer_lm", (2, 4), ["fail_slice@2:mid_step/1"]),
+    ("dropout_mlp", (2, 4), ["fail_slice@3:before_step/0"]),
+    ("batchnorm_mlp", (4, 2), ["fail_slice@1:mid_step/2", "fail_slice@3:after_step/0"]),
+    ("token_lm", (4, 2), ["fail_slice@2:during_peer_copy/3"]),
+])
+def test_bitwise_equal_to_failure_free_across_shrinks(name, topo, faults):
+    ref, ref_step, _, ref_mets = _run(name, topo=topo)
+    got, step, _, mets = _run(name, faults, topo=topo)
+    evs = [e for e in step.events if e.kind == "recovery"]
+    assert len(evs) == len(faults)
+    assert evs[-1].fields["mesh"]["data"] == topo[0] - len(faults)
+    assert all(e.fields["lost_steps"] == 0 for e in evs)
+    assert tree_rel_diff(got, ref) == 0.0, "bitwise, not merely close"
+    for a, b in zip(mets, ref_mets):  # metrics too (the token count is a declared sum)
+        assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    checks = [e.fields for e in ref_step.events if e.kind == "crosscheck"]
+    assert checks and checks[0]["checked"] and checks[0]["differing"] == []
+
+
+def test_more_replicas_than_domains_and_the_default_mode_differs():
+    """4 virtual replicas on 2 domains (2 each), then on 1 (all 4): still bitwise. The
+    default mode on the same run is not (reduction order), which is why the mode exists."""
+    cfg = resilax.Config(deterministic=resilax.DeterministicConfig(replicas=4))
+    ref, *_ = _run("dropout_mlp", config=cfg)
+    got, *_ = _run("dropout_mlp", ["fail_slice@2:mid_step/1"], config=cfg)
+    assert tree_rel_diff(got, ref) == 0.0
+    two, *_ = _run("dropout_mlp", config=resilax.Config(deterministic=resilax.DeterministicConfig(replicas=2)))
+    assert tree_rel_diff(two, ref) > 0.0, "another number of replicas is another (documented) trajectory"
+
+
+def test_state_is_replicated_across_domains_and_no_peer_copies_are_made():
+    case = CASES["dropout_mlp"]
+    st = case.make_state(0)
+    step = resilax.wrap(case.train_step, topology=resilax.Topology.emulated(2, 4), state_sharding=sharded(st),
+                        rng=True, config=DET)
+    state = step.init(st)
+    for leaf in jax.tree.leaves(state):
+        assert "data" not in str(leaf.sharding.spec), leaf.sharding
+    state, _ = step(state, case.make_batches(1)[0])
+    assert not step.program.protects and step.program.deterministic
+    step.close()
+
+
+def test_replicas_must_divide_the_batch():
+    with pytest.raises(resilax.WrapError, match="replicas=3 must divide the global batch"):
+        _run("dropout_mlp", config=resilax.Config(deterministic=resilax.DeterministicConfig(replicas=3)), steps=1)
+    with pytest.raises(resilax.ConfigError, match="replicas must be >= 1"):
+        resilax.DeterministicConfig(replicas=0)
+    cfg = resilax.Config.from_configdict({"deterministic": {"replicas": 4}})
+    assert cfg.deterministic == resilax.DeterministicConfig(4)
+
+
+def test_checkpoint_restore_and_log_replay_on_a_smaller_mesh_are_bitwise(tmp_path):
+    """A domain is lost, then the process 'dies' (no close); a new run restores the newest
+    checkpoint onto the full mesh and replays the disk log: bitwise the failure-free run."""
+    name = "batchnorm_mlp"
+    case = CASES[name]
+    ref, *_ = _run(name, steps=8)
+    cfg = DET.replace(checkpoint=resilax.CheckpointConfig(str(tmp_path / "ck"), every=3))
+    st = case.make_state(0)
+    first = resilax.wrap(case.train_step, topology=resilax.Topology.emulated(2, 4), rng=True, config=cfg,
+                         state_sharding=sharded(st), faults=resilax.FaultPlan(["fail_slice@2:mid_step/1"]))
+    state = first.init(st)
+    batches = case.make_batches(8)
+    for b in batches[:5]:
+        state, _ = first(state, b)
+    first.checkpoints.wait()
+    first._log.disk.wait()  # the process "dies" here
+    st2 = case.make_state(0)
+    second = resilax.wrap(case.train_step, topology=resilax.Topology.emulated(2, 4), rng=True, config=cfg,
+                          state_sharding=sharded(st2))
+    state = second.init(st2)
+    assert second.step == 5 and [e for e in second.events if e.kind == "replay"][0].fields["steps"] == 2
+    for b in batches[5:]:
+        state, _ = second(state, b)
+    second.close()
+    assert tree_rel_diff(host(state), ref) == 0.0
