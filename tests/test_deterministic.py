@@ -5,7 +5,6 @@ for dropout, BatchNorm, a token-weighted loss and a transformer."""
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import resilax
 from resilax.tools.models import CASES, tree_rel_diff

@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilax._src.errors import WrapError
 from resilax._src.step import sharding as _sh
-from resilax._src.step.program import GradOut, Program, combine_metrics, recorded_shardings, _watched
+from resilax._src.step.program import GradOut, Program, combine_metrics, _watched
 
 
 def strip_axis(specs, axis: str):
