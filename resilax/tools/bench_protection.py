@@ -13,7 +13,8 @@ Per layout, round-robin with the order rotating every step (machine noise hits a
 each step timed to completion (state and metrics): a plain jitted step with no
 checkpoints, a second plain one (the A/A control: its ratio is the noise floor), resilax
 with every protection on (checkpoint every ``--checkpoint-every`` steps, peers, record
-log on disk, NaN/spike skipping), and resilax with each protection alone. Ratios are of
+log on disk, NaN/spike skipping), resilax with each protection alone, and every
+protection in the bit-exact mode (``deterministic``: `resilax.DeterministicConfig`). Ratios are of
 medians (steady steps) and of means (save steps included).
 
 Then: the blocking time of plain Orbax async saves of the same state (first and steady),
@@ -40,7 +41,7 @@ import numpy as np
 
 from resilax._src.io import write_json
 
-VARIANTS = ("plain", "plain_aa", "all", "checkpoint", "peers", "log", "log_inputs", "anomaly")
+VARIANTS = ("plain", "plain_aa", "all", "checkpoint", "peers", "log", "log_inputs", "anomaly", "deterministic")
 
 
 def add_arguments(parser) -> None:
@@ -85,6 +86,8 @@ def _config(name, tmp, every):
     logdir = os.path.join(tmp, "log")
     if name == "all":
         return resilax.Config(checkpoint=ck)
+    if name == "deterministic":  # every protection, in the bit-exact mode
+        return resilax.Config(checkpoint=ck, deterministic=resilax.DeterministicConfig())
     if name == "checkpoint":
         return resilax.Config(checkpoint=ck, log=None, peers=None, anomaly=None)
     if name == "peers":
@@ -181,6 +184,9 @@ def bench_protection(args) -> dict:
             "overhead_layout": worst,
             "overhead_ratio": top["ratio"].get("all"),
             "overhead_ratio_mean": top["ratio_mean"].get("all"),
+            # the bit-exact mode against the default mode, both with every protection on
+            "deterministic_overhead_ratio": {k: lay[k]["ratio"]["deterministic"] / lay[k]["ratio"]["all"]
+                                             for k in lay if "deterministic" in lay[k]["ratio"] and "all" in lay[k]["ratio"]},
             "aa_ratio": max((abs(lay[k]["ratio"].get("plain_aa", 1.0) - 1) + 1 for k in lay), default=None),
             "checkpoint_blocking_s": max((c["blocking_s"] for c in ck), default=None),
             "checkpoint_first_blocking_s": max((c["first_blocking_s"] for c in ck), default=None),
@@ -332,6 +338,9 @@ def _table(r):
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rc["seconds"].items()))
     print(f"  overhead_ratio {r['overhead_ratio']:.3f} ({r['overhead_layout']}), mean {r['overhead_ratio_mean']:.3f}, "
           f"A/A {r['aa_ratio']:.3f}")
+    if r.get("deterministic_overhead_ratio"):
+        print("  deterministic_overhead_ratio (bit-exact mode / default mode, every protection on): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in r["deterministic_overhead_ratio"].items()))
 
 
 def run(args) -> int:

@@ -19,6 +19,10 @@ Kinds:
 - ``fail_slice@N[:phase]/K``: failure domain ``K`` is lost: every buffer resilax holds there
   is deleted, nothing is dispatched there again, and the step continues on the survivors.
   Failing a domain that is already dead does nothing (an event says so).
+- ``rejoin@N[:phase]/K``: failure domain ``K`` comes back (a repaired or replacement
+  slice, fresh memory) at a step boundary (``before_step`` or ``after_step``): the mesh
+  grows to include it, the state is copied to it from the live domains, training goes on
+  (`ResilientStep.rejoin_domain`). Rejoining a live domain does nothing (an event says so).
 - ``nan@N``: step ``N``'s recorded values are NaN (inside the grad part, where real NaNs
   appear); ``spike@N``: step ``N``'s watched metric is multiplied by 1000 (a loss spike).
 
@@ -85,6 +89,10 @@ def _fail_slice(fault, ctx):
     ctx.fail_domain(fault.target, fault.phase)
 
 
+def _rejoin(fault, ctx):
+    ctx.rejoin_domain(fault.target, fault.phase)
+
+
 def _grad_fault(fault, ctx):
     ctx.inject(fault.kind, ctx.step)
 
@@ -103,7 +111,7 @@ def _hang(fault, ctx):
 
 
 _KINDS: dict[str, Callable] = {"kill_process": _kill, "fail_slice": _fail_slice, "nan": _grad_fault,
-                               "spike": _grad_fault, "hang": _hang}
+                               "spike": _grad_fault, "hang": _hang, "rejoin": _rejoin}
 
 
 def register_kind(name: str, handler: Callable) -> None:
@@ -135,9 +143,9 @@ class FaultPlan:
         """
         for f in self._pending:
             where = f"resilax fault {f.spec()!r}"
-            if f.kind == "fail_slice":
+            if f.kind in ("fail_slice", "rejoin"):
                 if f.target is None:
-                    raise ConfigError(f"{where}: fail_slice needs a target failure domain: fail_slice@STEP[:phase]/K")
+                    raise ConfigError(f"{where}: {f.kind} needs a target failure domain: {f.kind}@STEP[:phase]/K")
                 if not 0 <= f.target < topology.num_domains:
                     raise ConfigError(f"{where}: target {f.target} is not a failure domain of topology "
                                       f"{topology.name!r} (domains 0..{topology.num_domains - 1})")
@@ -145,6 +153,9 @@ class FaultPlan:
                 pass  # target: a process index (a multi-process run), or none: every process
             elif f.target is not None:
                 raise ConfigError(f"{where}: {f.kind} takes no target")
+            if f.kind == "rejoin" and f.phase not in ("before_step", "after_step"):
+                raise ConfigError(f"{where}: a domain rejoins at a step boundary: phase before_step or after_step, "
+                                  f"not {f.phase}")
             if f.kind in GRAD_KINDS and f.phase not in ("before_step", "after_step"):
                 raise ConfigError(f"{where}: {f.kind} applies to the next step's grad part; its phase can be "
                                   f"before_step or after_step, not {f.phase}")

@@ -579,6 +579,52 @@ class ResilientStep:
         self._failures.append(info)
         return info
 
+    def rejoin_domain(self, domain: int, phase: str = "after_step") -> dict | None:
+        """Failure domain ``domain`` (original index) is back (repaired, or a replacement
+        with fresh memory): the mesh grows to include it, at a step boundary, with no restart
+        and no checkpoint read. The state is copied to it from the live domains (bitwise),
+        the grown mesh's programs are built (the full mesh's again: no microbatches), and
+        every protection starts again on it. A domain that is alive already: nothing happens
+        (an event says so). Failures still pending are recovered first.
+
+        Returns the ``rejoin`` event's fields (None when nothing happened).
+        """
+        if not 0 <= domain < len(self._domains):
+            raise WrapError(f"resilax rejoin: target must be a failure domain index in [0, {len(self._domains)}), "
+                            f"but got {domain}")
+        if self._failures:
+            self._recover()
+        if domain in self._alive:
+            self.event("fault_ignored", self.step, fault="rejoin", domain=domain, phase=phase,
+                       reason="the domain is alive")
+            return None
+        t0 = time.perf_counter()
+        with self.goodput_recorder.span("recovery"):
+            if self._ckpt is not None:  # a snapshot being handed to Orbax reads the live buffers
+                self._ckpt.store.settle()
+            if self._log is not None:
+                self._log.settle()
+            alive = sorted(self._alive + [domain])
+            prog, ahead = self._program_for(alive)
+            prog.grad(False)
+            prog.update(None)
+            t_compile = time.perf_counter() - t0
+            # device to device, from the live domains' buffers (the new domain's old ones are gone)
+            state = jax.device_put(self.live, prog.state_sh)
+            guard = None if self.guard is None else jax.device_put(self.guard, NamedSharding(prog.mesh, P()))
+            jax.block_until_ready((state, guard))
+            self._dead -= set(self._domains[domain])
+            self.program, self.mesh, self._alive = prog, prog.mesh, alive
+            self.live, self.guard = state, guard
+            for p in self._protections:
+                p.restart(self, state)
+        fields = dict(domain=domain, phase=phase, mesh=dict(prog.mesh.shape), microbatches=prog.m,
+                      bytes_moved=int(sum(x.nbytes for x in jax.tree.leaves(state))), compiled_ahead=ahead,
+                      seconds={"compile": t_compile, "total": time.perf_counter() - t0})
+        self.event("rejoin", self.step, **fields)
+        self._compile_ahead()
+        return fields
+
     # ================================================================ recovery
     def _recover(self):
         with self.goodput_recorder.span("recovery"):
