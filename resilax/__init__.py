@@ -16,6 +16,7 @@ from resilax._src.config import (
     PeersConfig as PeersConfig,
     VerifyConfig as VerifyConfig,
     DeterministicConfig as DeterministicConfig,
+    HealthConfig as HealthConfig,
 )
 from resilax._src.errors import (
     CheckpointError as CheckpointError,
@@ -25,6 +26,7 @@ from resilax._src.errors import (
     ProgramMismatchError as ProgramMismatchError,
     ResilaxError as ResilaxError,
     StateLostError as StateLostError,
+    SilentDataCorruptionError as SilentDataCorruptionError,
     StorageError as StorageError,
     TopologyError as TopologyError,
     WrapError as WrapError,
@@ -46,6 +48,8 @@ __all__ = [
     "ProgramMismatchError",
     "VerifyConfig",
     "DeterministicConfig",
+    "HealthConfig",
+    "SilentDataCorruptionError",
     "CheckpointError",
     "Config",
     "ConfigError",

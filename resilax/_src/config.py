@@ -221,8 +221,29 @@ class DeterministicConfig:
             raise ConfigError(f"resilax.DeterministicConfig: replicas must be >= 1 or None, but got {self.replicas}")
 
 
+@dataclasses.dataclass(frozen=True)
+class HealthConfig:
+    """Slice health checks (see ``protect/sdc.py``).
+
+    Attributes:
+      sdc_every: compare the checksums of the state's replicas across failure domains at
+        the start of every this-many-th step, before the state is used (and before every
+        checkpoint save). With 1 (the default) a domain outvoted by a strict majority is
+        treated as failed and the run goes on from the good replicas; found later, or with
+        two replicas, it is a `SilentDataCorruptionError`.
+    """
+
+    sdc_every: int = 1
+
+    def __post_init__(self):
+        _check_type("HealthConfig", "sdc_every", self.sdc_every, (int,))
+        if self.sdc_every < 1:
+            raise ConfigError(f"resilax.HealthConfig: sdc_every must be >= 1, but got {self.sdc_every}")
+
+
 _GROUPS = {"checkpoint": CheckpointConfig, "log": LogConfig, "peers": PeersConfig, "anomaly": AnomalyConfig,
-           "verify": VerifyConfig, "deterministic": DeterministicConfig}
+           "verify": VerifyConfig, "deterministic": DeterministicConfig,
+           "health": HealthConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +258,8 @@ class Config:
       verify: the cross-check of each mesh's compiled gradient part (`VerifyConfig`).
       deterministic: the bit-exact elastic mode (`DeterministicConfig`); ``None``: the
         default mode (the same maths on every mesh up to reduction order).
+      health: slice health checks (`HealthConfig`: replica checksums against silent data
+        corruption); ``None``: off.
       seed: base of the per-step RNG (``wrap(..., rng=True)``): step ``n`` gets
         ``fold_in(key(seed), n)``, so a resumed or replayed step sees the same key.
       donate_state: donate the input state to the step (saves a copy of the state).
@@ -249,6 +272,7 @@ class Config:
     anomaly: AnomalyConfig | None = AnomalyConfig()
     verify: VerifyConfig | None = VerifyConfig()
     deterministic: DeterministicConfig | None = None
+    health: HealthConfig | None = None
     seed: int = 0
     donate_state: bool = True
     run_dir: str | None = None

@@ -41,3 +41,8 @@ class StateLostError(ResilaxError):
 
 class ProgramMismatchError(ResilaxError):
     """A mesh's compiled step disagrees with the same step on one device beyond rounding."""
+
+
+class SilentDataCorruptionError(ResilaxError):
+    """Replicas of the state that must be bitwise equal differ, and which one is right cannot
+    be decided (two replicas): nothing is saved from them; restart from the newest checkpoint."""

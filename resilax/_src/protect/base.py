@@ -59,6 +59,9 @@ class Protection:
     def wants_log_ring(self, run, copy: str | None) -> bool:
         return False
 
+    def before_step(self, run, state, step: int) -> None:
+        """Step ``step + 1`` is about to run on ``state`` (``step`` steps completed)."""
+
     def before_update(self, run, state, batch, step_no: int, gout, program) -> None:
         """The grad part of step ``step_no`` ran (``gout``); the update has not: ``state``
         is still the step's input (a check that raises here leaves it untouched)."""

@@ -23,6 +23,9 @@ Kinds:
   slice, fresh memory) at a step boundary (``before_step`` or ``after_step``): the mesh
   grows to include it, the state is copied to it from the live domains, training goes on
   (`ResilientStep.rejoin_domain`). Rejoining a live domain does nothing (an event says so).
+- ``bitflip@N[:phase]/K``: one bit of the live state flips on domain ``K``'s first device
+  (silent data corruption: the largest floating leaf, a mantissa bit, so no NaN), at a
+  step boundary; `HealthConfig`'s replica check must find it.
 - ``nan@N``: step ``N``'s recorded values are NaN (inside the grad part, where real NaNs
   appear); ``spike@N``: step ``N``'s watched metric is multiplied by 1000 (a loss spike).
 
@@ -89,6 +92,10 @@ def _fail_slice(fault, ctx):
     ctx.fail_domain(fault.target, fault.phase)
 
 
+def _bitflip(fault, ctx):
+    ctx.corrupt_domain(fault.target, fault.phase)
+
+
 def _rejoin(fault, ctx):
     ctx.rejoin_domain(fault.target, fault.phase)
 
@@ -111,7 +118,8 @@ def _hang(fault, ctx):
 
 
 _KINDS: dict[str, Callable] = {"kill_process": _kill, "fail_slice": _fail_slice, "nan": _grad_fault,
-                               "spike": _grad_fault, "hang": _hang, "rejoin": _rejoin}
+                               "spike": _grad_fault, "hang": _hang, "rejoin": _rejoin,
+                               "bitflip": _bitflip}
 
 
 def register_kind(name: str, handler: Callable) -> None:
@@ -143,7 +151,7 @@ class FaultPlan:
         """
         for f in self._pending:
             where = f"resilax fault {f.spec()!r}"
-            if f.kind in ("fail_slice", "rejoin"):
+            if f.kind in ("fail_slice", "rejoin", "bitflip"):
                 if f.target is None:
                     raise ConfigError(f"{where}: {f.kind} needs a target failure domain: {f.kind}@STEP[:phase]/K")
                 if not 0 <= f.target < topology.num_domains:
@@ -153,8 +161,8 @@ class FaultPlan:
                 pass  # target: a process index (a multi-process run), or none: every process
             elif f.target is not None:
                 raise ConfigError(f"{where}: {f.kind} takes no target")
-            if f.kind == "rejoin" and f.phase not in ("before_step", "after_step"):
-                raise ConfigError(f"{where}: a domain rejoins at a step boundary: phase before_step or after_step, "
+            if f.kind in ("rejoin", "bitflip") and f.phase not in ("before_step", "after_step"):
+                raise ConfigError(f"{where}: {f.kind} happens at a step boundary: phase before_step or after_step, "
                                   f"not {f.phase}")
             if f.kind in GRAD_KINDS and f.phase not in ("before_step", "after_step"):
                 raise ConfigError(f"{where}: {f.kind} applies to the next step's grad part; its phase can be "

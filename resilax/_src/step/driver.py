@@ -31,6 +31,7 @@ from resilax._src.protect import ring as _ring
 from resilax._src.protect.checkpoint import decode_data_state, encode_data_state
 from resilax._src.protect.checkpoints import Checkpoints
 from resilax._src.protect.crosscheck import CrossCheck
+from resilax._src.protect.sdc import SdcCheck
 from resilax._src.protect.checksum import tree_checksums
 from resilax._src.protect.peers import Peers
 from resilax._src.protect.record_log import RecordLog
@@ -237,7 +238,9 @@ class ResilientStep:
         job = launched.env()
         store = (_hoststore.HostStore(job.host_store, job.process_id, job.num_processes, job.host_store_every)
                  if job is not None and job.host_store else None)
-        self._protections = [p for p in (check, self._log, peers, self._watch, store, self._ckpt) if p is not None]
+        sdc = SdcCheck(cfg.health) if cfg.health is not None else None
+        self._protections = [p for p in (check, sdc, self._log, peers, self._watch, store, self._ckpt) if p is not None]
+        self._sdc = sdc
         self._peers = peers
         restored = None
         from_store = False
@@ -459,6 +462,10 @@ class ResilientStep:
                 f"{self.program.spec.abstract_batch}")
         launched.step_started(self.step + 1)  # the supervisor tells a hung worker from the ones waiting on it
         self._fire("before_step")
+        for p in self._protections:
+            p.before_step(self, self.live, self.step)
+        if self._failures:  # a health check found a bad domain: recover before anything reads it
+            self._recover()
         k = self.step
         prog = self.program
         copy = next((c for c in (p.copy_variant(self, k + 1) for p in self._protections) if c), None)
@@ -577,6 +584,44 @@ class ResilientStep:
         info = {"domain": domain, "phase": phase, "devices": sorted(d.id for d in devs), "bytes_deleted": freed,
                 "copy_in_flight": bool(self._copy_in_flight), "at": time.perf_counter()}
         self._failures.append(info)
+        return info
+
+    @property
+    def alive_domains(self) -> list[int]:
+        """The live failure domains (original indices), in mesh order."""
+        return list(self._alive)
+
+    def corrupt_domain(self, domain: int, phase: str = "after_step") -> dict | None:
+        """Emulates silent data corruption on failure domain ``domain``: one bit of the live
+        state's largest floating leaf flips in the buffer of the domain's first device (the
+        other domains' replicas keep the right value). Nothing else notices; the replica
+        check (`HealthConfig`) must. Returns where it flipped (None: the domain is dead)."""
+        if not 0 <= domain < len(self._domains):
+            raise WrapError(f"resilax bitflip: target must be a failure domain index in [0, {len(self._domains)}), "
+                            f"but got {domain}")
+        if domain not in self._alive:
+            self.event("fault_ignored", self.step, fault="bitflip", domain=domain, phase=phase,
+                       reason="the domain is dead")
+            return None
+        flat, treedef = jax.tree_util.tree_flatten_with_path(self.live)
+        floats = [i for i, (_, x) in enumerate(flat) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and x.size]
+        i = max(floats, key=lambda j: flat[j][1].size)
+        x = flat[i][1]
+        dev = self._domains[domain][0]
+        shards = []
+        for sh in x.addressable_shards:
+            if sh.device == dev:
+                host = np.array(sh.data, copy=True)
+                word = host.reshape(-1).view(np.uint16 if host.itemsize == 2 else np.uint32)
+                word[0] ^= 1 << (4 if host.itemsize == 2 else 20)  # a mantissa bit: wrong, but not a NaN
+                shards.append(jax.device_put(host, dev))
+            else:
+                shards.append(sh.data)
+        leaves = [v for _, v in flat]
+        leaves[i] = jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+        self.live = jax.tree.unflatten(treedef, leaves)
+        info = dict(domain=domain, phase=phase, leaf=jax.tree_util.keystr(flat[i][0]), device=dev.id)
+        self.event("bitflip", self.step, **info)
         return info
 
     def rejoin_domain(self, domain: int, phase: str = "after_step") -> dict | None:
@@ -852,6 +897,11 @@ class ResilientStep:
         if self._ckpt is None:
             raise WrapError("resilax.ResilientStep.save: Config.checkpoint is None (no checkpoint directory)")
         state = self.live if state is None else state
+        if self._sdc is not None and state is self.live:  # never persist a corrupted replica
+            self._sdc.before_save(self, state, self.step)
+            if self._failures:
+                self._recover()
+                state = self.live
         after = (lambda: self.faults.fire("during_save", self.step, self)) if self.faults else None
         # The live state needs no copy when the next step keeps its input (the variant was
         # compiled ahead at start): the persister reads these very buffers, and `settle`

@@ -1,0 +1,123 @@
+"""Silent data corruption: replicas of the same state across failure domains must be
+bitwise equal, so their checksums are compared at the start of every
+``HealthConfig.sdc_every``-th step, before the state is used, and before every checkpoint
+save (a corrupted state is never persisted).
+
+Each live domain checksums its own replica on device (`checksum.tree_checksums` on the
+domain's part of every leaf replicated across the elastic axis: all of the state in the
+bit-exact mode, where every domain computes the same update); only the ``[leaves, 2]``
+sums come to the host. On a mismatch:
+
+- 3 or more domains, and the replicas were equal at the previous step (so the corrupted
+  values fed nothing yet): the strict majority's sums are the right ones; every other
+  domain is named (event ``sdc``) and treated as failed (`ResilientStep.fail_domain`), so
+  the state goes on from the good replicas, bitwise, and the domain can rejoin later;
+- found later than that (``sdc_every > 1``): the corruption may have entered every
+  replica's update through the gradients, so the majority is not known to be right:
+  `SilentDataCorruptionError` names the domains and leaves;
+- 2 domains (or no majority): which replica is right cannot be told from the replicas
+  alone, so `SilentDataCorruptionError` is raised, naming the leaves and domains, before
+  anything is saved; a restart resumes from the newest checkpoint (checked at its save).
+
+Leaves that live in one domain only (the default mode's sharded layout) have no replica to
+compare with; an event at the first check says how many leaves are covered. Corruption
+inside a computation that feeds every domain (a gradient replica, the combine) leaves the
+replicas equal and is not caught here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from resilax._src.errors import SilentDataCorruptionError
+from resilax._src.protect import ring as _ring
+from resilax._src.protect.base import Protection
+from resilax._src.protect.checksum import tree_checksums
+
+
+class SdcCheck(Protection):
+    name = "sdc"
+
+    def __init__(self, cfg):
+        self.every = cfg.sdc_every
+        self._checked_at = None
+        self._good_at = None  # the newest step whose replicas were found equal
+        self._told = set()
+        self.seconds: list[float] = []
+
+    def before_step(self, run, state, step: int) -> None:
+        if step % self.every == 0 and self._checked_at != step:
+            self.check(run, state, step)
+
+    def before_save(self, run, state, step: int) -> None:
+        if self._checked_at != step:
+            self.check(run, state, step)
+
+    def restart(self, run, state) -> None:
+        self._good_at = None  # a new mesh: its replicas were made from one good copy
+        self._checked_at = None
+
+    def check(self, run, state, step: int) -> list[int]:
+        """Compares the live domains' replicas; returns the domains found bad (original
+        indices; they were failed), or raises when it cannot tell."""
+        t0 = time.perf_counter()
+        self._checked_at = step
+        prog = run.program
+        mesh = prog.mesh
+        leaves = jax.tree.leaves(state)
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+        places = jax.tree.leaves(prog.places)
+        idx = [i for i, p in enumerate(places) if p == _ring.REPLICATED]
+        live = mesh.shape[prog.spec.elastic_axis]
+        if id(prog) not in self._told:
+            self._told.add(id(prog))
+            run.event("sdc_coverage", step, leaves_checked=len(idx), leaves=len(leaves), domains=live)
+        if live < 2 or not idx:
+            return []
+        sums = []
+        for d in range(live):
+            sums.append(tree_checksums([_domain_part(leaves[i], mesh, d) for i in idx]))
+        sums = [np.asarray(s) for s in sums]
+        self.seconds.append(time.perf_counter() - t0)
+        keys = [s.tobytes() for s in sums]
+        if len(set(keys)) == 1:
+            self._good_at = step
+            return []
+        alive = list(run.alive_domains)
+        groups: dict = {}
+        for d, k in enumerate(keys):
+            groups.setdefault(k, []).append(d)
+        best = max(groups.values(), key=len)
+        differing = sorted({names[idx[j]] for s in sums for j in np.nonzero(np.any(s != sums[best[0]], axis=1))[0]})
+        if 2 * len(best) <= live:
+            raise SilentDataCorruptionError(
+                f"resilax: silent data corruption at step {step}: the replicas of the state on failure domains "
+                f"{alive} differ in leaves {differing[:8]} and no majority says which is right. Nothing was saved "
+                f"from them; restart from the newest checkpoint (each one was checked when it was saved)")
+        bad = [alive[d] for d in range(live) if d not in best]
+        if self._good_at is None or step - self._good_at > 1:
+            # the corruption may have fed a gradient (every replica's update) since the
+            # replicas were last seen equal: the majority's state is not known to be right
+            raise SilentDataCorruptionError(
+                f"resilax: silent data corruption at step {step}: domain(s) {bad} disagree with the majority "
+                f"{[alive[d] for d in best]} in leaves {differing[:8]}, but the replicas were last checked equal "
+                f"at step {self._good_at}, so the corrupted values may have entered the updates since. Nothing was "
+                f"saved from them; restart from the newest checkpoint (each one was checked when it was saved). "
+                f"HealthConfig(sdc_every=1) checks every step, before the state is used, and recovers in place")
+        run.event("sdc", step, bad_domains=bad, good_domains=[alive[d] for d in best], leaves=differing[:16],
+                  seconds=time.perf_counter() - t0)
+        for d in bad:
+            run.fail_domain(d, "sdc")
+        return bad
+
+
+def _domain_part(x, mesh, d: int):
+    """Domain ``d``'s replica of a leaf replicated across domains, as an array on that
+    domain's devices (no copy)."""
+    devs = set(mesh.devices[d].flat)
+    sh = jax.sharding.NamedSharding(jax.sharding.Mesh(mesh.devices[d : d + 1], mesh.axis_names), x.sharding.spec)
+    return jax.make_array_from_single_device_arrays(x.shape, sh, [s.data for s in x.addressable_shards
+                                                                  if s.device in devs])

@@ -1,0 +1,65 @@
+"""Silent data corruption (`HealthConfig`, fault `bitflip@N/k`): replicas of the state across
+failure domains are compared before each step uses them; an outvoted domain is named,
+treated as failed, and the run goes on from the good replicas (bitwise in the bit-exact
+mode); two replicas that disagree, or a corruption found late, raise a clear error."""
+
+import pytest
+
+import resilax
+from resilax.tools.models import CASES, tree_rel_diff
+from test_pipeline import TOL, host, replicated, run, sharded
+
+H = resilax.HealthConfig()
+
+
+def _run(faults=(), topo=(4, 2), det=True, layout=sharded, health=H, steps=6):
+    cfg = resilax.Config(deterministic=resilax.DeterministicConfig() if det else None, health=health)
+    return run("batchnorm_mlp", faults, topo=resilax.Topology.emulated(*topo), config=cfg, steps=steps, layout=layout)
+
+
+@pytest.mark.parametrize("det,layout,tol", [(True, sharded, 0.0), (False, replicated, TOL)],
+                         ids=["deterministic", "default-replicated"])
+def test_bitflip_is_found_before_use_and_the_bad_domain_is_named_and_dropped(det, layout, tol):
+    ref, *_ = _run(det=det, layout=layout)
+    got, step, _, _ = _run(["bitflip@3/2"], det=det, layout=layout)
+    flip = next(e for e in step.events if e.kind == "bitflip")
+    sdc = next(e for e in step.events if e.kind == "sdc")
+    assert sdc.step == flip.step == 3, "found at the start of the next step, before it used the state"
+    assert sdc.fields["bad_domains"] == [2] and sdc.fields["leaves"] == [flip.fields["leaf"]]
+    rec = next(e for e in step.events if e.kind == "recovery")
+    assert rec.fields["failed_domains"] == [2] and rec.fields["mesh"]["data"] == 3
+    assert tree_rel_diff(got, ref) <= tol
+
+
+def test_without_the_check_the_flip_silently_changes_the_result():
+    """The control: the same flip with no health check trains on and ends elsewhere."""
+    ref, *_ = _run(health=None)
+    got, step, _, _ = _run(["bitflip@3/2"], health=None)
+    assert not [e for e in step.events if e.kind in ("sdc", "recovery")]
+    assert tree_rel_diff(got, ref) > 0.0  # the bit-exact mode: any difference is the flip's doing
+
+
+def test_two_replicas_or_a_late_check_raise_naming_the_leaf():
+    with pytest.raises(resilax.SilentDataCorruptionError, match=r"domains \[0, 1\] differ in leaves .*no majority"):
+        _run(["bitflip@3/1"], topo=(2, 4))
+    with pytest.raises(resilax.SilentDataCorruptionError, match=r"domain\(s\) \[2\] disagree.*last checked equal at step 2"):
+        _run(["bitflip@3/2"], health=resilax.HealthConfig(sdc_every=2), steps=6)  # found at 4: step 3 used it
+
+
+def test_a_corrupted_replica_is_never_checkpointed(tmp_path):
+    """The flip lands right before a save (after_step of a save step): the check before the
+    save finds it, the domain is dropped, and the checkpoint holds the good values."""
+    cfg = resilax.Config(deterministic=resilax.DeterministicConfig(), health=H,
+                         checkpoint=resilax.CheckpointConfig(str(tmp_path / "ck"), every=4))
+    ref, *_ = _run(steps=4)
+    got, step, _, _ = run("batchnorm_mlp", ["bitflip@4:after_step/1"], topo=resilax.Topology.emulated(4, 2),
+                          config=cfg, steps=4, layout=sharded)
+    assert [(e.step, e.fields["bad_domains"]) for e in step.events if e.kind == "sdc"] == [(4, [1])]
+    assert tree_rel_diff(got, ref) == 0.0
+    case = CASES["batchnorm_mlp"]  # what the checkpoint holds, read back by a new run
+    st = case.make_state(0)
+    again = resilax.wrap(case.train_step, topology=resilax.Topology.emulated(4, 2), rng=True, config=cfg,
+                         state_sharding=sharded(st))
+    restored = again.init(st)
+    assert again.step == 4 and tree_rel_diff(host(restored), ref) == 0.0
+    again.close()
