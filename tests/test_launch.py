@@ -22,7 +22,7 @@ import pytest
 
 from resilax._src.runtime import jaxdist
 from resilax._src.runtime.launched import LaunchEnv
-from resilax.tools.launch import PROCESSES_JSON, Supervisor
+from resilax.tools.launch import PROCESSES_JSON, Supervisor, heartbeats
 
 STEPS, EVERY = 40, 5
 TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
@@ -58,14 +58,7 @@ def _processes(run_dir):
 
 
 def _steps(run_dir, gen) -> dict:
-    out = {}
-    for f in (run_dir / "heartbeats").glob(f"g{gen}.p*.json"):
-        try:
-            hb = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        out[hb["process_id"]] = hb.get("step")
-    return out
+    return {i: hb.get("step") for i, hb in heartbeats(run_dir, gen).items()}
 
 
 def _running(run_dir, gen, n=4):
