@@ -232,3 +232,41 @@ def test_a_failed_background_save_is_a_storage_error_at_the_next_call(tmp_path):
         store.close()
     except resilax.StorageError:
         pass
+
+
+_EXIT_AFTER_CLOSE = """
+import sys, threading, time
+import jax, jax.numpy as jnp
+from resilax._src.protect.checkpoint import CheckpointStore
+
+def chain(x):  # unrolled: XLA:CPU needs a while to compile it
+    for i in range(300):
+        x = jnp.sin(x) * (i + 1.0) + jnp.cos(x[::-1])
+    return x
+
+store = CheckpointStore(sys.argv[1], async_save=False)
+tree = {"w": jnp.ones((8,), jnp.float32)}
+lowered = jax.jit(chain).lower(tree["w"])  # traced here: the warm-up thread is inside XLA's compile
+store.warm(tree, also=lowered.compile)
+time.sleep(0.3)  # the warm-up thread is in XLA's compile (GIL released)
+store.close()
+print("warm-up threads alive after close:", [t.name for t in threading.enumerate() if t.name == "resilax-ckpt-warm"])
+"""
+
+
+def test_a_process_exits_cleanly_right_after_close_while_a_warm_up_was_compiling(tmp_path, child_env):
+    """The warm-up compiles off the loop; `close` waits for it. Before, it ran on a daemon
+    thread that could still be inside XLA's compile at exit: finalization killed it as the
+    compile wait re-took the GIL, through a noexcept jaxlib frame, and the process died by
+    SIGABRT after its work was done ("terminate called after throwing an instance of ''"; a
+    worker of `resilax launch` did, right after its preemption save, with a cold compilation
+    cache). This script aborted that way every time before the fix."""
+    import subprocess
+    import sys
+
+    env = dict(child_env, JAX_ENABLE_COMPILATION_CACHE="false")  # a real compile, not a cache hit
+    r = subprocess.run([sys.executable, "-c", _EXIT_AFTER_CLOSE, str(tmp_path / "ckpt")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "warm-up threads alive after close: []" in out and "terminate called" not in out, out[-3000:]

@@ -35,6 +35,7 @@ import tempfile
 import time
 
 from resilax._src.io import write_json
+from resilax.tools.launch import heartbeats
 
 
 def add_arguments(p) -> None:
@@ -47,17 +48,6 @@ def add_arguments(p) -> None:
     p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory)")
-
-
-def _hb(run: pathlib.Path, gen: int) -> dict:
-    out = {}
-    for f in (run / "heartbeats").glob(f"g{gen}.p*.json"):
-        try:
-            hb = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        out[hb["process_id"]] = hb
-    return out
 
 
 def _wait(pred, timeout, what, proc):
@@ -97,20 +87,20 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
     log = open(work / "launch.log", "wb")
     p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait(lambda: len(h := _hb(run, 0)) == n and all((x.get("step") or 0) >= kill_after for x in h.values()),
+        _wait(lambda: len(h := heartbeats(run, 0)) == n and all((x.get("step") or 0) >= kill_after for x in h.values()),
               600, f"every worker past step {kill_after}", p)
         time.sleep(rng.uniform(0, 0.5))
         procs = json.loads((run / "processes.json").read_text())
         victim = rng.randrange(n)
-        kill_step = max(x.get("step") or 0 for x in _hb(run, 0).values())
+        kill_step = max(x.get("step") or 0 for x in heartbeats(run, 0).values())
         t_kill = time.time()
         os.kill(procs["workers"][str(victim)], signal.SIGKILL)
         print(f"      killed process {victim} (pid {procs['workers'][str(victim)]}) at step {kill_step}", flush=True)
-        first = _wait(lambda: (h := _hb(run, 1)) and len(h) == n and all(x.get("first_step_t") for x in h.values())
+        first = _wait(lambda: (h := heartbeats(run, 1)) and len(h) == n and all(x.get("first_step_t") for x in h.values())
                       and h, 600, "the new generation's first step", p)
         joined_t = max(x["joined_t"] for x in first.values())
         first_t = max(x["first_step_t"] for x in first.values())
-        _wait(lambda: len(h := _hb(run, 1)) == n and all((x.get("step") or 0) >= kill_step for x in h.values()),
+        _wait(lambda: len(h := heartbeats(run, 1)) == n and all((x.get("step") or 0) >= kill_step for x in h.values()),
               600, f"the new generation back at step {kill_step}", p)
         t_resume = time.time()
         rc = p.wait(timeout=600)

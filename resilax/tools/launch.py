@@ -45,6 +45,7 @@ from resilax._src.protect import hoststore
 from resilax._src.runtime.launched import LaunchEnv
 
 PROCESSES_JSON = "processes.json"
+HEARTBEATS = "heartbeats"  # D/heartbeats/g<generation>.p<process id>.json
 _STOPPED = "another worker of its generation died"
 
 
@@ -63,6 +64,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def heartbeat_file(run_dir, generation: int, process_id: int) -> pathlib.Path:
+    """Where worker ``process_id`` of ``generation`` writes its heartbeat."""
+    return pathlib.Path(run_dir) / HEARTBEATS / f"g{generation}.p{process_id}.json"
+
+
+def heartbeats(run_dir, generation: int) -> dict[int, dict]:
+    """``{process id: heartbeat record}`` of the workers of ``generation`` that wrote one (see
+    `launched._Heartbeat`: pid, phase, step, step_t, step_s, joined_t, first_step_t,
+    started). A file that cannot be read or parsed right now is left out."""
+    out = {}
+    for f in (pathlib.Path(run_dir) / HEARTBEATS).glob(f"g{int(generation)}.p*.json"):
+        try:
+            hb = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        out[hb["process_id"]] = hb
+    return out
 
 
 def _say(msg: str) -> None:
@@ -181,14 +201,14 @@ class Supervisor:
         g = self.generation
         port = free_port()
         self._service = jaxdist.start_service(port, self.n, heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
-        (self.run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.workers = []
         for i in range(self.n):
             env = LaunchEnv(
                 coordinator=f"127.0.0.1:{port}", process_id=i, num_processes=self.n, generation=g,
                 devices_per_process=self.k, run_dir=str(self.run_dir),
-                heartbeat_file=str(self.run_dir / "heartbeats" / f"g{g}.p{i}.json"), heartbeat_s=self.heartbeat_s,
+                heartbeat_file=str(heartbeat_file(self.run_dir, g, i)), heartbeat_s=self.heartbeat_s,
                 jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
                 init_timeout_s=int(min(self.startup_timeout_s, 600)),
                 host_store=str(self.store_root or ""), host_store_every=self.host_store_every,

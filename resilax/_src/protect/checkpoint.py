@@ -131,6 +131,7 @@ class CheckpointStore:
         self._compiled = None  # (abstract tree, compiled snapshot program)
         self._sums = None  # (abstract tree, compiled checksum program)
         self._warming: threading.Thread | None = None
+        self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
         self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
 
     def _open(self):
@@ -160,14 +161,27 @@ class CheckpointStore:
             except Exception:  # the first save compiles what is missing instead (same programs)
                 pass
 
-        self._warming = threading.Thread(target=compile_it, name="resilax-ckpt-warm", daemon=True)
+        # Not a daemon, and `close` joins it: a daemon thread still compiling when the
+        # interpreter finalizes is killed (pthread_exit) as XLA's compile wait re-takes the
+        # GIL, and that unwinds through a noexcept jaxlib frame: std::terminate, SIGABRT at
+        # exit ("terminate called after throwing an instance of ''" / "FATAL: exception not
+        # rethrown"; seen under `resilax launch` with a cold compilation cache).
+        self._warming = threading.Thread(target=compile_it, name="resilax-ckpt-warm")
         self._warming.start()
+        self._warmers = [t for t in self._warmers if t.is_alive()] + [self._warming]
         self._start_thread()
 
+    def _join_warming(self, *, every: bool = False):
+        """Waits for the newest warm-up (``every``: for all, an older one may still run after
+        a restart warmed again)."""
+        t, self._warming = self._warming, None
+        for w in (self._warmers if every else [t] if t is not None else []):
+            w.join()
+        if every:
+            self._warmers = []
+
     def _snapshot(self, tree):
-        if self._warming is not None:
-            self._warming.join()  # compiling now: finishing it is quicker than compiling again
-            self._warming = None
+        self._join_warming()  # compiling now: finishing it is quicker than compiling again
         if self._compiled is not None:
             abstract, fn = self._compiled
             if _abstract(tree) == abstract:
@@ -346,6 +360,8 @@ class CheckpointStore:
         self._run_deferred()
 
     def close(self):
+        """Waits for the last save, stops the persister, waits for a warm-up still compiling
+        (its thread must not outlive the store: see `warm`), closes Orbax."""
         try:
             self.wait()
         finally:
@@ -353,6 +369,7 @@ class CheckpointStore:
                 self._q.put(None)
                 self._thread.join()
                 self._thread = None
+            self._join_warming(every=True)
             with self._lock:
                 self._mgr.close()
 
