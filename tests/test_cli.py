@@ -8,7 +8,8 @@ from helpers import child_env as _env
 
 
 def test_demo_kills_resumes_and_matches_bitwise(tmp_path):
-    """The README's main job: SIGKILL + resume is bitwise; a lost slice recovers from peers."""
+    """The README's main job: SIGKILL + resume is bitwise; a lost slice recovers from peers; slice
+    health (loss, bit flip, rejoin, NaN) ends bitwise; demo.png is written."""
     import re
 
     r = subprocess.run([sys.executable, "-m", "resilax", "demo", "--steps", "40", "--checkpoint-every", "10",
@@ -22,6 +23,14 @@ def test_demo_kills_resumes_and_matches_bitwise(tmp_path):
     assert "recovered from           peer copies" in r.stdout
     rel = float(re.search(r"max relative difference ([0-9.e+-]+)", r.stdout)[1])
     assert rel < 1e-4, rel  # same program with and without the failure: reassociation only
+    # phase 5: slice loss, bit flip, rejoin and NaN on 4 slices in the bit-exact mode
+    timeline = r.stdout.split("event timeline")[1]
+    for kind in ("recovery", "bitflip", "sdc", "rejoin", "anomaly"):
+        assert f": {kind}" in timeline, kind
+    assert "outvoted by [0, 3]" in timeline
+    assert "final state vs the same run without the failures: BITWISE IDENTICAL" in r.stdout
+    png = tmp_path / "demo.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
 def test_bench_overhead_writes_json(tmp_path):

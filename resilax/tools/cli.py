@@ -14,7 +14,7 @@ def _cmd_train(args) -> int:
         checkpoint_every=args.checkpoint_every, faults=tuple(args.fault), out=args.out,
         log_every=args.log_every, progress=not args.quiet, log=not args.no_log, log_mode=args.log_mode,
         peers=not args.no_peers, peers_every=args.peers_every, anomaly=not args.no_anomaly, layout=args.layout,
-        deterministic=not args.no_deterministic,
+        deterministic=not args.no_deterministic, health=not args.no_health, curve=args.curve,
     )
     from resilax._src.runtime import launched
 
@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-deterministic", action="store_true",
                    help="the default mode instead of the bit-exact one: state sharded as --layout says (also across "
                         "slices), the same maths on a smaller mesh up to reduction order (drifts over many steps)")
+    t.add_argument("--no-health", action="store_true",
+                   help="no silent-data-corruption check (default: the state's replicas across slices are compared "
+                        "before each step; an outvoted slice is dropped)")
+    t.add_argument("--curve", action="store_true", help="put every step's loss and seconds in the --summary JSON")
     t.add_argument("--no-anomaly", action="store_true",
                    help="apply every update (default: steps with NaN/Inf values or a loss spike are skipped)")
     t.set_defaults(func=_cmd_train)

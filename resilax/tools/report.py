@@ -86,6 +86,48 @@ def plot_timeline(rec, path: str) -> str:
     return path
 
 
+def plot_demo(curve: dict, ref_curve: dict, events: list[dict], rec, path: str) -> str:
+    """`resilax demo`'s picture: loss over steps (the faulted run and its failure-free
+    reference) with the events marked, step time, and cumulative goodput of the faulted run
+    over wall time. Writes a PNG; returns its path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 8), gridspec_kw={"height_ratios": [1.4, 1, 1]})
+    ax1.plot(ref_curve["step"], ref_curve["loss"], color="0.6", lw=3, label="failure-free run")
+    ax1.plot(curve["step"], curve["loss"], color="tab:blue", lw=1.2, label="run with the faults")
+    marks = {"recovery": "tab:red", "sdc": "tab:purple", "rejoin": "tab:green", "anomaly": "tab:orange",
+             "bitflip": "tab:pink"}
+    stacked: dict = {}  # events at one step: labels one above the other
+    for e in events:
+        if e["kind"] in marks:
+            for ax in (ax1, ax2):
+                ax.axvline(e["step"], color=marks[e["kind"]], lw=1, ls="--")
+            n = stacked[e["step"]] = stacked.get(e["step"], -1) + 1
+            ax1.annotate(e["kind"], (e["step"], 1.01 + 0.07 * n), xycoords=("data", "axes fraction"), fontsize=8,
+                         ha="left", va="bottom", color=marks[e["kind"]], annotation_clip=False)
+    ax1.set_ylabel("loss")
+    ax1.set_yscale("log")
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    ax2.plot(curve["step"], [1e3 * t for t in curve["step_s"]], color="tab:blue", lw=1)
+    ax2.set_ylabel("step time (ms)")
+    ax2.set_xlabel("step")
+    ax2.set_yscale("log")
+    ax2.grid(alpha=0.3)
+    ts, gp = _cumulative_goodput(rec.segments(), rec.wall())
+    ax3.plot(ts, 100 * gp, color=_COLORS["productive"])
+    ax3.set_ylim(0, 100)
+    ax3.set_ylabel("cumulative goodput (%)")
+    ax3.set_xlabel("wall time (s)")
+    ax3.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_sweep(sw: dict, path: str, title: str = "") -> str:
     """Goodput vs chip count (log x) to a PNG; returns the path."""
     import matplotlib

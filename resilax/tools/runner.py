@@ -66,7 +66,7 @@ def configure_cpu_devices(n: int) -> None:
 
 def make_config(*, checkpoint_dir: str | None = None, checkpoint_every: int = 10, log: bool = True,
                 log_mode: str | None = None, peers: bool = True, peers_every: int | None = None,
-                anomaly: bool = True, deterministic: bool = False):
+                anomaly: bool = True, deterministic: bool = False, health: bool = False):
     """The `resilax.Config` of the CLI's protection flags: every protection on unless turned
     off; checkpoints when ``checkpoint_dir`` is given (the record log then also goes to disk,
     in ``checkpoint_dir/record_log``).
@@ -87,6 +87,7 @@ def make_config(*, checkpoint_dir: str | None = None, checkpoint_every: int = 10
         peers=resilax.PeersConfig(every=1 if peers_every is None else peers_every) if peers else None,
         anomaly=resilax.AnomalyConfig() if anomaly else None,
         deterministic=resilax.DeterministicConfig() if deterministic else None,
+        health=resilax.HealthConfig() if health else None,
     )
 
 
@@ -108,6 +109,8 @@ def train(
     anomaly: bool = True,
     layout: str = "fsdp",
     deterministic: bool = True,
+    health: bool = True,
+    curve: bool = False,
 ) -> dict:
     """Trains the example model to ``steps`` completed steps (resuming if checkpoints exist).
 
@@ -125,6 +128,8 @@ def train(
     exactly where a failure-free one does. It holds the state whole in every slice (sharded
     only within one), so ``layout="sharded"`` then shards within a slice too (a line says
     so); ``deterministic=False`` is the default mode (same maths up to reduction order).
+    ``health``: `resilax.HealthConfig` (the state's replicas across slices are compared
+    before each step). ``curve``: the summary gets every step's loss and seconds (``curve``).
 
     Returns a summary dict; writes the final state to ``out`` (``.npz``, no pickle) if given.
     """
@@ -151,7 +156,7 @@ def train(
         if deterministic and job.process_id == 0:
             print("resilax train under `resilax launch`: the bit-exact mode is single-process for now; this run uses "
                   "the default mode (the same maths up to reduction order)", flush=True)
-        deterministic = False
+        deterministic = health = False  # both read other processes' domains: single-process for now
     if deterministic and layout == "sharded" and not launched.env():
         print("layout sharded: the bit-exact mode (default) holds the state whole in every slice, sharded over the "
               "slice's devices; --no-deterministic shards it over every device", flush=True)
@@ -167,7 +172,7 @@ def train(
         batch_sharding=jax.sharding.PartitionSpec(topo.elastic_axis),
         config=make_config(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, log=log,
                            log_mode=log_mode, peers=peers, peers_every=peers_every, anomaly=anomaly,
-                           deterministic=deterministic),
+                           deterministic=deterministic, health=health),
         faults=resilax.FaultPlan(faults),
     )
     t_start = time.perf_counter()
@@ -186,8 +191,16 @@ def train(
         loss = acc = float("nan")
         last_t, last_s = time.perf_counter(), step.step
         preempted = False
+        trace: dict = {"step": [], "loss": [], "step_s": []}
+        t_prev = time.perf_counter()
         while step.step < steps:
             state, metrics = step(state, next(data))
+            if curve:  # reads the loss every step (a host sync): the demo's plot, not the default
+                trace["loss"].append(float(metrics["loss"]))
+                now = time.perf_counter()
+                trace["step"].append(step.step)
+                trace["step_s"].append(now - t_prev)
+                t_prev = now
             if step.step % log_every == 0 or step.step == steps:
                 loss, acc = float(metrics["loss"]), float(metrics["accuracy"])
                 now = time.perf_counter()
@@ -219,6 +232,8 @@ def train(
         "checkpoint_blocking_s": sum(step.checkpoints.blocking_s) if step.checkpoints else 0.0,
         "events": [e.to_json() for e in step.events],
     }
+    if curve:
+        summary["curve"] = trace
     return summary
 
 
@@ -300,25 +315,25 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
     for d in (ckpt, ref):
         shutil.rmtree(d, ignore_errors=True)
     t0 = time.perf_counter()
-    print(f"\n[1/4] training; the process will be killed with SIGKILL after step {kill_at}")
+    print(f"\n[1/5] training; the process will be killed with SIGKILL after step {kill_at}")
     r = subprocess.run(_child_cmd([*common, "--checkpoint-dir", str(ckpt), "--fault", f"kill_process@{kill_at}:after_step"]))
     died = r.returncode == -signal.SIGKILL
     print(f"      process exited with {'SIGKILL' if died else r.returncode}")
     if not died:
         print("demo: the training process was expected to die by SIGKILL", file=sys.stderr)
         return 1
-    print("\n[2/4] starting it again: it restores the newest good checkpoint and replays the log")
+    print("\n[2/5] starting it again: it restores the newest good checkpoint and replays the log")
     r = subprocess.run(_child_cmd([*common, "--checkpoint-dir", str(ckpt), "--out", str(work / "resumed.npz"),
                                    "--summary", str(work / "resumed.json")]))
     if r.returncode:
         return r.returncode
-    print("\n[3/4] an uninterrupted reference run, for comparison")
+    print("\n[3/5] an uninterrupted reference run, for comparison")
     r = subprocess.run(_child_cmd([*common, "--checkpoint-dir", str(ref), "--out", str(work / "reference.npz"),
                                    "--log-every", str(steps)]))
     if r.returncode:
         return r.returncode
     fail_at = (3 * steps) // 4
-    print(f"\n[4/4] losing a whole slice: state sharded over all {topology} devices, slice 1 fails while a step is "
+    print(f"\n[4/5] losing a whole slice: state sharded over all {topology} devices, slice 1 fails while a step is "
           f"in flight (fault fail_slice@{fail_at}:mid_step/1)")
     # the default mode (not the bit-exact one): the state really is sharded over every device
     r = subprocess.run(_child_cmd([*common, "--layout", "sharded", "--no-deterministic", "--checkpoint-dir", str(work / "slice_ckpt"),
@@ -365,7 +380,62 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
           f"(same global batch)")
     print(f"  final state vs the same run without the failure: max relative difference {rel:.1e} "
           f"(floating-point reassociation on the smaller mesh)")
+    health_ok = _health_phase(work, steps, checkpoint_every)
     print(f"  wall time                {time.perf_counter() - t0:.1f} s")
-    if own:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if same else 1
+    if own:  # the checkpoints go; the summaries and demo.png stay
+        for d in work.iterdir():
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+    print(f"  run directory            {work} (demo.png: loss, step time and goodput with the events marked)")
+    return 0 if same and health_ok else 1
+
+
+def _health_phase(work: pathlib.Path, steps: int, checkpoint_every: int) -> bool:
+    """Phase 5: four slices in the bit-exact mode with the health checks on (the CLI's
+    defaults); one run loses slice 1, has a bit flipped on slice 2, gets slice 1 back and
+    meets a NaN. Compared bitwise with the same run with only the NaN (a skipped update is
+    part of the maths). Prints the event timeline, writes demo.png."""
+    s1, s2, s3, s4 = (steps * i // 5 for i in range(1, 5))
+    faults = [f"fail_slice@{s1}:mid_step/1", f"bitflip@{s2}/2", f"rejoin@{s3}/1", f"nan@{s4}"]
+    common = ["--steps", str(steps), "--topology", "cpu-4x2", "--checkpoint-every", str(checkpoint_every),
+              "--log-every", str(steps), "--quiet", "--curve"]
+    print(f"\n[5/5] slice health, 4 slices, bit-exact mode: {', '.join(faults)}; and the same run with only the NaN")
+    runs = {}
+    for name, fs in (("health", faults), ("health_ref", [f"nan@{s4}"])):
+        args = [*common, "--checkpoint-dir", str(work / f"{name}_ckpt"), "--out", str(work / f"{name}.npz"),
+                "--summary", str(work / f"{name}.json")]
+        for f in fs:
+            args += ["--fault", f]
+        r = subprocess.run(_child_cmd(args))
+        if r.returncode:
+            print(f"demo: the {name} run exited with {r.returncode}", file=sys.stderr)
+            return False
+        runs[name] = json.loads((work / f"{name}.json").read_text())
+    a, b = np.load(work / "health.npz", allow_pickle=False), np.load(work / "health_ref.npz", allow_pickle=False)
+    same = sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+    events = runs["health"]["events"]
+    print("  event timeline (step: what happened)")
+    for e in events:
+        k = e["kind"]
+        if k == "recovery":
+            what = (f"slice(s) {e['failed_domains']} lost; state from {e['source']} copies, "
+                    f"{sum(e['seconds'].values()) * 1e3:.0f} ms; now mesh {e['mesh']}")
+        elif k == "bitflip":
+            what = f"a bit of {e['leaf']} flipped on slice {e['domain']} (silent data corruption)"
+        elif k == "sdc":
+            what = f"replica checksums: slice(s) {e['bad_domains']} outvoted by {e['good_domains']} in {e['leaves']}"
+        elif k == "rejoin":
+            what = f"slice {e['domain']} rejoined: mesh {e['mesh']}, {e['bytes_moved']:,} bytes copied to it"
+        elif k == "anomaly":
+            what = f"{e['cause']}: update skipped inside the step"
+        else:
+            continue
+        print(f"    {e['step']:5d}: {k:<9} {what}")
+    print(f"  final state vs the same run without the failures: {'BITWISE IDENTICAL' if same else 'DIFFERENT'}")
+    from resilax._src.runtime.goodput import load_goodput
+    from resilax.tools.report import plot_demo
+
+    png = plot_demo(runs["health"]["curve"], runs["health_ref"]["curve"], events,
+                    load_goodput(work / "health_ckpt"), str(work / "demo.png"))
+    print(f"  wrote {png}")
+    return same
