@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("replay", "bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
         ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
         ("multiprocess", "bench_multiprocess", "a worker SIGKILLed under resilax launch: kill to resume by phase"),
+        ("health", "bench_health", "bit-exact mode and health-check cost (interleaved), bit-flip detection, rejoin"),
         ("protection", "bench_protection", "each protection's cost per step (>= 40 MB state, two layouts, A/A), "
                                            "checkpoint blocking vs Orbax and the host copy, recovery in step-times"),
     ):

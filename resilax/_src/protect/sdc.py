@@ -119,7 +119,7 @@ class SdcCheck(Protection):
 def _domain_part(x, mesh, d: int):
     """Domain ``d``'s replica of a leaf replicated across domains, as an array on that
     domain's devices (no copy)."""
-    devs = set(mesh.devices[d].flat)
+    from resilax._src.step.deterministic import domain_buffers
+
     sh = jax.sharding.NamedSharding(jax.sharding.Mesh(mesh.devices[d : d + 1], mesh.axis_names), x.sharding.spec)
-    return jax.make_array_from_single_device_arrays(x.shape, sh, [s.data for s in x.addressable_shards
-                                                                  if s.device in devs])
+    return jax.make_array_from_single_device_arrays(x.shape, sh, domain_buffers(x, set(mesh.devices[d].flat)))
