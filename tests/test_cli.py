@@ -81,3 +81,17 @@ def test_console_script_entry_point_resolves():
     if os.path.exists(script):  # installed (the README's and CI's venv): run it as a user would
         r = subprocess.run([script, "--help"], env=_env(), capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "demo" in r.stdout, r.stderr[-2000:]
+
+
+def test_bench_health_writes_json(tmp_path):
+    """`resilax bench health`: the bit flip is found at once and its slice named; a rejoin is
+    timed; the overhead ratios are measured (their size is the benchmark's business)."""
+    out = tmp_path / "h.json"
+    r = subprocess.run([sys.executable, "-m", "resilax", "bench", "health", "--steps", "3", "--hidden", "64",
+                        "--batch", "64", "--quiet", "--json", str(out)], env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["sdc_detect_steps"] == 0 and res["sdc_domain_identified"] is True
+    assert res["rejoin_s"] > 0 and res["deterministic_overhead_ratio"] > 0 and res["health_overhead_ratio"] > 0
+    assert res["hang_detect_s"] is None and "hang_detect_s" in res["not_built"]
