@@ -31,6 +31,37 @@ def option_adder(parser):
     return opt
 
 
+def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quiet: bool, warm: int = 3) -> dict:
+    """Times ``runs`` (name -> ``step(state, batch) -> (state, metrics)``) round-robin, the
+    order rotating every round so machine noise hits all alike, each step timed to
+    completion; ``warm`` untimed rounds first, then the background compiles of the degraded
+    meshes (``wait_compiled``) are waited for. Updates ``states`` in place; returns
+    ``{name: [seconds per timed step]}``."""
+    import jax
+
+    names = list(runs)
+    times: dict = {k: [] for k in names}
+    rounds = range(steps + warm)
+    if not quiet:
+        from tqdm import tqdm
+
+        rounds = tqdm(rounds, desc=desc, unit="round", file=sys.stderr, mininterval=2.0)
+    for i in rounds:
+        if i == warm:
+            for k in names:
+                if hasattr(runs[k], "wait_compiled"):
+                    runs[k].wait_compiled()
+        b = batches[i % len(batches)]
+        r = i % len(names)
+        for k in names[r:] + names[:r]:
+            t0 = time.perf_counter()
+            states[k], m = runs[k](states[k], b)
+            jax.block_until_ready((states[k], m))
+            if i >= warm:
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def _write_json(path, obj):
     if path:
         write_json(path, obj)

@@ -18,8 +18,6 @@ Prints a table and writes JSON (``--json PATH``).
 from __future__ import annotations
 
 import statistics
-import sys
-import time
 
 from resilax._src.io import write_json
 
@@ -45,27 +43,11 @@ def _wrap(topo, state, cfg, faults=()):
 
 
 def _interleaved(topo, template, batches, configs: dict, steps: int, quiet: bool) -> dict:
-    import jax
+    from resilax.tools.bench import interleave
 
     runs = {k: _wrap(topo, template, c) for k, c in configs.items()}
     steps_, states = {k: r[0] for k, r in runs.items()}, {k: r[1] for k, r in runs.items()}
-    names = list(runs)
-    times: dict = {k: [] for k in names}
-    warm = 3
-    it = range(steps + warm)
-    if not quiet:
-        from tqdm import tqdm
-
-        it = tqdm(it, desc="bench health", unit="round", file=sys.stderr, mininterval=2.0)
-    for i in it:
-        b = batches[i % len(batches)]
-        r = i % len(names)
-        for k in names[r:] + names[:r]:
-            t0 = time.perf_counter()
-            states[k], m = steps_[k](states[k], b)
-            jax.block_until_ready((states[k], m))
-            if i >= warm:
-                times[k].append(time.perf_counter() - t0)
+    times = interleave(steps_, states, batches, steps, desc="bench health", quiet=quiet)
     for s in steps_.values():
         s.close()
     return {k: statistics.median(t) for k, t in times.items()}

@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -230,28 +229,10 @@ def _measure_layout(args, topo, template, batches, layout, variants, tmp, ex, re
         if v.startswith("plain"):
             runs[v] = lambda s, b: plain(s, jax.device_put(b, batch_sh))
             states[v] = jax.tree.map(lambda x, s: jax.device_put(np.array(x), s), template, state_sh)
-    names = list(runs)
-    times: dict = {k: [] for k in names}
-    warm = 3
-    total = args.steps + warm
-    iterator = range(total)
-    if not args.quiet:
-        from tqdm import tqdm
+    from resilax.tools.bench import interleave
 
-        iterator = tqdm(iterator, desc="bench protection", unit="round", file=sys.stderr, mininterval=2.0)
-    for i in iterator:
-        if i == warm:  # the degraded meshes' background compiles are done before anything is timed
-            for k in names:
-                if hasattr(runs[k], "wait_compiled"):
-                    runs[k].wait_compiled()
-        b = batches[i % len(batches)]
-        r = i % len(names)
-        for k in names[r:] + names[:r]:
-            t0 = time.perf_counter()
-            states[k], m = runs[k](states[k], b)
-            jax.block_until_ready((states[k], m))
-            if i >= warm:
-                times[k].append(time.perf_counter() - t0)
+    names = list(runs)
+    times = interleave(runs, states, batches, args.steps, desc="bench protection", quiet=args.quiet)
     med = {k: statistics.median(t) for k, t in times.items()}
     mean = {k: statistics.fmean(t) for k, t in times.items()}
     base = "plain"

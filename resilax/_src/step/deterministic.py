@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilax._src.errors import WrapError
 from resilax._src.step import sharding as _sh
-from resilax._src.step.program import GradOut, Program, combine_metrics, _watched
+from resilax._src.step.program import GradOut, Program, combine, combine_metrics, _watched
 
 
 def strip_axis(specs, axis: str):
@@ -71,22 +71,6 @@ def strip_axis(specs, axis: str):
         return P(*entries)
 
     return jax.tree.map(one, specs, is_leaf=_sh.is_spec)
-
-
-def combine_fixed(values, weights):
-    """``sum(w_v * r_v) / sum(w_v)`` (or the plain mean) accumulated in the order given."""
-    if weights is None:
-        acc = values[0]
-        for v in values[1:]:
-            acc = jax.tree.map(jnp.add, acc, v)
-        n = len(values)
-        return jax.tree.map(lambda a: a / jnp.asarray(n, a.dtype), acc), None
-    acc = jax.tree.map(lambda x: x * weights[0].astype(x.dtype), values[0])
-    total = weights[0]
-    for v, w in zip(values[1:], weights[1:]):
-        acc = jax.tree.map(lambda a, x: a + x * w.astype(x.dtype), acc, v)
-        total = total + w
-    return jax.tree.map(lambda a: a / total.astype(a.dtype), acc), total
 
 
 class _Domain:
@@ -157,7 +141,7 @@ class DeterministicProgram(Program):
         V = self.V
 
         def fn(recs, ws, mets, guard):
-            rec, weight = combine_fixed(recs, ws)
+            rec, weight = combine(recs, ws)
             metrics = combine_metrics(mets, ws, spec.metric_reductions)
             faults = () if fault is None else fault
             if "nan" in faults:

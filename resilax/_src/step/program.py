@@ -66,19 +66,22 @@ def recorded_shardings(abstract_state, state_sh, rec, mesh):
     return jax.tree.map(lambda r: NamedSharding(mesh, table.get(tuple(r.shape), P())), rec)
 
 
-def _combine(values, weights):
-    """``sum(w_i * v_i) / sum(w_i)`` left to right (equal weights: the plain mean)."""
+def combine(values, weights):
+    """``(sum(w_i * v_i) / sum(w_i), sum(w_i))`` accumulated left to right over pytrees
+    (equal weights: ``(the plain mean, None)``). The fixed order is what makes the bit-exact
+    mode's combine independent of where each value was computed."""
     if weights is None:
         acc = values[0]
         for v in values[1:]:
-            acc = acc + v
-        return acc / len(values) if len(values) > 1 else acc
+            acc = jax.tree.map(jnp.add, acc, v)
+        n = len(values)
+        return (jax.tree.map(lambda a: a / n, acc) if n > 1 else acc), None
     total = weights[0]
     acc = jax.tree.map(lambda v: v * weights[0].astype(v.dtype), values[0])
     for v, w in zip(values[1:], weights[1:]):
         acc = jax.tree.map(lambda a, x: a + x * w.astype(x.dtype), acc, v)
         total = total + w
-    return jax.tree.map(lambda a: a / total.astype(a.dtype), acc)
+    return jax.tree.map(lambda a: a / total.astype(a.dtype), acc), total
 
 
 def combine_metrics(mets, weights, reductions: dict):
@@ -96,7 +99,7 @@ def combine_metrics(mets, weights, reductions: dict):
         if how is None:
             how = "mean" if jnp.issubdtype(dt, jnp.inexact) else ("all" if dt == jnp.bool_ else "sum")
         if how == "mean":
-            out.append(_combine(xs, weights if jnp.issubdtype(dt, jnp.inexact) else None))
+            out.append(combine(xs, weights if jnp.issubdtype(dt, jnp.inexact) else None)[0])
         elif how == "sum":
             out.append(sum(xs[1:], xs[0]))
         elif how == "max":
