@@ -371,7 +371,10 @@ class CheckpointStore:
                 self._thread = None
             self._join_warming(every=True)
             with self._lock:
-                self._mgr.close()
+                try:
+                    self._mgr.close()
+                except Exception as e:  # Orbax re-raises a failed background write here too (a full disk)
+                    raise _storage_error("closing the checkpoint manager", self.directory, e) from e
 
     def steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
