@@ -223,7 +223,7 @@ class DeterministicConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HealthConfig:
-    """Slice health checks (see ``protect/sdc.py``).
+    """Slice health checks (see ``protect/sdc.py`` and ``runtime/health.py``).
 
     Attributes:
       sdc_every: compare the checksums of the state's replicas across failure domains at
@@ -231,14 +231,45 @@ class HealthConfig:
         checkpoint save). With 1 (the default) a domain outvoted by a strict majority is
         treated as failed and the run goes on from the good replicas; found later, or with
         two replicas, it is a `SilentDataCorruptionError`.
+      hang_detect_s: a failure domain that does not answer a liveness probe (a tiny
+        computation on its devices) within this many seconds is hung: it is failed (its
+        memory dropped) and the run goes on from the others. None: no liveness watchdog.
+      probe_every_s: seconds between probe rounds (a watchdog thread, off the step's path).
+      step_deadline_factor, step_deadline_min_s: a step call running longer than
+        ``max(step_deadline_min_s, step_deadline_factor x median call time)`` probes every
+        domain at once (so a hang that stops the step is found within deadline +
+        ``hang_detect_s``).
+      straggler_factor: a domain whose probe answer time (median of the last
+        ``straggler_rounds`` rounds) is this many times the others' is a straggler (event
+        ``straggler``); None: not checked.
+      remove_stragglers: fail a straggler like a dead domain (default: only report it).
     """
 
     sdc_every: int = 1
+    hang_detect_s: float | None = 5.0
+    probe_every_s: float = 1.0
+    step_deadline_factor: float = 10.0
+    step_deadline_min_s: float = 5.0
+    straggler_factor: float | None = 4.0
+    straggler_rounds: int = 5
+    remove_stragglers: bool = False
 
     def __post_init__(self):
         _check_type("HealthConfig", "sdc_every", self.sdc_every, (int,))
         if self.sdc_every < 1:
             raise ConfigError(f"resilax.HealthConfig: sdc_every must be >= 1, but got {self.sdc_every}")
+        for name, optional in (("hang_detect_s", True), ("probe_every_s", False), ("step_deadline_factor", False),
+                               ("step_deadline_min_s", False), ("straggler_factor", True)):
+            v = getattr(self, name)
+            _check_type("HealthConfig", name, v, (int, float, type(None)) if optional else (int, float))
+            if v is not None and not v > 0:
+                raise ConfigError(f"resilax.HealthConfig: {name} must be > 0, but got {v}")
+        if self.straggler_factor is not None and self.straggler_factor <= 1:
+            raise ConfigError(f"resilax.HealthConfig: straggler_factor must be > 1, but got {self.straggler_factor}")
+        _check_type("HealthConfig", "straggler_rounds", self.straggler_rounds, (int,))
+        if self.straggler_rounds < 1:
+            raise ConfigError(f"resilax.HealthConfig: straggler_rounds must be >= 1, but got {self.straggler_rounds}")
+        _check_type("HealthConfig", "remove_stragglers", self.remove_stragglers, (bool,))
 
 
 _GROUPS = {"checkpoint": CheckpointConfig, "log": LogConfig, "peers": PeersConfig, "anomaly": AnomalyConfig,

@@ -26,6 +26,13 @@ Kinds:
 - ``bitflip@N[:phase]/K``: one bit of the live state flips on domain ``K``'s first device
   (silent data corruption: the largest floating leaf, a mantissa bit, so no NaN), at a
   step boundary; `HealthConfig`'s replica check must find it.
+- ``hang_slice@N[:phase]/K``: failure domain ``K`` stops answering at a step boundary, its
+  memory intact (emulated at resilax's dispatch: see ``runtime/health.py``); the liveness
+  watchdog (`HealthConfig.hang_detect_s`) must find it, by its probes or the step deadline,
+  and the domain is then failed like a lost slice. Needs the watchdog (one process).
+- ``slow_slice@N[:phase]/K``: failure domain ``K`` becomes a straggler: its work (each step,
+  each probe) starts ``health.SLOW_SLICE_S`` late from then on (emulated likewise);
+  `HealthConfig.straggler_factor` must report it.
 - ``nan@N``: step ``N``'s recorded values are NaN (inside the grad part, where real NaNs
   appear); ``spike@N``: step ``N``'s watched metric is multiplied by 1000 (a loss spike).
 
@@ -96,6 +103,14 @@ def _bitflip(fault, ctx):
     ctx.corrupt_domain(fault.target, fault.phase)
 
 
+def _hang_slice(fault, ctx):
+    ctx.hang_domain(fault.target, fault.phase)
+
+
+def _slow_slice(fault, ctx):
+    ctx.slow_domain(fault.target, fault.phase)
+
+
 def _rejoin(fault, ctx):
     ctx.rejoin_domain(fault.target, fault.phase)
 
@@ -119,11 +134,17 @@ def _hang(fault, ctx):
 
 _KINDS: dict[str, Callable] = {"kill_process": _kill, "fail_slice": _fail_slice, "nan": _grad_fault,
                                "spike": _grad_fault, "hang": _hang, "rejoin": _rejoin,
-                               "bitflip": _bitflip}
+                               "bitflip": _bitflip, "hang_slice": _hang_slice, "slow_slice": _slow_slice}
 
 
 def register_kind(name: str, handler: Callable) -> None:
     _KINDS[name] = handler
+
+
+def jax_process_count() -> int:
+    import jax
+
+    return jax.process_count()
 
 
 class FaultPlan:
@@ -151,7 +172,7 @@ class FaultPlan:
         """
         for f in self._pending:
             where = f"resilax fault {f.spec()!r}"
-            if f.kind in ("fail_slice", "rejoin", "bitflip"):
+            if f.kind in ("fail_slice", "rejoin", "bitflip", "hang_slice", "slow_slice"):
                 if f.target is None:
                     raise ConfigError(f"{where}: {f.kind} needs a target failure domain: {f.kind}@STEP[:phase]/K")
                 if not 0 <= f.target < topology.num_domains:
@@ -161,7 +182,17 @@ class FaultPlan:
                 pass  # target: a process index (a multi-process run), or none: every process
             elif f.target is not None:
                 raise ConfigError(f"{where}: {f.kind} takes no target")
-            if f.kind in ("rejoin", "bitflip") and f.phase not in ("before_step", "after_step"):
+            if f.kind in ("hang_slice", "slow_slice"):
+                h = config.health
+                if h is None or h.hang_detect_s is None:
+                    raise ConfigError(f"{where}: {f.kind} needs the liveness watchdog: Config(health=HealthConfig()) "
+                                      f"with hang_detect_s set")
+                if f.kind == "slow_slice" and h.straggler_factor is None:
+                    raise ConfigError(f"{where}: straggler detection is off (HealthConfig.straggler_factor is None)")
+                if jax_process_count() > 1:
+                    raise ConfigError(f"{where}: {f.kind} emulates a domain of one process; under resilax launch "
+                                      f"use the fault hang (a real hung worker)")
+            if f.kind in ("rejoin", "bitflip", "hang_slice", "slow_slice") and f.phase not in ("before_step", "after_step"):
                 raise ConfigError(f"{where}: {f.kind} happens at a step boundary: phase before_step or after_step, "
                                   f"not {f.phase}")
             if f.kind in GRAD_KINDS and f.phase not in ("before_step", "after_step"):

@@ -170,6 +170,7 @@ class ResilientStep:
         self._bufmaps: dict = {}
         self._held: list = []
         self._grad_faults: dict[int, tuple] = {}
+        self._liveness = None
         self._step_s = None
         self._copy_in_flight = False
         self._keep_input = False  # the next step does not donate the live state (a save reads it)
@@ -242,6 +243,12 @@ class ResilientStep:
         self._protections = [p for p in (check, sdc, self._log, peers, self._watch, store, self._ckpt) if p is not None]
         self._sdc = sdc
         self._peers = peers
+        if self._liveness is not None:
+            self._liveness.close()
+        self._liveness = None
+        if cfg.health is not None and cfg.health.hang_detect_s is not None and jax.process_count() == 1:
+            from resilax._src.runtime.health import Liveness
+            self._liveness = Liveness(cfg.health, self._domains, self._alive)
         restored = None
         from_store = False
         want = job.host_store_step if store is not None and job.host_store_step >= 0 else None
@@ -461,7 +468,11 @@ class ResilientStep:
                 f"(the compiled step and the record log depend on them), but got {abstract_batch} after "
                 f"{self.program.spec.abstract_batch}")
         launched.step_started(self.step + 1)  # the supervisor tells a hung worker from the ones waiting on it
+        lv = self._liveness
+        if lv is not None:
+            lv.call_begin()
         self._fire("before_step")
+        recovered = self._health_boundary()
         for p in self._protections:
             p.before_step(self, self.live, self.step)
         if self._failures:  # a health check found a bad domain: recover before anything reads it
@@ -494,10 +505,74 @@ class ResilientStep:
         self._fire("after_step")
         if self._ckpt is not None and self._ckpt.due(self.step):
             self.save(self.live)
+        if lv is not None:
+            lv.call_end(record=not recovered and not self._failures)
         return self.live, gout.metrics
 
     def step_seconds(self, dt):
         self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
+
+    def _health_boundary(self) -> bool:
+        """Before anything is dispatched to the live domains: waits for them to answer (a
+        hung one is declared so by the liveness watchdog: `HealthConfig.hang_detect_s`),
+        fails the hung ones (and stragglers when `HealthConfig.remove_stragglers`) and
+        recovers. Returns whether it recovered."""
+        lv = self._liveness
+        if lv is None:
+            return False
+        recovered = False
+        while True:
+            tg = time.perf_counter()
+            hung = lv.gate(self._alive)
+            if hung:  # the wait for the watchdog's verdict was detection, not training
+                self.goodput_recorder.add("detection", time.perf_counter() - tg)
+            self._publish_health()
+            cut = []
+            for d in hung:
+                info = lv.failed(d)
+                since = info.pop("since", None)
+                self.event("hang", self.step, domain=d, **{k: v for k, v in info.items() if k != "domain"})
+                cut.append((d, "hang", since))
+            for d, info in lv.take_stragglers().items():
+                if d not in self._alive:
+                    continue
+                remove = self.config.health.remove_stragglers
+                self.event("straggler", self.step, removed=remove, **info)
+                if remove:
+                    lv.failed(d)
+                    cut.append((d, "straggler", None))
+            if not cut:
+                break
+            for d, why, since in cut:
+                self.fail_domain(d, why, at=since, counted=since is not None)
+            self._recover()
+            recovered = True
+            lv.call_begin()  # the step's deadline counts from here: recovery time is not step time
+        return recovered
+
+    def _publish_health(self):
+        for kind, fields in self._liveness.take_events():
+            self.event(kind, self.step, **fields)
+
+    def hang_domain(self, domain: int, phase: str = "after_step") -> None:
+        """Fault ``hang_slice``: failure domain ``domain`` stops answering (emulated, see
+        ``runtime/health.py``); its memory stays until the watchdog declares it hung."""
+        if domain not in self._alive or self._liveness is None:
+            self.event("fault_ignored", self.step, fault="hang_slice", domain=domain, phase=phase,
+                       reason="the domain is dead" if self._liveness is not None else "no liveness watchdog")
+            return
+        self._liveness.stall(domain)
+        self.event("hang_slice", self.step, domain=domain, phase=phase)
+
+    def slow_domain(self, domain: int, phase: str = "after_step") -> None:
+        """Fault ``slow_slice``: failure domain ``domain`` becomes a straggler (emulated)."""
+        if domain not in self._alive or self._liveness is None:
+            self.event("fault_ignored", self.step, fault="slow_slice", domain=domain, phase=phase,
+                       reason="the domain is dead" if self._liveness is not None else "no liveness watchdog")
+            return
+        from resilax._src.runtime.health import SLOW_SLICE_S
+        self._liveness.slow(domain, SLOW_SLICE_S)
+        self.event("slow_slice", self.step, domain=domain, phase=phase, late_s=SLOW_SLICE_S)
 
     # ---------------------------------------------------------------- hooks protections call
     def event(self, kind: str, step: int, **fields) -> Event:
@@ -546,14 +621,16 @@ class ResilientStep:
         # several at one step all apply (a NaN and a spike together: the NaN decides)
         self._grad_faults[step] = tuple(sorted(set(self._grad_faults.get(step, ())) | {kind}))
 
-    def fail_domain(self, domain: int, phase: str) -> dict | None:
+    def fail_domain(self, domain: int, phase: str, at: float | None = None, counted: bool = False) -> dict | None:
         """Emulates losing failure domain ``domain`` (original index): its memory is gone.
 
         Blocks on in-flight work first (the surviving domains finish the step; deleting a
         buffer a running computation reads can crash the process), then deletes every
         buffer resilax holds on the domain's devices and marks them dead; nothing is
         dispatched to them again. A domain that is already dead: nothing happens (an event
-        says so).
+        says so). ``at``: when the failure began (``time.perf_counter()``; default now), so
+        that a hang's detection time is reported; ``counted``: the caller already booked
+        the detection time in the goodput record.
         """
         if not 0 <= domain < len(self._domains):
             raise WrapError(f"resilax fail_slice: target must be a failure domain index in [0, {len(self._domains)}), "
@@ -582,7 +659,8 @@ class ResilientStep:
         freed = _ring.delete_on(self._bufmaps.values(), devs)
         self._dead |= devs
         info = {"domain": domain, "phase": phase, "devices": sorted(d.id for d in devs), "bytes_deleted": freed,
-                "copy_in_flight": bool(self._copy_in_flight), "at": time.perf_counter()}
+                "copy_in_flight": bool(self._copy_in_flight), "at": time.perf_counter() if at is None else at,
+                "counted": counted}
         self._failures.append(info)
         return info
 
@@ -660,6 +738,9 @@ class ResilientStep:
             jax.block_until_ready((state, guard))
             self._dead -= set(self._domains[domain])
             self.program, self.mesh, self._alive = prog, prog.mesh, alive
+            if self._liveness is not None:
+                self._liveness.failed(domain)  # whatever was known of its old self
+                self._liveness.set_alive(alive)
             self.live, self.guard = state, guard
             for p in self._protections:
                 p.restart(self, state)
@@ -688,7 +769,8 @@ class ResilientStep:
         t0 = time.perf_counter()
         failed = [i for i in self._alive if set(self._domains[i]) & self._dead]
         survivors = [i for i in self._alive if i not in failed]
-        self.goodput_recorder.add("detection", max(0.0, t0 - t_fail))
+        uncounted = [f["at"] for f in failures if not f.get("counted")]
+        self.goodput_recorder.add("detection", max(0.0, t0 - min(uncounted, default=t0)))
         target = self.step
         if not survivors:
             self._broken = "every failure domain is lost"
@@ -729,6 +811,8 @@ class ResilientStep:
         # -- redo steps start..target-1 (device entries bitwise, batches recomputed)
         old_prog = self.program
         self.program, self.mesh, self._alive = new_prog, new_prog.mesh, survivors
+        if self._liveness is not None:
+            self._liveness.set_alive(survivors)
         counts = {"device": 0, "disk": 0, "batch": 0}
         with self.goodput_recorder.span("replay"):
             for s, kind, picks in plan.replay:
@@ -897,6 +981,8 @@ class ResilientStep:
         if self._ckpt is None:
             raise WrapError("resilax.ResilientStep.save: Config.checkpoint is None (no checkpoint directory)")
         state = self.live if state is None else state
+        if self._liveness is not None and state is self.live and self._health_boundary():
+            state = self.live  # a hung domain was failed first: the same step, from the others
         if self._sdc is not None and state is self.live:  # never persist a corrupted replica
             self._sdc.before_save(self, state, self.step)
             if self._failures:
@@ -974,6 +1060,8 @@ class ResilientStep:
                         with self.goodput_recorder.span("checkpoint_save", phase="final wait"):
                             self._ckpt.close()
                 finally:
+                    if self._liveness is not None:
+                        self._liveness.close()
                     if self._ahead_pool is not None:
                         self._ahead_pool.shutdown(wait=False, cancel_futures=True)
                     self._loop_span.close()

@@ -1,0 +1,91 @@
+"""Liveness (`HealthConfig.hang_detect_s`): a hung failure domain (fault ``hang_slice``) is
+found by the watchdog's probes or by the step deadline, failed, and the run goes on from the
+other domains (bitwise in the bit-exact mode); a straggler (``slow_slice``) is reported, or
+removed like a failure. Compared against runs with no fault."""
+
+import pytest
+
+import resilax
+from resilax.tools.models import tree_rel_diff
+from test_pipeline import TOL, replicated, run, sharded
+
+TOPO = resilax.Topology.emulated(4, 2)
+
+
+def _cfg(det, **health):
+    return resilax.Config(deterministic=resilax.DeterministicConfig() if det else None,
+                          health=resilax.HealthConfig(**health))
+
+
+def _events(step, kind):
+    return [e for e in step.events if e.kind == kind]
+
+
+@pytest.mark.parametrize("det,path", [(True, "probe"), (False, "step_deadline")], ids=["deterministic-probe",
+                                                                                         "default-deadline"])
+def test_a_hang_is_found_within_its_deadline_and_the_domain_failed(det, path):
+    every = 0.1 if path == "probe" else 3600.0  # 3600: only the step deadline can find it
+    cfg = _cfg(det, hang_detect_s=0.5, probe_every_s=every, step_deadline_min_s=0.3)
+    ref, *_ = run("batchnorm_mlp", topo=TOPO, config=cfg, steps=8, layout=sharded)
+    got, step, _, _ = run("batchnorm_mlp", ["hang_slice@5/2"], topo=TOPO, config=cfg, steps=8, layout=sharded)
+    (hang,) = _events(step, "hang")
+    assert hang.step == 5 and hang.fields["domain"] == 2 and hang.fields["reason"] == path
+    # found no sooner than the probe timeout (a silent domain gets all of it), and within
+    # the probe cadence (or the step deadline) plus that timeout
+    late = every if path == "probe" else hang.fields["deadline_s"]
+    assert 0.5 <= hang.fields["detected_s"] <= late + 0.5 + 1.0, hang.fields
+    (rec,) = _events(step, "recovery")
+    assert rec.fields["failed_domains"] == [2] and rec.fields["phases_failed"] == ["hang"]
+    assert rec.fields["mesh"]["data"] == 3
+    assert step.goodput()["detection"] >= 0.5
+    assert tree_rel_diff(got, ref) <= (0.0 if det else TOL)
+
+
+def test_a_hung_domain_rejoins_and_a_hang_right_after_a_rejoin():
+    """hang -> failed -> rejoin (fresh memory) -> it hangs again at once: bitwise throughout."""
+    cfg = _cfg(True, hang_detect_s=0.5, probe_every_s=0.1)
+    ref, *_ = run("batchnorm_mlp", topo=TOPO, config=cfg, steps=7, layout=sharded)
+    got, step, _, _ = run("batchnorm_mlp", ["hang_slice@2/1", "rejoin@4/1", "hang_slice@4/1"], topo=TOPO,
+                          config=cfg, steps=7, layout=sharded)
+    assert [(e.step, e.fields["domain"]) for e in _events(step, "hang")] == [(2, 1), (4, 1)]
+    assert [e.step for e in _events(step, "rejoin")] == [4]
+    assert [r.fields["mesh"]["data"] for r in _events(step, "recovery")] == [3, 3]
+    assert tree_rel_diff(got, ref) == 0.0
+
+
+@pytest.mark.parametrize("remove", [False, True], ids=["reported", "removed"])
+def test_a_straggler_is_reported_or_removed(remove):
+    cfg = _cfg(False, hang_detect_s=1.0, probe_every_s=0.02, straggler_rounds=3, remove_stragglers=remove)
+    got, step, _, _ = run("batchnorm_mlp", ["slow_slice@3/1"], topo=TOPO, config=cfg, steps=12, layout=replicated)
+    slow = _events(step, "straggler")
+    assert slow and slow[0].fields["domain"] == 1 and slow[0].fields["removed"] is remove
+    assert slow[0].fields["median_s"] > 4 * slow[0].fields["others_median_s"]
+    assert all(e.fields["domain"] == 1 for e in slow), "only the slowed domain"
+    rec = _events(step, "recovery")
+    if remove:
+        assert [(r.fields["failed_domains"], r.fields["phases_failed"]) for r in rec] == [([1], ["straggler"])]
+        ref, *_ = run("batchnorm_mlp", topo=TOPO, config=resilax.Config(), steps=12, layout=replicated)
+        assert tree_rel_diff(got, ref) <= TOL
+    else:
+        assert not rec
+
+
+@pytest.mark.parametrize("spec,health,match", [
+    ("hang_slice@3/1", None, "needs the liveness watchdog"),
+    ("hang_slice@3/1", resilax.HealthConfig(hang_detect_s=None), "needs the liveness watchdog"),
+    ("hang_slice@3", resilax.HealthConfig(), "needs a target"),
+    ("hang_slice@3:mid_step/1", resilax.HealthConfig(), "step boundary"),
+    ("slow_slice@3/1", resilax.HealthConfig(straggler_factor=None), "straggler detection is off"),
+])
+def test_bad_liveness_faults_are_refused_at_wrap(spec, health, match):
+    with pytest.raises(resilax.ConfigError, match=match):
+        resilax.wrap(lambda s, b: (s, {}), topology=TOPO, config=resilax.Config(health=health),
+                     faults=resilax.FaultPlan([spec]))
+
+
+@pytest.mark.parametrize("kw,match", [({"hang_detect_s": 0}, "hang_detect_s must be > 0"),
+                                      ({"straggler_factor": 1.0}, "straggler_factor must be > 1"),
+                                      ({"probe_every_s": "1"}, "probe_every_s must be int or float")])
+def test_bad_health_config_is_refused(kw, match):
+    with pytest.raises(resilax.ConfigError, match=match):
+        resilax.HealthConfig(**kw)
