@@ -9,7 +9,7 @@ from helpers import child_env as _env
 
 def test_demo_kills_resumes_and_matches_bitwise(tmp_path):
     """The README's main job: SIGKILL + resume is bitwise; a lost slice recovers from peers; slice
-    health (loss, bit flip, rejoin, NaN) ends bitwise; demo.png is written."""
+    health (loss, bit flip, rejoin, NaN, hang) ends bitwise; demo.png is written."""
     import re
 
     r = subprocess.run([sys.executable, "-m", "resilax", "demo", "--steps", "40", "--checkpoint-every", "10",
@@ -25,9 +25,10 @@ def test_demo_kills_resumes_and_matches_bitwise(tmp_path):
     assert rel < 1e-4, rel  # same program with and without the failure: reassociation only
     # phase 5: slice loss, bit flip, rejoin and NaN on 4 slices in the bit-exact mode
     timeline = r.stdout.split("event timeline")[1]
-    for kind in ("recovery", "bitflip", "sdc", "rejoin", "anomaly"):
-        assert f": {kind}" in timeline, kind
+    for kind in ("recovery", "bitflip", "sdc", "rejoin", "anomaly", "hang_slice", "hang"):
+        assert f": {kind} " in timeline, kind
     assert "outvoted by [0, 3]" in timeline
+    assert re.search(r"liveness watchdog: slice 3 silent for [5-9]\.\d s", timeline), timeline
     assert "final state vs the same run without the failures: BITWISE IDENTICAL" in r.stdout
     png = tmp_path / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
@@ -85,7 +86,7 @@ def test_console_script_entry_point_resolves():
 
 def test_bench_health_writes_json(tmp_path):
     """`resilax bench health`: the bit flip is found at once and its slice named; a rejoin is
-    timed; the overhead ratios are measured (their size is the benchmark's business)."""
+    timed; a hang is found within the probe cadence + timeout and its slice named; the overhead ratios are measured (their size is the benchmark's business)."""
     out = tmp_path / "h.json"
     r = subprocess.run([sys.executable, "-m", "resilax", "bench", "health", "--steps", "3", "--hidden", "64",
                         "--batch", "64", "--quiet", "--json", str(out)], env=_env(), capture_output=True, text=True,
@@ -94,4 +95,6 @@ def test_bench_health_writes_json(tmp_path):
     res = json.loads(out.read_text())
     assert res["sdc_detect_steps"] == 0 and res["sdc_domain_identified"] is True
     assert res["rejoin_s"] > 0 and res["deterministic_overhead_ratio"] > 0 and res["health_overhead_ratio"] > 0
-    assert res["hang_detect_s"] is None and "hang_detect_s" in res["not_built"]
+    # default HealthConfig: a silent domain gets the whole 5 s probe timeout, probes every 1 s
+    assert 5.0 <= res["hang_detect_s"] <= 5.0 + 1.0 + 3.0 and res["hang_domain_identified"] is True
+    assert res["step_deadline_s"] >= 5.0

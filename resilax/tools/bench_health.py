@@ -8,9 +8,11 @@ how fast they act, on the example MLP (every protection on).
 - ``sdc_detect_steps`` / ``sdc_domain_identified``: a ``bitflip`` on slice 2 of cpu-4x2:
   steps between the flip and the ``sdc`` event, and whether the flipped slice was named;
 - ``rejoin_s``: slice 1 lost then back: seconds of the ``rejoin`` (copy + protections).
-- ``hang_detect_s`` and ``step_deadline_s``: ``null``: in-process liveness probes and step
-  deadlines are not built yet (under ``resilax launch`` the supervisor's step deadline is:
-  ``resilax bench multiprocess``).
+- ``hang_detect_s``: a ``hang_slice`` on slice 3 of the same run, default `HealthConfig`
+  (probes every 1 s, 5 s probe timeout): seconds from the hang to the domain declared hung;
+  ``step_deadline_s``: the step deadline in force then (``max(5 s, 10 x median call)``).
+  The hang is emulated at resilax's dispatch (``runtime/health.py``); under ``resilax
+  launch`` the supervisor's step deadline finds real hung workers (``bench multiprocess``).
 
 Prints a table and writes JSON (``--json PATH``).
 """
@@ -79,23 +81,27 @@ def bench_health(args) -> dict:
                  "step_s": med,
                  "deterministic_overhead_ratio": med["deterministic"] / med["default"],
                  "health_overhead_ratio": med["deterministic_health"] / med["deterministic"],
-                 "hang_detect_s": None, "step_deadline_s": None,
-                 "not_built": ["hang_detect_s", "step_deadline_s"]}
+                 }
     # silent data corruption on 4 slices: flip at 6 on slice 2
     topo4 = resilax.Topology.load("cpu-4x2")
     step, state = _wrap(topo4, template, resilax.Config(deterministic=det, health=resilax.HealthConfig()),
-                        ["bitflip@6/2", "fail_slice@10:mid_step/1", "rejoin@14/1"])
-    for i in range(18):
+                        ["bitflip@6/2", "fail_slice@10:mid_step/1", "rejoin@14/1", "hang_slice@16/3"])
+    for i in range(20):
         state, _ = step(state, batches[i % len(batches)])
     step.close()
     flip = next(e for e in step.events if e.kind == "bitflip")
     sdc = [e for e in step.events if e.kind == "sdc"]
     rejoin = next(e for e in step.events if e.kind == "rejoin")
+    hang = next(e for e in step.events if e.kind == "hang")
+    deadline = step.step_deadline_s
     out.update({
         "sdc_detect_steps": (sdc[0].step - flip.step) if sdc else None,
         "sdc_domain_identified": bool(sdc) and sdc[0].fields["bad_domains"] == [flip.fields["domain"]],
         "rejoin_s": rejoin.fields["seconds"]["total"],
         "rejoin_bytes": rejoin.fields["bytes_moved"],
+        "hang_detect_s": hang.fields["detected_s"], "hang_found_by": hang.fields["reason"],
+        "hang_domain_identified": hang.fields["domain"] == 3,
+        "step_deadline_s": deadline,
     })
     return out
 
@@ -109,7 +115,9 @@ def _table(r) -> None:
     print(f"  health_overhead_ratio         {r['health_overhead_ratio']:.3f}  (replica checksums every step / none)")
     print(f"  sdc_detect_steps              {r['sdc_detect_steps']}  (domain identified: {r['sdc_domain_identified']})")
     print(f"  rejoin_s                      {r['rejoin_s']:.3f}  ({r['rejoin_bytes']:,} bytes copied)")
-    print("  hang_detect_s, step_deadline_s: not built in one process yet (null)")
+    print(f"  hang_detect_s                 {r['hang_detect_s']:.3f}  (found by {r['hang_found_by']}, "
+          f"domain identified: {r['hang_domain_identified']})")
+    print(f"  step_deadline_s               {r['step_deadline_s']:.3f}")
 
 
 def run(args) -> int:

@@ -98,7 +98,7 @@ def plot_demo(curve: dict, ref_curve: dict, events: list[dict], rec, path: str) 
     ax1.plot(ref_curve["step"], ref_curve["loss"], color="0.6", lw=3, label="failure-free run")
     ax1.plot(curve["step"], curve["loss"], color="tab:blue", lw=1.2, label="run with the faults")
     marks = {"recovery": "tab:red", "sdc": "tab:purple", "rejoin": "tab:green", "anomaly": "tab:orange",
-             "bitflip": "tab:pink"}
+             "bitflip": "tab:pink", "hang": "tab:brown"}
     stacked: dict = {}  # events at one step: labels one above the other
     for e in events:
         if e["kind"] in marks:

@@ -393,10 +393,12 @@ def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int =
 def _health_phase(work: pathlib.Path, steps: int, checkpoint_every: int) -> bool:
     """Phase 5: four slices in the bit-exact mode with the health checks on (the CLI's
     defaults); one run loses slice 1, has a bit flipped on slice 2, gets slice 1 back and
-    meets a NaN. Compared bitwise with the same run with only the NaN (a skipped update is
+    meets a NaN, then slice 3 hangs (found by the liveness watchdog and dropped). Compared
+    bitwise with the same run with only the NaN (a skipped update is
     part of the maths). Prints the event timeline, writes demo.png."""
     s1, s2, s3, s4 = (steps * i // 5 for i in range(1, 5))
-    faults = [f"fail_slice@{s1}:mid_step/1", f"bitflip@{s2}/2", f"rejoin@{s3}/1", f"nan@{s4}"]
+    s5 = (s4 + steps) // 2
+    faults = [f"fail_slice@{s1}:mid_step/1", f"bitflip@{s2}/2", f"rejoin@{s3}/1", f"nan@{s4}", f"hang_slice@{s5}/3"]
     common = ["--steps", str(steps), "--topology", "cpu-4x2", "--checkpoint-every", str(checkpoint_every),
               "--log-every", str(steps), "--quiet", "--curve"]
     print(f"\n[5/5] slice health, 4 slices, bit-exact mode: {', '.join(faults)}; and the same run with only the NaN")
@@ -426,6 +428,11 @@ def _health_phase(work: pathlib.Path, steps: int, checkpoint_every: int) -> bool
             what = f"replica checksums: slice(s) {e['bad_domains']} outvoted by {e['good_domains']} in {e['leaves']}"
         elif k == "rejoin":
             what = f"slice {e['domain']} rejoined: mesh {e['mesh']}, {e['bytes_moved']:,} bytes copied to it"
+        elif k == "hang_slice":
+            what = f"slice {e['domain']} stops answering (emulated hang: its memory is kept)"
+        elif k == "hang":
+            what = (f"liveness watchdog: slice {e['domain']} silent for {e['detected_s']:.1f} s "
+                    f"(found by {e['reason'].replace('_', ' ')}); it is failed")
         elif k == "anomaly":
             what = f"{e['cause']}: update skipped inside the step"
         else:

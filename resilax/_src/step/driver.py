@@ -665,6 +665,12 @@ class ResilientStep:
         return info
 
     @property
+    def step_deadline_s(self) -> float | None:
+        """The liveness watchdog's step deadline now (None: no watchdog, or too few calls
+        measured yet)."""
+        return None if self._liveness is None else self._liveness.deadline()
+
+    @property
     def alive_domains(self) -> list[int]:
         """The live failure domains (original indices), in mesh order."""
         return list(self._alive)
