@@ -63,3 +63,20 @@ def test_a_corrupted_replica_is_never_checkpointed(tmp_path):
     restored = again.init(st)
     assert again.step == 4 and tree_rel_diff(host(restored), ref) == 0.0
     again.close()
+
+
+@pytest.mark.parametrize("target", [0, 1])
+def test_two_replicas_are_told_apart_by_rebuilding_the_step(tmp_path, target):
+    """With two replicas there is no majority: the step is rebuilt from the newest checkpoint
+    (4) and the record log (steps 4, 5), the replica that matches it is kept, the other
+    failed, and the run ends bitwise equal to the failure-free one."""
+    ref, *_ = _run(topo=(2, 4), steps=8)
+    cfg = resilax.Config(deterministic=resilax.DeterministicConfig(), health=H,
+                         checkpoint=resilax.CheckpointConfig(str(tmp_path / "ck"), every=4))
+    got, step, _, _ = run("batchnorm_mlp", [f"bitflip@6/{target}"], topo=resilax.Topology.emulated(2, 4),
+                          config=cfg, steps=8, layout=sharded)
+    (sdc,) = [e for e in step.events if e.kind == "sdc"]
+    assert sdc.step == 6 and sdc.fields["bad_domains"] == [target] and sdc.fields["decided_by"] == "rebuilt"
+    (rebuilt,) = [e for e in step.events if e.kind == "rebuilt"]
+    assert rebuilt.fields["restored_step"] == 4 and rebuilt.fields["steps_redone"] == 2
+    assert tree_rel_diff(got, ref) == 0.0

@@ -13,11 +13,15 @@ sums come to the host. On a mismatch:
   domain is named (event ``sdc``) and treated as failed (`ResilientStep.fail_domain`), so
   the state goes on from the good replicas, bitwise, and the domain can rejoin later;
 - found later than that (``sdc_every > 1``): the corruption may have entered every
-  replica's update through the gradients, so the majority is not known to be right:
-  `SilentDataCorruptionError` names the domains and leaves;
-- 2 domains (or no majority): which replica is right cannot be told from the replicas
-  alone, so `SilentDataCorruptionError` is raised, naming the leaves and domains, before
-  anything is saved; a restart resumes from the newest checkpoint (checked at its save).
+  replica's update through the gradients, so the majority is not known to be right (see
+  the next case);
+- 2 domains (or no majority), or found later than that: the step is rebuilt from the
+  newest checkpoint and the record log (disk entries or retained batches, never a live
+  buffer: `ResilientStep.rebuilt_state`) and the replicas that match it are the good ones
+  (event ``sdc`` with ``decided_by: rebuilt``); the others are failed as above;
+- no checkpoint to rebuild from, or no replica matches the rebuilt state:
+  `SilentDataCorruptionError` is raised, naming the leaves and domains, before anything is
+  saved; a restart resumes from the newest checkpoint (checked at its save).
 
 Leaves that live in one domain only (the default mode's sharded layout) have no replica to
 compare with; an event at the first check says how many leaves are covered. Corruption
@@ -56,8 +60,12 @@ class SdcCheck(Protection):
         if self._checked_at != step:
             self.check(run, state, step)
 
+    def start(self, run, state) -> None:
+        self._good_at = run.step  # placed or restored from one copy: the replicas are equal
+        self._checked_at = None
+
     def restart(self, run, state) -> None:
-        self._good_at = None  # a new mesh: its replicas were made from one good copy
+        self._good_at = run.step  # a new mesh: its replicas were made from one good copy
         self._checked_at = None
 
     def check(self, run, state, step: int) -> list[int]:
@@ -94,13 +102,35 @@ class SdcCheck(Protection):
             groups.setdefault(k, []).append(d)
         best = max(groups.values(), key=len)
         differing = sorted({names[idx[j]] for s in sums for j in np.nonzero(np.any(s != sums[best[0]], axis=1))[0]})
+        late = self._good_at is None or step - self._good_at > 1
+        if 2 * len(best) <= live or late:
+            # no majority, or it may be wrong too: rebuild the step from the newest
+            # checkpoint and the record log, and keep the replicas that match it
+            witness = run.rebuilt_state(step, trusted_through=-1 if self._good_at is None else self._good_at)
+            if witness is not None:
+                ws = np.asarray(tree_checksums([_domain_part(x, mesh, 0) for x in
+                                                (jax.tree.leaves(witness)[i] for i in idx)]))
+                good = groups.get(ws.tobytes())
+                if good is None:
+                    raise SilentDataCorruptionError(
+                        f"resilax: silent data corruption at step {step}: the replicas on failure domains {alive} "
+                        f"differ in leaves {differing[:8]}, and none matches the state rebuilt from the newest "
+                        f"checkpoint and the record log. Nothing was saved from them; restart from the newest "
+                        f"checkpoint")
+                bad = [alive[d] for d in range(live) if d not in good]
+                run.event("sdc", step, bad_domains=bad, good_domains=[alive[d] for d in good], leaves=differing[:16],
+                          decided_by="rebuilt", seconds=time.perf_counter() - t0)
+                for d in bad:
+                    run.fail_domain(d, "sdc")
+                return bad
         if 2 * len(best) <= live:
             raise SilentDataCorruptionError(
                 f"resilax: silent data corruption at step {step}: the replicas of the state on failure domains "
-                f"{alive} differ in leaves {differing[:8]} and no majority says which is right. Nothing was saved "
-                f"from them; restart from the newest checkpoint (each one was checked when it was saved)")
+                f"{alive} differ in leaves {differing[:8]} and no majority says which is right, and no checkpoint with "
+                f"the record log after it can rebuild the step to tell (Config.checkpoint). Nothing was saved from "
+                f"them; restart from the newest checkpoint (each one was checked when it was saved)")
         bad = [alive[d] for d in range(live) if d not in best]
-        if self._good_at is None or step - self._good_at > 1:
+        if late:
             # the corruption may have fed a gradient (every replica's update) since the
             # replicas were last seen equal: the majority's state is not known to be right
             raise SilentDataCorruptionError(
@@ -110,7 +140,7 @@ class SdcCheck(Protection):
                 f"saved from them; restart from the newest checkpoint (each one was checked when it was saved). "
                 f"HealthConfig(sdc_every=1) checks every step, before the state is used, and recovers in place")
         run.event("sdc", step, bad_domains=bad, good_domains=[alive[d] for d in best], leaves=differing[:16],
-                  seconds=time.perf_counter() - t0)
+                  decided_by="majority", seconds=time.perf_counter() - t0)
         for d in bad:
             run.fail_domain(d, "sdc")
         return bad

@@ -849,6 +849,36 @@ class ResilientStep:
             replicated_across_domains_now=new_prog.respecified, compiled_ahead=ahead)
         self._compile_ahead()  # for the next loss, on the new mesh
 
+    def rebuilt_state(self, step: int, trusted_through: int):
+        """The state at ``step`` rebuilt from the newest checkpoint and the record log (disk
+        entries or retained batches, never a live buffer), on the current mesh: the witness
+        that tells which of two disagreeing replicas is right (`protect/sdc.py`). Steps after
+        ``trusted_through`` (whose recorded values may have been computed from a corrupted
+        state) are recomputed from their batches, never taken from the log. None when no
+        checkpoint at or before ``step`` exists or a step after it cannot be redone so."""
+        if self._ckpt is None:
+            return None
+        cands = [c for c in self._ckpt.candidates(self) if c.step <= step]
+        if not cands:
+            return None
+        log_steps = {}
+        for p in self._protections:
+            for s, e in p.log_steps(self).items():  # device entries are live buffers: not a witness
+                ok = ("disk", "batch") if s <= trusted_through else ("batch",)
+                log_steps[s] = _planner.LogStep(s, tuple(src for src in e.sources if src[0] in ok))
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self._abstract_state)[0]]
+        plan = _planner.plan(step, self._dead, cands, log_steps, names)
+        if isinstance(plan, _planner.Lost):
+            return None
+        with self.goodput_recorder.span("recovery"):
+            state, guard, _ = self._restore(plan, cands[0], self.program)
+            for s, kind, picks in plan.replay:
+                state, guard = self._redo(state, guard, s, kind, picks)
+            jax.block_until_ready(state)
+        self.event("rebuilt", step, source="checkpoint", restored_step=plan.start,
+                   steps_redone=len(plan.replay), why="witness for the replica check")
+        return state
+
     def _restore(self, plan, cand, prog):
         shapes = [x.shape for x in jax.tree.leaves(self._abstract_state)]
         dtypes = [x.dtype for x in jax.tree.leaves(self._abstract_state)]
