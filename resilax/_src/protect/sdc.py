@@ -117,20 +117,15 @@ class SdcCheck(Protection):
                         f"differ in leaves {differing[:8]}, and none matches the state rebuilt from the newest "
                         f"checkpoint and the record log. Nothing was saved from them; restart from the newest "
                         f"checkpoint")
-                bad = [alive[d] for d in range(live) if d not in good]
-                run.event("sdc", step, bad_domains=bad, good_domains=[alive[d] for d in good], leaves=differing[:16],
-                          decided_by="rebuilt", seconds=time.perf_counter() - t0)
-                for d in bad:
-                    run.fail_domain(d, "sdc")
-                return bad
+                return _decide(run, step, alive, good, differing, "rebuilt", t0)
         if 2 * len(best) <= live:
             raise SilentDataCorruptionError(
                 f"resilax: silent data corruption at step {step}: the replicas of the state on failure domains "
                 f"{alive} differ in leaves {differing[:8]} and no majority says which is right, and no checkpoint with "
                 f"the record log after it can rebuild the step to tell (Config.checkpoint). Nothing was saved from "
                 f"them; restart from the newest checkpoint (each one was checked when it was saved)")
-        bad = [alive[d] for d in range(live) if d not in best]
         if late:
+            bad = [alive[d] for d in range(live) if d not in best]
             # the corruption may have fed a gradient (every replica's update) since the
             # replicas were last seen equal: the majority's state is not known to be right
             raise SilentDataCorruptionError(
@@ -139,11 +134,17 @@ class SdcCheck(Protection):
                 f"at step {self._good_at}, so the corrupted values may have entered the updates since. Nothing was "
                 f"saved from them; restart from the newest checkpoint (each one was checked when it was saved). "
                 f"HealthConfig(sdc_every=1) checks every step, before the state is used, and recovers in place")
-        run.event("sdc", step, bad_domains=bad, good_domains=[alive[d] for d in best], leaves=differing[:16],
-                  decided_by="majority", seconds=time.perf_counter() - t0)
-        for d in bad:
-            run.fail_domain(d, "sdc")
-        return bad
+        return _decide(run, step, alive, best, differing, "majority", t0)
+
+
+def _decide(run, step, alive, good, differing, how, t0) -> list[int]:
+    """Keeps the replicas at positions ``good``; fails the other domains."""
+    bad = [d for i, d in enumerate(alive) if i not in good]
+    run.event("sdc", step, bad_domains=bad, good_domains=[alive[i] for i in good], leaves=differing[:16],
+              decided_by=how, seconds=time.perf_counter() - t0)
+    for d in bad:
+        run.fail_domain(d, "sdc")
+    return bad
 
 
 def _domain_part(x, mesh, d: int):
