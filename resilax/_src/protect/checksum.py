@@ -17,21 +17,32 @@ _GOLDEN = np.uint32(0x9E3779B9)
 
 
 def _words(x):
+    """The leaf's words as uint32, in its own shape (8-byte types: a trailing axis of 2), so
+    that a sharded leaf is summed where it lies (a ravel would make the partitioner move
+    it)."""
     x = jnp.asarray(x)
     if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32).ravel()
+        return x.astype(jnp.uint32)
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     size = x.dtype.itemsize
-    if size == 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
-    if size == 8:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+    if size in (4, 8):
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
     if size == 2:
-        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32).ravel()
+        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     if size == 1:
-        return jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32).ravel()
+        return jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
     raise TypeError(f"resilax checksum: unsupported dtype {x.dtype}")
+
+
+def _positions(shape):
+    """Row-major flat index of every element (uint32, wrapping), built from iotas."""
+    i = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in range(len(shape) - 1, -1, -1):
+        i = i + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(stride % 2**32)
+        stride *= shape[d]
+    return i
 
 
 def _fmix(h):
@@ -44,7 +55,7 @@ def _fmix(h):
 
 def _leaf_sum(x):
     w = _words(x)
-    i = jnp.arange(w.shape[0], dtype=jnp.uint32)
+    i = _positions(w.shape)  # the flat index, as jnp.arange over the raveled words gave
     a = jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
     b = jnp.sum(_fmix(w ^ (i * _GOLDEN)), dtype=jnp.uint32)
     return jnp.stack([a, b])

@@ -3,10 +3,10 @@ bitwise equal, so their checksums are compared at the start of every
 ``HealthConfig.sdc_every``-th step, before the state is used, and before every checkpoint
 save (a corrupted state is never persisted).
 
-Each live domain checksums its own replica on device (`checksum.tree_checksums` on the
-domain's part of every leaf replicated across the elastic axis: all of the state in the
-bit-exact mode, where every domain computes the same update); only the ``[leaves, 2]``
-sums come to the host. On a mismatch:
+Every device checksums its own shard of every leaf replicated across the elastic axis (all
+of the state in the bit-exact mode, where every domain computes the same update), in one
+executable; only the ``[devices, leaves, 2]`` sums come to the host, and each domain's rows
+are its replica's fingerprint. On a mismatch:
 
 - 3 or more domains, and the replicas were equal at the previous step (so the corrupted
   values fed nothing yet): the strict majority's sums are the right ones; every other
@@ -32,6 +32,7 @@ replicas equal and is not caught here.
 from __future__ import annotations
 
 import time
+import weakref
 
 import jax
 import numpy as np
@@ -50,6 +51,7 @@ class SdcCheck(Protection):
         self._checked_at = None
         self._good_at = None  # the newest step whose replicas were found equal
         self._told = set()
+        self._fns: dict = {}
         self.seconds: list[float] = []
 
     def before_step(self, run, state, step: int) -> None:
@@ -59,6 +61,24 @@ class SdcCheck(Protection):
     def before_save(self, run, state, step: int) -> None:
         if self._checked_at != step:
             self.check(run, state, step)
+
+    def _fn(self, prog, idx, leaves):
+        """One executable per program: every device checksums its own shard of the leaves
+        replicated across domains (`checksum.tree_checksums` on the local block), all in one
+        dispatch; the ``[devices, leaves, 2]`` sums come to the host in one transfer. Within a
+        domain the shards are laid out alike in every domain, so equal replicas give equal
+        rows, domain by domain."""
+        key = (id(prog), tuple(idx))
+        if key not in self._fns:
+            from jax.sharding import PartitionSpec as P
+
+            mesh = prog.mesh
+            specs = [x.sharding.spec for x in leaves]
+            body = lambda xs: tree_checksums(list(xs))[None]  # noqa: E731  [1, leaves, 2] per device
+            self._fns = {k: v for k, v in self._fns.items() if v[0]() is not None}  # programs still alive
+            self._fns[key] = (weakref.ref(prog), jax.jit(jax.shard_map(
+                body, mesh=mesh, in_specs=(specs,), out_specs=P(tuple(mesh.axis_names)), check_vma=False)))
+        return self._fns[key][1]
 
     def start(self, run, state) -> None:
         self._good_at = run.step  # placed or restored from one copy: the replicas are equal
@@ -87,10 +107,8 @@ class SdcCheck(Protection):
                       **({"reason": "multi-process run: not built yet"} if multi else {}))
         if live < 2 or not idx or multi:
             return []
-        sums = []
-        for d in range(live):
-            sums.append(tree_checksums([_domain_part(leaves[i], mesh, d) for i in idx]))
-        sums = [np.asarray(s) for s in sums]
+        shard_sums = self._fn(prog, idx, [leaves[i] for i in idx])
+        sums = list(np.asarray(shard_sums([leaves[i] for i in idx])).reshape(live, -1, len(idx), 2))
         self.seconds.append(time.perf_counter() - t0)
         keys = [s.tobytes() for s in sums]
         if len(set(keys)) == 1:
@@ -101,16 +119,15 @@ class SdcCheck(Protection):
         for d, k in enumerate(keys):
             groups.setdefault(k, []).append(d)
         best = max(groups.values(), key=len)
-        differing = sorted({names[idx[j]] for s in sums for j in np.nonzero(np.any(s != sums[best[0]], axis=1))[0]})
+        differing = sorted({names[idx[j]] for s in sums for j in np.nonzero(np.any(s != sums[best[0]], axis=(0, 2)))[0]})
         late = self._good_at is None or step - self._good_at > 1
         if 2 * len(best) <= live or late:
             # no majority, or it may be wrong too: rebuild the step from the newest
             # checkpoint and the record log, and keep the replicas that match it
             witness = run.rebuilt_state(step, trusted_through=-1 if self._good_at is None else self._good_at)
             if witness is not None:
-                ws = np.asarray(tree_checksums([_domain_part(x, mesh, 0) for x in
-                                                (jax.tree.leaves(witness)[i] for i in idx)]))
-                good = groups.get(ws.tobytes())
+                ws = np.asarray(shard_sums([jax.tree.leaves(witness)[i] for i in idx])).reshape(live, -1, len(idx), 2)
+                good = groups.get(ws[0].tobytes())
                 if good is None:
                     raise SilentDataCorruptionError(
                         f"resilax: silent data corruption at step {step}: the replicas on failure domains {alive} "
@@ -145,12 +162,3 @@ def _decide(run, step, alive, good, differing, how, t0) -> list[int]:
     for d in bad:
         run.fail_domain(d, "sdc")
     return bad
-
-
-def _domain_part(x, mesh, d: int):
-    """Domain ``d``'s replica of a leaf replicated across domains, as an array on that
-    domain's devices (no copy)."""
-    from resilax._src.step.deterministic import domain_buffers
-
-    sh = jax.sharding.NamedSharding(jax.sharding.Mesh(mesh.devices[d : d + 1], mesh.axis_names), x.sharding.spec)
-    return jax.make_array_from_single_device_arrays(x.shape, sh, domain_buffers(x, set(mesh.devices[d].flat)))

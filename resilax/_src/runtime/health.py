@@ -164,7 +164,8 @@ class Liveness:
         return p
 
     def tick(self) -> None:
-        """One look (the watchdog calls it every few ms)."""
+        """One look (the watchdog calls it every ``min(probe_every_s, step_deadline_min_s) / 4``,
+        between 5 and 100 ms)."""
         now = time.perf_counter()
         with self._cond:
             t0, cid, alive = self._call_t0, self._call_id, list(self.alive)
@@ -248,7 +249,12 @@ class Liveness:
 
 
 def _loop(ref, stop: threading.Event) -> None:
-    while not stop.wait(0.01):
+    lv = ref()
+    # fine enough for the cadence and the shortest deadline, coarse enough not to take the
+    # GIL from the step loop often (each wake-up is a hand-over)
+    tick = min(0.1, max(0.005, min(lv.cfg.probe_every_s, lv.cfg.step_deadline_min_s) / 4))
+    del lv
+    while not stop.wait(tick):
         lv = ref()
         if lv is None:
             return
