@@ -420,8 +420,11 @@ def _health_phase(work: pathlib.Path, steps: int, checkpoint_every: int) -> bool
     for e in events:
         k = e["kind"]
         if k == "recovery":
-            what = (f"slice(s) {e['failed_domains']} lost; state from {e['source']} copies, "
-                    f"{sum(e['seconds'].values()) * 1e3:.0f} ms; now mesh {e['mesh']}")
+            sec = dict(e["seconds"])
+            detect = sec.pop("detect", 0.0)
+            found = f" (found after {detect:.1f} s)" if detect > 0.05 else ""
+            what = (f"slice(s) {e['failed_domains']} lost{found}; state from {e['source']} copies, "
+                    f"{sum(sec.values()) * 1e3:.0f} ms; now mesh {e['mesh']}")
         elif k == "bitflip":
             what = f"a bit of {e['leaf']} flipped on slice {e['domain']} (silent data corruption)"
         elif k == "sdc":
