@@ -24,5 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.resilax.peers.every = 1
     c.resilax.anomaly = ml_collections.ConfigDict()
     c.resilax.anomaly.on_anomaly = "skip"
+    c.resilax.health = ml_collections.ConfigDict()  # replica checksums, liveness watchdog, stragglers
+    c.resilax.health.sdc_every = 1
+    c.resilax.health.hang_detect_s = 5.0
+    c.resilax.health.straggler_factor = 4.0
     c.resilax.seed = 0
     return c

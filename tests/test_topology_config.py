@@ -76,6 +76,7 @@ def test_config_from_configdict_example():
     assert cfg.checkpoint.every == 25 and cfg.checkpoint.keep == 3
     assert cfg.checkpoint.directory == "/tmp/resilax-example/ckpt"
     assert cfg.log.mode == "grads" and cfg.peers.every == 1 and cfg.anomaly.on_anomaly == "skip"
+    assert cfg.health == resilax.HealthConfig(sdc_every=1, hang_detect_s=5.0, straggler_factor=4.0)
     assert resilax.Config.from_configdict(cfg.to_dict()) == cfg
     off = resilax.Config.from_configdict({"peers": None, "anomaly": None})
     assert off.peers is None and off.anomaly is None and off.log is not None
@@ -104,6 +105,7 @@ def test_config_from_gin():
         cfg = resilax.Config.from_gin([os.path.join(ROOT, "configs", "example.gin")])
         assert isinstance(cfg, resilax.Config)
         assert cfg.checkpoint.every == 25 and cfg.checkpoint.directory == "/tmp/resilax-example/ckpt"
+        assert cfg.health.hang_detect_s == 5.0 and cfg.health.straggler_factor == 4.0
         gin.clear_config()
         cfg = resilax.Config.from_gin(bindings=["resilax.Config.peers = None", "resilax.Config.seed = 7"])
         assert cfg.peers is None and cfg.seed == 7
