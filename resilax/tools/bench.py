@@ -62,7 +62,8 @@ def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quie
     return times
 
 
-def _write_json(path, obj):
+def write_result(path, obj):
+    """Writes a benchmark's JSON to ``path`` (when given) and says where."""
     if path:
         write_json(path, obj)
         print(f"wrote {path}")
@@ -190,6 +191,6 @@ def run_bench(args) -> int:
     if args.which == "overhead":
         r = bench_overhead(steps=args.steps, topology=args.topology, checkpoint_every=args.checkpoint_every)
         print_overhead(r)
-        _write_json(args.json, r)
+        write_result(args.json, r)
         return 0
     raise SystemExit(f"resilax bench: unknown benchmark {args.which!r}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import statistics
 
-from resilax._src.io import write_json
 
 
 def add_arguments(parser) -> None:
@@ -121,9 +120,9 @@ def _table(r) -> None:
 
 
 def run(args) -> int:
+    from resilax.tools.bench import write_result
+
     r = bench_health(args)
     _table(r)
-    if getattr(args, "json", None):
-        write_json(args.json, r)
-        print(f"wrote {args.json}")
+    write_result(getattr(args, "json", None), r)
     return 0

@@ -38,7 +38,6 @@ import time
 
 import numpy as np
 
-from resilax._src.io import write_json
 
 VARIANTS = ("plain", "plain_aa", "all", "checkpoint", "peers", "log", "log_inputs", "anomaly", "deterministic")
 
@@ -325,9 +324,9 @@ def _table(r):
 
 
 def run(args) -> int:
+    from resilax.tools.bench import write_result
+
     r = bench_protection(args)
     _table(r)
-    if getattr(args, "json", None):
-        write_json(args.json, r)
-        print(f"wrote {args.json}")
+    write_result(getattr(args, "json", None), r)
     return 0

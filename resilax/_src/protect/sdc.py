@@ -96,7 +96,6 @@ class SdcCheck(Protection):
         prog = run.program
         mesh = prog.mesh
         leaves = jax.tree.leaves(state)
-        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
         places = jax.tree.leaves(prog.places)
         idx = [i for i, p in enumerate(places) if p == _ring.REPLICATED]
         live = mesh.shape[prog.spec.elastic_axis]
@@ -107,8 +106,9 @@ class SdcCheck(Protection):
                       **({"reason": "multi-process run: not built yet"} if multi else {}))
         if live < 2 or not idx or multi:
             return []
-        shard_sums = self._fn(prog, idx, [leaves[i] for i in idx])
-        sums = list(np.asarray(shard_sums([leaves[i] for i in idx])).reshape(live, -1, len(idx), 2))
+        picked = [leaves[i] for i in idx]
+        shard_sums = self._fn(prog, idx, picked)
+        sums = list(np.asarray(shard_sums(picked)).reshape(live, -1, len(idx), 2))
         self.seconds.append(time.perf_counter() - t0)
         keys = [s.tobytes() for s in sums]
         if len(set(keys)) == 1:
@@ -119,6 +119,7 @@ class SdcCheck(Protection):
         for d, k in enumerate(keys):
             groups.setdefault(k, []).append(d)
         best = max(groups.values(), key=len)
+        names = run.leaf_names  # a mismatch: only now are the names needed
         differing = sorted({names[idx[j]] for s in sums for j in np.nonzero(np.any(s != sums[best[0]], axis=(0, 2)))[0]})
         late = self._good_at is None or step - self._good_at > 1
         if 2 * len(best) <= live or late:
@@ -126,7 +127,8 @@ class SdcCheck(Protection):
             # checkpoint and the record log, and keep the replicas that match it
             witness = run.rebuilt_state(step, trusted_through=-1 if self._good_at is None else self._good_at)
             if witness is not None:
-                ws = np.asarray(shard_sums([jax.tree.leaves(witness)[i] for i in idx])).reshape(live, -1, len(idx), 2)
+                wl = jax.tree.leaves(witness)
+                ws = np.asarray(shard_sums([wl[i] for i in idx])).reshape(live, -1, len(idx), 2)
                 good = groups.get(ws[0].tobytes())
                 if good is None:
                     raise SilentDataCorruptionError(

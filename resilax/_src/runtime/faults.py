@@ -55,6 +55,8 @@ from resilax._src.errors import ConfigError
 
 PHASES = ("before_step", "after_step", "during_save", "mid_step", "during_peer_copy")
 GRAD_KINDS = ("nan", "spike")
+DOMAIN_KINDS = ("fail_slice", "rejoin", "bitflip", "hang_slice", "slow_slice")  # take a failure domain as target
+BOUNDARY_KINDS = ("rejoin", "bitflip", "hang_slice", "slow_slice")  # only between steps
 
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<phase>[a-z_]+))?(?:/(?P<target>\d+))?$")
 
@@ -141,12 +143,6 @@ def register_kind(name: str, handler: Callable) -> None:
     _KINDS[name] = handler
 
 
-def jax_process_count() -> int:
-    import jax
-
-    return jax.process_count()
-
-
 class FaultPlan:
     """The faults of one run; each fires once, at its step and phase."""
 
@@ -172,7 +168,7 @@ class FaultPlan:
         """
         for f in self._pending:
             where = f"resilax fault {f.spec()!r}"
-            if f.kind in ("fail_slice", "rejoin", "bitflip", "hang_slice", "slow_slice"):
+            if f.kind in DOMAIN_KINDS:
                 if f.target is None:
                     raise ConfigError(f"{where}: {f.kind} needs a target failure domain: {f.kind}@STEP[:phase]/K")
                 if not 0 <= f.target < topology.num_domains:
@@ -189,10 +185,12 @@ class FaultPlan:
                                       f"with hang_detect_s set")
                 if f.kind == "slow_slice" and h.straggler_factor is None:
                     raise ConfigError(f"{where}: straggler detection is off (HealthConfig.straggler_factor is None)")
-                if jax_process_count() > 1:
+                import jax
+
+                if jax.process_count() > 1:
                     raise ConfigError(f"{where}: {f.kind} emulates a domain of one process; under resilax launch "
                                       f"use the fault hang (a real hung worker)")
-            if f.kind in ("rejoin", "bitflip", "hang_slice", "slow_slice") and f.phase not in ("before_step", "after_step"):
+            if f.kind in BOUNDARY_KINDS and f.phase not in ("before_step", "after_step"):
                 raise ConfigError(f"{where}: {f.kind} happens at a step boundary: phase before_step or after_step, "
                                   f"not {f.phase}")
             if f.kind in GRAD_KINDS and f.phase not in ("before_step", "after_step"):

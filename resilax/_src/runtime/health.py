@@ -153,6 +153,7 @@ class Liveness:
 
     # ------------------------------------------------------------ watchdog side
     def _probe(self, d: int):
+        """Domain ``d``'s probe ``(executable, input)``, built once."""
         p = self._probes.get(d)
         if p is None:
             devs = self.domains[d]
@@ -189,7 +190,7 @@ class Liveness:
             for d in alive:
                 # emulated hang: the probe never starts on the domain; emulated straggler: it starts late
                 if d not in outs and d not in stalled and now >= slow.get(d, 0.0):
-                    f, x = self._probes.get(d) or self._probe(d)
+                    f, x = self._probe(d)
                     outs[d] = f(x)
             for d, y in outs.items():
                 if d not in ready and y.is_ready():

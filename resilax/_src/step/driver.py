@@ -544,7 +544,7 @@ class ResilientStep:
             if not cut:
                 break
             for d, why, since in cut:
-                self.fail_domain(d, why, at=since, counted=since is not None)
+                self.fail_domain(d, why, at=since)
             self._recover()
             recovered = True
             lv.call_begin()  # the step's deadline counts from here: recovery time is not step time
@@ -557,22 +557,25 @@ class ResilientStep:
     def hang_domain(self, domain: int, phase: str = "after_step") -> None:
         """Fault ``hang_slice``: failure domain ``domain`` stops answering (emulated, see
         ``runtime/health.py``); its memory stays until the watchdog declares it hung."""
-        if domain not in self._alive or self._liveness is None:
-            self.event("fault_ignored", self.step, fault="hang_slice", domain=domain, phase=phase,
-                       reason="the domain is dead" if self._liveness is not None else "no liveness watchdog")
-            return
-        self._liveness.stall(domain)
-        self.event("hang_slice", self.step, domain=domain, phase=phase)
+        if self._watchdog_takes("hang_slice", domain, phase):
+            self._liveness.stall(domain)
+            self.event("hang_slice", self.step, domain=domain, phase=phase)
 
     def slow_domain(self, domain: int, phase: str = "after_step") -> None:
         """Fault ``slow_slice``: failure domain ``domain`` becomes a straggler (emulated)."""
-        if domain not in self._alive or self._liveness is None:
-            self.event("fault_ignored", self.step, fault="slow_slice", domain=domain, phase=phase,
-                       reason="the domain is dead" if self._liveness is not None else "no liveness watchdog")
-            return
         from resilax._src.runtime.health import SLOW_SLICE_S
-        self._liveness.slow(domain, SLOW_SLICE_S)
-        self.event("slow_slice", self.step, domain=domain, phase=phase, late_s=SLOW_SLICE_S)
+
+        if self._watchdog_takes("slow_slice", domain, phase):
+            self._liveness.slow(domain, SLOW_SLICE_S)
+            self.event("slow_slice", self.step, domain=domain, phase=phase, late_s=SLOW_SLICE_S)
+
+    def _watchdog_takes(self, fault: str, domain: int, phase: str) -> bool:
+        """Whether an emulated liveness fault can apply (else an event says why not)."""
+        if domain in self._alive and self._liveness is not None:
+            return True
+        self.event("fault_ignored", self.step, fault=fault, domain=domain, phase=phase,
+                   reason="the domain is dead" if self._liveness is not None else "no liveness watchdog")
+        return False
 
     # ---------------------------------------------------------------- hooks protections call
     def event(self, kind: str, step: int, **fields) -> Event:
@@ -621,16 +624,16 @@ class ResilientStep:
         # several at one step all apply (a NaN and a spike together: the NaN decides)
         self._grad_faults[step] = tuple(sorted(set(self._grad_faults.get(step, ())) | {kind}))
 
-    def fail_domain(self, domain: int, phase: str, at: float | None = None, counted: bool = False) -> dict | None:
+    def fail_domain(self, domain: int, phase: str, at: float | None = None) -> dict | None:
         """Emulates losing failure domain ``domain`` (original index): its memory is gone.
 
         Blocks on in-flight work first (the surviving domains finish the step; deleting a
         buffer a running computation reads can crash the process), then deletes every
         buffer resilax holds on the domain's devices and marks them dead; nothing is
         dispatched to them again. A domain that is already dead: nothing happens (an event
-        says so). ``at``: when the failure began (``time.perf_counter()``; default now), so
-        that a hang's detection time is reported; ``counted``: the caller already booked
-        the detection time in the goodput record.
+        says so). ``at``: when the failure began (``time.perf_counter()``), given by a caller
+        that waited for its detection and booked that wait in the goodput record itself
+        (a hang); default now.
         """
         if not 0 <= domain < len(self._domains):
             raise WrapError(f"resilax fail_slice: target must be a failure domain index in [0, {len(self._domains)}), "
@@ -660,9 +663,14 @@ class ResilientStep:
         self._dead |= devs
         info = {"domain": domain, "phase": phase, "devices": sorted(d.id for d in devs), "bytes_deleted": freed,
                 "copy_in_flight": bool(self._copy_in_flight), "at": time.perf_counter() if at is None else at,
-                "counted": counted}
+                "detection_booked": at is not None}
         self._failures.append(info)
         return info
+
+    @functools.cached_property
+    def leaf_names(self) -> list[str]:
+        """The state's leaves as ``keystr`` paths, in tree order (for errors and events)."""
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self._abstract_state)[0]]
 
     @property
     def step_deadline_s(self) -> float | None:
@@ -775,8 +783,8 @@ class ResilientStep:
         t0 = time.perf_counter()
         failed = [i for i in self._alive if set(self._domains[i]) & self._dead]
         survivors = [i for i in self._alive if i not in failed]
-        uncounted = [f["at"] for f in failures if not f.get("counted")]
-        self.goodput_recorder.add("detection", max(0.0, t0 - min(uncounted, default=t0)))
+        unbooked = [f["at"] for f in failures if not f["detection_booked"]]
+        self.goodput_recorder.add("detection", max(0.0, t0 - min(unbooked, default=t0)))
         target = self.step
         if not survivors:
             self._broken = "every failure domain is lost"
@@ -793,8 +801,7 @@ class ResilientStep:
         for p in self._protections:
             cands += p.candidates(self)
             log_steps.update(p.log_steps(self))
-        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self._abstract_state)[0]]
-        plan = _planner.plan(target, self._dead, cands, log_steps, names)
+        plan = _planner.plan(target, self._dead, cands, log_steps, self.leaf_names)
         t_plan = time.perf_counter()
         if isinstance(plan, _planner.Lost):
             self._broken = "state lost"
@@ -866,8 +873,7 @@ class ResilientStep:
             for s, e in p.log_steps(self).items():  # device entries are live buffers: not a witness
                 ok = ("disk", "batch") if s <= trusted_through else ("batch",)
                 log_steps[s] = _planner.LogStep(s, tuple(src for src in e.sources if src[0] in ok))
-        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self._abstract_state)[0]]
-        plan = _planner.plan(step, self._dead, cands, log_steps, names)
+        plan = _planner.plan(step, self._dead, cands, log_steps, self.leaf_names)
         if isinstance(plan, _planner.Lost):
             return None
         with self.goodput_recorder.span("recovery"):
