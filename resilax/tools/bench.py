@@ -31,34 +31,44 @@ def option_adder(parser):
     return opt
 
 
-def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quiet: bool, warm: int = 3) -> dict:
-    """Times ``runs`` (name -> ``step(state, batch) -> (state, metrics)``) round-robin, the
-    order rotating every round so machine noise hits all alike, each step timed to
-    completion; ``warm`` untimed rounds first, then the background compiles of the degraded
-    meshes (``wait_compiled``) are waited for. Updates ``states`` in place; returns
-    ``{name: [seconds per timed step]}``."""
+def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quiet: bool, warm: int = 3,
+               block: int = 4) -> dict:
+    """Times ``runs`` (name -> ``step(state, batch) -> (state, metrics)``) in rounds: each
+    round runs every variant for ``block`` consecutive steps, the order of the variants
+    rotating every round so slow drifts of the machine hit all alike, each step timed to
+    completion. The first step of each block is run but not timed: it is where the previous
+    variant's background work (a record-log writer, a checkpoint persister) still runs, so
+    each variant is charged for its own background work and not its neighbour's (with one
+    step per variant, whichever ran after the variant with a writer thread looked ~10%
+    slower, an A/A pair included: measured). ``warm`` untimed rounds first, then the
+    background compiles of the degraded meshes (``wait_compiled``) are waited for. Updates
+    ``states`` in place; returns ``{name: [seconds per timed step]}`` (``steps`` each)."""
     import jax
 
     names = list(runs)
     times: dict = {k: [] for k in names}
-    rounds = range(steps + warm)
+    block = max(2, int(block))
+    rounds = range(warm + -(-steps // (block - 1)))
     if not quiet:
         from tqdm import tqdm
 
         rounds = tqdm(rounds, desc=desc, unit="round", file=sys.stderr, mininterval=2.0)
+    n = 0
     for i in rounds:
         if i == warm:
             for k in names:
                 if hasattr(runs[k], "wait_compiled"):
                     runs[k].wait_compiled()
-        b = batches[i % len(batches)]
         r = i % len(names)
         for k in names[r:] + names[:r]:
-            t0 = time.perf_counter()
-            states[k], m = runs[k](states[k], b)
-            jax.block_until_ready((states[k], m))
-            if i >= warm:
-                times[k].append(time.perf_counter() - t0)
+            for j in range(block):
+                b = batches[(n + j) % len(batches)]
+                t0 = time.perf_counter()
+                states[k], m = runs[k](states[k], b)
+                jax.block_until_ready((states[k], m))
+                if i >= warm and j > 0 and len(times[k]) < steps:
+                    times[k].append(time.perf_counter() - t0)
+        n += block
     return times
 
 
