@@ -46,7 +46,7 @@ def test_restart_from_the_disk_log_alone_in_each_mode(tmp_path, mode):
     inputs-mode logs: their entries had no batch signature, so no program could be built)."""
     off = resilax.Config(log=None, peers=None, anomaly=None)
     ref, _ = mlp_run(off, 8)
-    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log"), mode=mode))
+    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log"), mode=mode, grads_budget=None))
     mlp_run(cfg, 6)  # a process that stopped after 6 steps (closing flushes: as a clean stop)
     got, step = mlp_run(cfg, 8)
     ev = next(e for e in step.events if e.kind == "replay")

@@ -101,7 +101,7 @@ def test_resume_replays_log_bitwise(tmp_path, model, mode):
     """Run 9 steps with checkpoints at 4 and 8; drop 8, so a new init restores 4 and
     replays 4..8 from the log; the state equals the original run's at 9."""
     cfg = resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path / "ck"), every=4, async_save=False),
-                         log=resilax.LogConfig(mode=mode))
+                         log=resilax.LogConfig(mode=mode, grads_budget=None))
     at9, _ = train(model, cfg, 9)
     # Resume: checkpoint 8 exists; remove it so the log must carry steps 4..8.
     import shutil
@@ -122,7 +122,7 @@ def test_resume_replays_log_bitwise(tmp_path, model, mode):
 def test_update_only_replay_has_no_dots(tmp_path):
     """The program replay runs for a grads entry has no dot ops: the forward and backward
     passes are gone (timings are in `resilax bench replay`)."""
-    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log")))
+    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log"), grads_budget=None))
     train("adamw", cfg, 3)
     step = make_step("adamw", cfg)
     with step:
@@ -147,7 +147,7 @@ def test_update_reading_batch_is_rejected_in_grads_mode(tmp_path):
 
 
 def _log_run(tmp_path, steps=6):
-    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log")))
+    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log"), grads_budget=None))
     final, _ = train("adamw", cfg, steps)
     return cfg, final
 
@@ -212,10 +212,11 @@ def test_entry_format_roundtrip_and_no_overwrite(tmp_path):
 
 def test_selective_policy_keeps_newest_grads_within_budget(tmp_path):
     probe = tmp_path / "probe"
-    cfg = resilax.Config(log=resilax.LogConfig(directory=str(probe)))
+    cfg = resilax.Config(log=resilax.LogConfig(directory=str(probe), grads_budget=None))
     train("adamw", cfg, 1)
     per = (probe / "0000000000.grads.rxl").stat().st_size
-    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log"), budget_bytes=int(3.5 * per)))
+    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log"), budget_bytes=int(3.5 * per),
+                                                         grads_budget=None))
     final, step = train("adamw", cfg, 8)
     log = ReplayLog(tmp_path / "log")
     assert log.steps("grads") == [5, 6, 7] and log.steps("inputs") == list(range(8))
@@ -250,3 +251,45 @@ def test_wrong_start_state_is_refused(tmp_path):
     step.close()
 
 
+
+
+@pytest.mark.parametrize("model", ["batchnorm", "adamw"])
+def test_grads_budget_writes_few_grads_entries_and_resume_stays_bitwise(tmp_path, model):
+    """`LogConfig.grads_budget` (default 1%): the first step's grads entry measures what one
+    costs, then a token bucket lets through only as many as the budget pays for; every step
+    keeps its inputs entry, so a resume replays the mixed log (grads: update only; inputs:
+    the step rerun from the data iterator) and ends bitwise on the failure-free state."""
+    cfg = resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path / "ck"), every=100, async_save=False),
+                         log=resilax.LogConfig(grads_budget=0.01))
+    final, step = train(model, cfg, 12)
+    cad = step.log_cadence()
+    assert cad["grads_entries"] + cad["inputs_only_entries"] == 12
+    assert cad["grads_entries"] >= 1 and cad["inputs_only_entries"] >= 6, cad
+    assert cad["grads_cost_s"] > 0 and cad["share"] is not None
+    assert cad["meets_budget"] == (cad["share"] <= 0.01)
+    log = ReplayLog(tmp_path / "ck" / "record_log")
+    assert log.steps("inputs") == list(range(12)) and 0 in log.steps("grads")
+    assert len(log.steps("grads")) == cad["grads_entries"]
+    data = ex.make_iterator(SPEC)
+    step = make_step(model, cfg)
+    with step:
+        state = step.init(MODELS[model][0](), data=data)
+        ev = [e for e in step.events if e.kind == "replay"][-1]
+        assert step.step == 12 and ev.fields["inputs_steps"] >= 6 and ev.fields["grads_steps"] >= 1
+        assert_bitwise(flat(state), final)
+    # a budget that pays for every entry writes every one
+    cfg2 = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log2"), grads_budget=1.0))
+    _, step2 = train(model, cfg2, 6)
+    assert step2.log_cadence()["inputs_only_entries"] <= 2  # the probe's cost is measured before the next
+
+
+def test_grads_budget_is_ignored_without_a_data_iterator(tmp_path):
+    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log")))
+    step = make_step("adamw", cfg)
+    data = ex.make_iterator(SPEC)
+    with step:
+        state = step.init(MODELS["adamw"][0]())
+        for _ in range(5):
+            state, _ = step(state, next(data))
+        assert step.log_cadence()["inputs_only_entries"] == 0
+    assert ReplayLog(tmp_path / "log").steps("grads") == list(range(5))

@@ -54,6 +54,11 @@ class RecordLog(base.Protection):
             if directory else None
         self._batch_sig = None
         self._anchor = None  # (step, device checksums of (state, guard) at that step)
+        self._credit = 0.0  # grads_budget's token bucket (seconds of writer time)
+        self.grads_entries = 0  # steps given a grads entry / only an inputs entry (grads mode)
+        self.inputs_only = 0
+        self._step_time = 0.0  # summed step times seen by the bucket
+        self._probe_charged = False
 
     # ---------------------------------------------------------------- failure-free
     def anchor(self, step: int, state, guard, *, defer: bool = False) -> None:
@@ -113,10 +118,55 @@ class RecordLog(base.Protection):
             sums = None
             if self._anchor is not None and self._anchor[0] == rec.step:
                 sums, self._anchor = self._anchor[1], None
-            self.disk.append(rec.step, recorded=g.rec if self.cfg.mode == "grads" else None, state_sums=sums,
+            grads = self._take_grads(run)
+            self.disk.append(rec.step, recorded=g.rec if grads else None, state_sums=sums,
                              data_state=rec.data_before, data_next=rec.data_after, batch_sig=self._batch_sig,
                              scalars={"verdict": g.ok, "value": g.loss, "copy": rec.copy})
         self._trim()
+
+    def _take_grads(self, run) -> bool:
+        """Whether this step's disk entry carries its recorded values (`LogConfig.grads_budget`):
+        a token bucket filled with ``budget x step time`` per step and drained by the
+        measured cost of each grads entry. The first entry is written to measure that cost;
+        until it is measured no other is. Without a data iterator every step keeps its grads
+        (an inputs entry could not be replayed)."""
+        if self.cfg.mode != "grads":
+            return False
+        budget = self.cfg.grads_budget
+        if budget is None or run.data is None:
+            self.grads_entries += 1
+            return True
+        step_s = run._step_s or 0.0
+        self._step_time += step_s
+        cost = self.disk.grads_cost_s
+        take = False
+        if cost is None:
+            take = self.grads_entries == 0  # the probe entry; the next ones wait for its cost
+        else:
+            if not self._probe_charged:  # the probe was taken on credit: pay it back first
+                self._probe_charged, self._credit = True, -cost
+            self._credit = min(self._credit + budget * step_s, max(cost, budget * step_s))
+            if self._credit >= cost:
+                self._credit -= cost
+                take = True
+        if take:
+            self.grads_entries += 1
+        else:
+            self.inputs_only += 1
+        return take
+
+    def cadence(self) -> dict | None:
+        """How the disk log kept to its budget: grads entries, inputs-only entries, the
+        measured cost of one grads entry, and the share of step time they cost."""
+        if self.disk is None or self.cfg.mode != "grads":
+            return None
+        cost = self.disk.grads_cost_s
+        spent = self.disk.grads_cost_total_s
+        share = spent / self._step_time if cost is not None and self._step_time else None
+        return {"grads_entries": self.grads_entries, "inputs_only_entries": self.inputs_only,
+                "grads_cost_s": cost, "budget": self.cfg.grads_budget, "share": share,
+                "meets_budget": None if share is None or self.cfg.grads_budget is None
+                else share <= self.cfg.grads_budget}
 
     def covered_through(self, step: int) -> None:
         """A peer copy holds state ``step``: device entries before it are not needed."""

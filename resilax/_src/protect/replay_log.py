@@ -270,6 +270,11 @@ class ReplayLog:
         self.bytes_written = {k: 0 for k in KINDS}
         self.entries_written = {k: 0 for k in KINDS}
         self._grads_sizes: dict[int, int] = {}
+        # what one grads entry costs the writer (seconds, moving average; None until one was
+        # written): its CPU time copying the shards together plus the wall time of hashing,
+        # joining and writing it (tensorstore writes on its own threads)
+        self.grads_cost_s: float | None = None
+        self.grads_cost_total_s = 0.0
         for step, kind in self._files():
             if kind == "grads":
                 self._grads_sizes[step] = (self.directory / entry_name(step, kind)).stat().st_size
@@ -314,10 +319,16 @@ class ReplayLog:
                             "scalars": {k: _json_scalar(v) for k, v in scalars.items()}}
                     files = [("inputs", encode_entry(dict(head, kind="inputs")))]
                     if paths is not None:
+                        c0 = time.thread_time()
                         arrays = [np.asarray(x) for x in leaves]  # waits for the async copies
+                        cost = time.thread_time() - c0
+                        t0 = time.perf_counter()
                         files.append(("grads", encode_entry(dict(head, kind="grads", paths=paths), arrays)))
                     self._write(step, files)
                     if paths is not None:
+                        cost += time.perf_counter() - t0
+                        self.grads_cost_s = cost if self.grads_cost_s is None else 0.8 * self.grads_cost_s + 0.2 * cost
+                        self.grads_cost_total_s += cost
                         with self._lock:
                             self._grads_sizes[step] = len(files[1][1])
                         self._apply_budget()

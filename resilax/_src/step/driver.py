@@ -608,6 +608,12 @@ class ResilientStep:
             return {"device_log_bytes": 0, "host_batch_steps": [], "host_batch_bytes": 0}
         return self._log.retained()
 
+    def log_cadence(self) -> dict | None:
+        """How the disk record log kept to `LogConfig.grads_budget` (grads entries written,
+        inputs-only entries, measured cost of one grads entry, share of step time,
+        ``meets_budget``); None without a disk log in grads mode."""
+        return None if self._log is None else self._log.cadence()
+
     def log_over_cap(self) -> bool:
         return self._log is not None and self._log.over_cap()
 
