@@ -196,6 +196,88 @@ def test_supervisor_ends_cleanly_when_workers_exit_0_and_sets_their_env(tmp_path
     assert _processes(tmp_path / "run")["status"] == "done"
 
 
+# A worker that is a spare first (or not), then plays a resilax worker: heartbeats with a
+# completed step (so the supervisor refills its spares), records what it saw, and:
+# generation 0 process 1 fails once both spares are ready; generation 1 exits 0 once both
+# spares are ready again (refilled); generation 0 process 0 waits to be stopped.
+SPARE_WORKER = r"""
+import json, os, sys, time
+from resilax._src.runtime import launched
+was_spare = launched.is_spare()
+if was_spare:
+    print("warm and waiting", flush=True)
+e = launched.wait_for_assignment(prefetch=False)
+assert launched.env() == e and os.environ["RESILAX_PROCESS_ID"] == str(e.process_id) and not launched.is_spare()
+print(f"assigned: g{e.generation} p{e.process_id}", flush=True)
+hb = launched._Heartbeat(e)
+hb.first_step_t = time.time()
+hb.beat()
+
+def ready_spares():
+    try:
+        procs = json.load(open(os.path.join(e.run_dir, "processes.json")))
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for k, pid in procs.get("spares", {}).items():
+        try:
+            h = json.load(open(os.path.join(e.run_dir, "heartbeats", f"spare{k}.json")))
+        except (OSError, ValueError):
+            continue
+        if h.get("pid") == pid and h.get("phase") == "spare":
+            out[k] = pid
+    return out
+
+if (e.generation, e.process_id) == (0, 0):
+    time.sleep(120)
+t0 = time.time()
+while len(seen := ready_spares()) < 2:
+    if time.time() - t0 > 90:
+        sys.exit(5)
+    time.sleep(0.05)
+with open(os.path.join(e.run_dir, f"g{e.generation}.p{e.process_id}.json"), "w") as f:
+    json.dump({"pid": os.getpid(), "was_spare": was_spare, "spares_seen": seen}, f)
+sys.exit(3 if e.generation == 0 else 0)
+"""
+
+
+def test_supervisor_spares_become_the_next_generations_workers_and_are_refilled(tmp_path, capsys):
+    run = tmp_path / "run"
+    sup = _sup(tmp_path, SPARE_WORKER, spares=2, max_restarts=1)
+    assert sup.run() == 0
+    hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["failed", "done"] and "process 1 " in hist[0]["why"], hist
+    g0 = json.loads((run / "g0.p1.json").read_text())
+    first_spares = g0["spares_seen"]  # started once generation 0 had completed a step
+    assert not g0["was_spare"] and sorted(first_spares) == ["0", "1"], g0
+    g1 = [json.loads((run / f"g1.p{i}.json").read_text()) for i in range(2)]
+    # both workers of generation 1 are the former spares (same pids), and they saw two new
+    # spares started after them
+    assert all(r["was_spare"] for r in g1) and sorted(r["pid"] for r in g1) == sorted(first_spares.values()), g1
+    refilled = g1[0]["spares_seen"]
+    assert sorted(refilled) == ["2", "3"] and not set(refilled.values()) & set(first_spares.values()), g1
+    procs = _processes(run)
+    assert procs["status"] == "done" and procs["spares"] == {} and procs["generation"] == 1
+    for pid in refilled.values():  # killed (and reaped) when the job ended
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    out = capsys.readouterr().out
+    assert "[spare0] warm and waiting" in out and (run / "logs" / "spare0.log").read_text() == "warm and waiting\n"
+    for i in range(2):  # after the assignment the spare's output is the worker's
+        assert f"[g1 p{i}] assigned: g1 p{i}" in out and (run / "logs" / f"g1.p{i}.log").read_text() == \
+            f"assigned: g1 p{i}\n"
+
+
+def test_launch_cli_rejects_negative_spares(tmp_path):
+    from helpers import child_env
+
+    r = subprocess.run([sys.executable, "-m", "resilax", "launch", "-n", "2", "--spares", "-1", "--run-dir",
+                        str(tmp_path), "--", sys.executable, "-c", "pass"],
+                       env=child_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--spares must be an integer >= 0" in r.stderr, r.stderr
+    assert not (tmp_path / PROCESSES_JSON).exists()
+
+
 def test_launch_cli_rejects_a_missing_command(tmp_path):
     from helpers import child_env
 
