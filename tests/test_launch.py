@@ -1,8 +1,9 @@
 """`resilax launch`: real worker processes under jax.distributed, killed from outside.
 
 The end-to-end test runs 4 processes x 2 CPU devices (`cpu-4x2`, state sharded over all 8
-devices), kills workers by the pids in ``processes.json`` (a random non-zero worker at a
-random moment, then process 0, then SIGSTOPs one) and checks that the job ends on its own
+devices) with one warm spare, kills workers by the pids in ``processes.json`` (a random
+non-zero worker at a random moment, then process 0, then SIGSTOPs one; the spare is one of
+generation 1's workers) and checks that the job ends on its own
 with the state of a failure-free single-process run of the same topology (per-leaf
 relative norm <= 1e-4: gloo sums in another order than the in-process all-reduce).
 Every subprocess has a timeout and is killed in a ``finally``.
@@ -22,7 +23,7 @@ import pytest
 
 from resilax._src.runtime import jaxdist
 from resilax._src.runtime.launched import LaunchEnv
-from resilax.tools.launch import PROCESSES_JSON, Supervisor, heartbeats
+from resilax.tools.launch import PROCESSES_JSON, Supervisor, heartbeats, spare_heartbeats
 
 STEPS, EVERY = 40, 5
 TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
@@ -71,6 +72,16 @@ def _past(run_dir, gen, step):
     return len(s) == 4 and all(v is not None and v >= step for v in s.values())
 
 
+def _ready_spare(run_dir):
+    """The pid of a spare that is warm and waiting, or None."""
+    procs = _processes(run_dir) or {}
+    hbs = spare_heartbeats(run_dir)
+    for k, pid in (procs.get("spares") or {}).items():
+        if (hbs.get(int(k)) or {}).get("pid") == pid and hbs[int(k)].get("phase") == "spare":
+            return pid
+    return None
+
+
 def _rel_diff(a, b) -> float:
     assert sorted(a.files) == sorted(b.files)
     worst = 0.0
@@ -103,11 +114,13 @@ def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
     log = open(tmp_path / "launch.log", "wb")
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "4", "--devices-per-process", "2", "--run-dir", str(run),
            "--heartbeat", "0.2", "--heartbeat-timeout", "2", "--min-step-deadline", "20", "--max-restarts", "4",
-           "--", *TRAIN, "--out", str(out)]
+           "--spares", "1", "--", *TRAIN, "--out", str(out)]
     p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     done = []
     try:
         # generation 0: a random non-zero worker, at a random moment after the first checkpoint
+        # (once the spare, started with generation 0, is warm: it becomes a worker of generation 1)
+        spare = _wait(lambda: _ready_spare(run), 180, "a warm spare", p)
         _wait(lambda: _past(run, 0, EVERY + 2), 180, "generation 0 past step 7", p)
         time.sleep(rng.uniform(0, 1.0))
         victim = rng.randrange(1, 4)
@@ -116,6 +129,7 @@ def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
         done.append(("SIGKILL", victim))
         # generation 1: process 0 (its death must not take the job down: the service is elsewhere)
         procs = _wait(lambda: _running(run, 1), 120, "generation 1 running", p)
+        assert spare in procs["workers"].values(), (spare, procs)  # the spare took a place, the rest are fresh
         _wait(lambda: _past(run, 1, 2 * EVERY + 2), 180, "generation 1 past step 12", p)
         time.sleep(rng.uniform(0, 1.0))
         reached.append(min(_steps(run, 1).values()))
@@ -140,6 +154,7 @@ def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
     assert "process 0 " in hist[1]["why"] and "signal SIGKILL" in hist[1]["why"]
     assert "hung: heartbeat" in hist[2]["why"] and f"process {done[2][1]} " in hist[2]["why"]
     assert _processes(run)["status"] == "done" and _processes(run)["generation"] == 3
+    assert _processes(run)["spares"] == {} and "from warm spares [0]" in text, text[-3000:]
     final = np.load(out, allow_pickle=False)
     digest = (pathlib.Path(f"{out}.sha256").read_text().split()[0])
     import hashlib

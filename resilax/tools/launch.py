@@ -25,9 +25,10 @@ A spare imports JAX and resilax without starting a backend, writes ``phase: spar
 ``D/heartbeats/spare<k>.json`` and waits. A new generation takes its workers from the ready
 spares first (the supervisor writes each its `LaunchEnv` as JSON, atomically; the spare
 then joins like a fresh worker, minus Python start-up and imports) and starts fresh
-processes for the rest. Once every worker of the generation has completed a step (or after
-``--startup-timeout``) new spares are started to get back to S, so they do not compete for
-CPU with a recovering generation. A spare that dies, or whose heartbeat goes stale, is
+processes for the rest. The first S spares start with the first generation (whose workers
+are all fresh); after a recovery, new spares are started to get back to S once every worker
+of the new generation has completed a step (or after ``--startup-timeout``), so they do not
+compete for CPU with a recovering generation. A spare that dies, or whose heartbeat goes stale, is
 replaced (not a job failure); spares are killed when the job ends. Their output goes to
 ``D/logs/spare<k>.log`` (prefix ``[spare<k>]``), then, once assigned, to the worker's log
 with its ``[g<g> p<i>]`` prefix. SIGTERM/SIGINT to the
@@ -354,9 +355,11 @@ class Supervisor:
         return proc.pid
 
     def _settled(self, now: float) -> bool:
-        """Every live worker of the generation has completed a step (or it has run for the
-        startup timeout): new spares no longer compete for CPU with its start-up."""
-        if now - self._t_gen > self.startup_timeout_s:
+        """Spares may be started: with the first generation (there is no lost progress to
+        win back yet, and an early failure finds them ready), else once every live worker
+        of the generation has completed a step (or it has run for the startup timeout), so
+        that new spares do not compete for CPU with a recovering generation."""
+        if self.generation == 0 or now - self._t_gen > self.startup_timeout_s:
             return True
         return all(w.proc.poll() is not None or (w.heartbeat() or {}).get("first_step_t") for w in self.workers)
 
