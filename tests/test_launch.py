@@ -283,6 +283,34 @@ def test_supervisor_spares_become_the_next_generations_workers_and_are_refilled(
             f"assigned: g1 p{i}\n"
 
 
+def test_supervisor_replaces_a_spare_that_dies_or_hangs_without_failing_the_job(tmp_path, capsys):
+    # the worker SIGKILLs the first spare, then SIGSTOPs the second (its heartbeat goes
+    # stale), and exits 0 once a third is warm: one generation, no failure
+    code = SPARE_WORKER.split("if (e.generation, e.process_id) == (0, 0):")[0] + r"""
+import signal
+def wait_for(pred):
+    t0 = time.time()
+    while not (v := pred()):
+        if time.time() - t0 > 90:
+            sys.exit(5)
+        time.sleep(0.05)
+    return v
+os.kill(wait_for(lambda: ready_spares().get("0")), signal.SIGKILL)
+os.kill(wait_for(lambda: ready_spares().get("1")), signal.SIGSTOP)
+wait_for(lambda: ready_spares().get("2"))
+"""
+    sup = Supervisor([sys.executable, "-c", code], n=1, devices_per_process=1, run_dir=tmp_path / "run",
+                     heartbeat_s=0.1, heartbeat_timeout_s=1.0, startup_timeout_s=20, spares=1, max_restarts=0)
+    assert sup.run() == 0
+    hist = json.loads((tmp_path / "run" / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["done"], hist
+    said = capsys.readouterr().out
+    assert "spare 0 (pid " in said and "exited with signal SIGKILL; replacing it" in said, said[-3000:]
+    assert "spare 1 (pid " in said and "hung: heartbeat" in said, said[-3000:]
+    assert sorted(spare_heartbeats(tmp_path / "run")) == [0, 1, 2]  # one start per loss, no more
+    assert _processes(tmp_path / "run")["spares"] == {}
+
+
 def test_launch_cli_rejects_negative_spares(tmp_path):
     from helpers import child_env
 

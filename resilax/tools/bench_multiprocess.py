@@ -174,8 +174,8 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         raise RuntimeError(f"resilax bench multiprocess: the reference run failed:\n{r.stderr[-3000:]}")
     ref = np.load(work / "ref.npz", allow_pickle=False)
     common = dict(n=n, devices_per_process=devices_per_process, kill_after=kill_after, ref=ref)
-    print(f"[2/{runs}] resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every step): "
-          f"SIGKILL a random worker past step {kill_after}", flush=True)
+    print(f"[2/{runs}] resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every "
+          f"step): SIGKILL a random worker past step {kill_after}", flush=True)
     (work / "store").mkdir()
     a = _kill_and_time(work / "store", train, rng=random.Random(rng.random()), store_every=1, **common)
     print(f"[3/{runs}] the same kill with --host-store-every 0: relaunch + Orbax checkpoint restore", flush=True)

@@ -18,6 +18,8 @@ On any death every other worker of the generation is SIGKILLed (their collective
 broken) and a new generation starts with N workers on a new service; they resume from
 durable state (the host state stores, else the newest Orbax checkpoint). At most
 ``--max-restarts`` new generations; then the supervisor exits with the last failure's code.
+SIGTERM/SIGINT to the supervisor are forwarded to the workers (each saves at the next
+preemption sync point and exits); a generation whose workers all exit 0 ends the job with 0.
 
 ``--spares S`` keeps S *spares* warm: processes of CMD started with ``RESILAX_SPARE`` (the
 path of their assignment file, ``D/spares/spare<k>.json``) instead of a place in the job.
@@ -28,12 +30,11 @@ then joins like a fresh worker, minus Python start-up and imports) and starts fr
 processes for the rest. The first S spares start with the first generation (whose workers
 are all fresh); after a recovery, new spares are started to get back to S once every worker
 of the new generation has completed a step (or after ``--startup-timeout``), so they do not
-compete for CPU with a recovering generation. A spare that dies, or whose heartbeat goes stale, is
-replaced (not a job failure); spares are killed when the job ends. Their output goes to
+compete for CPU with a recovering generation. A spare that dies, is not ready within
+``--startup-timeout``, or whose heartbeat goes stale once ready is replaced (not a job
+failure); spares are killed on SIGTERM and when the job ends. Their output goes to
 ``D/logs/spare<k>.log`` (prefix ``[spare<k>]``), then, once assigned, to the worker's log
-with its ``[g<g> p<i>]`` prefix. SIGTERM/SIGINT to the
-supervisor are forwarded to the workers (each saves at the next preemption sync point and
-exits); a generation whose workers all exit 0 ends the job with 0.
+with its ``[g<g> p<i>]`` prefix.
 
 Why a new generation and not a rejoin: a replacement joining the same service under the
 same process id connects, but gloo then fails (``ALREADY_EXISTS: key cpu:gloo/...``);
@@ -371,11 +372,12 @@ class Supervisor:
             rc = s.proc.poll()
             hb = s.heartbeat()
             why = None
+            phase = (hb or {}).get("phase")
             if rc is not None:
                 why = f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
-            elif hb is None and now - s.started > self.startup_timeout_s:
-                why = f"wrote no heartbeat within --startup-timeout {self.startup_timeout_s:g} s"
-            elif hb is not None and now - hb["t"] > self.heartbeat_timeout_s:
+            elif phase != "spare" and now - s.started > self.startup_timeout_s:  # importing may hold the GIL
+                why = f"not ready within --startup-timeout {self.startup_timeout_s:g} s (phase {phase})"
+            elif phase == "spare" and now - hb["t"] > self.heartbeat_timeout_s:
                 why = f"hung: heartbeat {now - hb['t']:.1f} s old"
             if why is None:
                 continue
@@ -383,7 +385,7 @@ class Supervisor:
             s.out.join(timeout=2)
             self.spares.remove(s)
             changed = True
-            if hb is None or hb.get("phase") != "spare":  # never got ready: back off before the next one
+            if phase != "spare":  # never got ready: back off before the next one
                 self._spare_failures += 1
                 self._spare_backoff_until = now + min(60.0, 2.0 ** self._spare_failures)
             _say(f"spare {s.index} (pid {s.proc.pid}) {why}; replacing it"

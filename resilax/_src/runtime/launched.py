@@ -67,9 +67,10 @@ class LaunchEnv:
         if missing:
             from resilax._src.errors import ResilaxError
 
-            raise ResilaxError(f"resilax launch worker: {missing[0]} is missing from the environment (RESILAX_COORDINATOR "
-                               f"is set, so this process was started by `resilax launch`, which sets every "
-                               f"RESILAX_* variable); got {sorted(k for k in environ if k.startswith(ENV_PREFIX))}")
+            raise ResilaxError(f"resilax launch worker: {missing[0]} is missing from the environment "
+                               f"(RESILAX_COORDINATOR is set, so this process was started by `resilax launch`, which "
+                               f"sets every RESILAX_* variable); got "
+                               f"{sorted(k for k in environ if k.startswith(ENV_PREFIX))}")
         return cls._typed({f.name: environ[ENV_PREFIX + f.name.upper()] for f in dataclasses.fields(cls)
                            if ENV_PREFIX + f.name.upper() in environ}, "the environment")
 
@@ -82,7 +83,8 @@ class LaunchEnv:
         from resilax._src.errors import ResilaxError
 
         if not isinstance(d, dict):
-            raise ResilaxError(f"resilax launch: {where} must be a JSON object of LaunchEnv fields, got {type(d).__name__}")
+            raise ResilaxError(f"resilax launch: {where} must be a JSON object of LaunchEnv fields, got "
+                               f"{type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING]
         unknown = sorted(set(d) - names)
