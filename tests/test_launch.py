@@ -1,8 +1,9 @@
 """`resilax launch`: real worker processes under jax.distributed, killed from outside.
 
 The end-to-end test runs 4 processes x 2 CPU devices (`cpu-4x2`, state sharded over all 8
-devices), kills workers by the pids in ``processes.json`` (a random non-zero worker at a
-random moment, then process 0, then SIGSTOPs one) and checks that the job ends on its own
+devices) with one warm spare, kills workers by the pids in ``processes.json`` (a random
+non-zero worker at a random moment, then process 0, then SIGSTOPs one; the spare is one of
+generation 1's workers) and checks that the job ends on its own
 with the state of a failure-free single-process run of the same topology (per-leaf
 relative norm <= 1e-4: gloo sums in another order than the in-process all-reduce).
 Every subprocess has a timeout and is killed in a ``finally``.
@@ -22,7 +23,7 @@ import pytest
 
 from resilax._src.runtime import jaxdist
 from resilax._src.runtime.launched import LaunchEnv
-from resilax.tools.launch import PROCESSES_JSON, Supervisor, heartbeats
+from resilax.tools.launch import PROCESSES_JSON, Supervisor, heartbeats, spare_heartbeats
 
 STEPS, EVERY = 40, 5
 TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
@@ -71,6 +72,16 @@ def _past(run_dir, gen, step):
     return len(s) == 4 and all(v is not None and v >= step for v in s.values())
 
 
+def _ready_spare(run_dir):
+    """The pid of a spare that is warm and waiting, or None."""
+    procs = _processes(run_dir) or {}
+    hbs = spare_heartbeats(run_dir)
+    for k, pid in (procs.get("spares") or {}).items():
+        if (hbs.get(int(k)) or {}).get("pid") == pid and hbs[int(k)].get("phase") == "spare":
+            return pid
+    return None
+
+
 def _rel_diff(a, b) -> float:
     assert sorted(a.files) == sorted(b.files)
     worst = 0.0
@@ -103,11 +114,13 @@ def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
     log = open(tmp_path / "launch.log", "wb")
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "4", "--devices-per-process", "2", "--run-dir", str(run),
            "--heartbeat", "0.2", "--heartbeat-timeout", "2", "--min-step-deadline", "20", "--max-restarts", "4",
-           "--", *TRAIN, "--out", str(out)]
+           "--spares", "1", "--", *TRAIN, "--out", str(out)]
     p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     done = []
     try:
         # generation 0: a random non-zero worker, at a random moment after the first checkpoint
+        # (once the spare, started with generation 0, is warm: it becomes a worker of generation 1)
+        spare = _wait(lambda: _ready_spare(run), 180, "a warm spare", p)
         _wait(lambda: _past(run, 0, EVERY + 2), 180, "generation 0 past step 7", p)
         time.sleep(rng.uniform(0, 1.0))
         victim = rng.randrange(1, 4)
@@ -116,6 +129,7 @@ def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
         done.append(("SIGKILL", victim))
         # generation 1: process 0 (its death must not take the job down: the service is elsewhere)
         procs = _wait(lambda: _running(run, 1), 120, "generation 1 running", p)
+        assert spare in procs["workers"].values(), (spare, procs)  # the spare took a place, the rest are fresh
         _wait(lambda: _past(run, 1, 2 * EVERY + 2), 180, "generation 1 past step 12", p)
         time.sleep(rng.uniform(0, 1.0))
         reached.append(min(_steps(run, 1).values()))
@@ -140,6 +154,7 @@ def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
     assert "process 0 " in hist[1]["why"] and "signal SIGKILL" in hist[1]["why"]
     assert "hung: heartbeat" in hist[2]["why"] and f"process {done[2][1]} " in hist[2]["why"]
     assert _processes(run)["status"] == "done" and _processes(run)["generation"] == 3
+    assert _processes(run)["spares"] == {} and "from warm spares [0]" in text, text[-3000:]
     final = np.load(out, allow_pickle=False)
     digest = (pathlib.Path(f"{out}.sha256").read_text().split()[0])
     import hashlib
@@ -194,6 +209,116 @@ def test_supervisor_ends_cleanly_when_workers_exit_0_and_sets_their_env(tmp_path
     assert [e.process_id for e in envs] == [0, 1] and {e.num_processes for e in envs} == {2}
     assert envs[0].coordinator == envs[1].coordinator and envs[0].coordinator.startswith("127.0.0.1:")
     assert _processes(tmp_path / "run")["status"] == "done"
+
+
+# A worker that is a spare first (or not), then plays a resilax worker: heartbeats with a
+# completed step (so the supervisor refills its spares), records what it saw, and:
+# generation 0 process 1 fails once both spares are ready; generation 1 exits 0 once both
+# spares are ready again (refilled); generation 0 process 0 waits to be stopped.
+SPARE_WORKER = r"""
+import json, os, sys, time
+from resilax._src.runtime import launched
+was_spare = launched.is_spare()
+if was_spare:
+    print("warm and waiting", flush=True)
+e = launched.wait_for_assignment(prefetch=False)
+assert launched.env() == e and os.environ["RESILAX_PROCESS_ID"] == str(e.process_id) and not launched.is_spare()
+print(f"assigned: g{e.generation} p{e.process_id}", flush=True)
+hb = launched._Heartbeat(e)
+hb.first_step_t = time.time()
+hb.beat()
+
+def ready_spares():
+    try:
+        procs = json.load(open(os.path.join(e.run_dir, "processes.json")))
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for k, pid in procs.get("spares", {}).items():
+        try:
+            h = json.load(open(os.path.join(e.run_dir, "heartbeats", f"spare{k}.json")))
+        except (OSError, ValueError):
+            continue
+        if h.get("pid") == pid and h.get("phase") == "spare":
+            out[k] = pid
+    return out
+
+if (e.generation, e.process_id) == (0, 0):
+    time.sleep(120)
+t0 = time.time()
+while len(seen := ready_spares()) < 2:
+    if time.time() - t0 > 90:
+        sys.exit(5)
+    time.sleep(0.05)
+with open(os.path.join(e.run_dir, f"g{e.generation}.p{e.process_id}.json"), "w") as f:
+    json.dump({"pid": os.getpid(), "was_spare": was_spare, "spares_seen": seen}, f)
+sys.exit(3 if e.generation == 0 else 0)
+"""
+
+
+def test_supervisor_spares_become_the_next_generations_workers_and_are_refilled(tmp_path, capsys):
+    run = tmp_path / "run"
+    sup = _sup(tmp_path, SPARE_WORKER, spares=2, max_restarts=1)
+    assert sup.run() == 0
+    hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["failed", "done"] and "process 1 " in hist[0]["why"], hist
+    g0 = json.loads((run / "g0.p1.json").read_text())
+    first_spares = g0["spares_seen"]  # started once generation 0 had completed a step
+    assert not g0["was_spare"] and sorted(first_spares) == ["0", "1"], g0
+    g1 = [json.loads((run / f"g1.p{i}.json").read_text()) for i in range(2)]
+    # both workers of generation 1 are the former spares (same pids), and they saw two new
+    # spares started after them
+    assert all(r["was_spare"] for r in g1) and sorted(r["pid"] for r in g1) == sorted(first_spares.values()), g1
+    refilled = g1[0]["spares_seen"]
+    assert sorted(refilled) == ["2", "3"] and not set(refilled.values()) & set(first_spares.values()), g1
+    procs = _processes(run)
+    assert procs["status"] == "done" and procs["spares"] == {} and procs["generation"] == 1
+    for pid in refilled.values():  # killed (and reaped) when the job ended
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    out = capsys.readouterr().out
+    assert "[spare0] warm and waiting" in out and (run / "logs" / "spare0.log").read_text() == "warm and waiting\n"
+    for i in range(2):  # after the assignment the spare's output is the worker's
+        assert f"[g1 p{i}] assigned: g1 p{i}" in out and (run / "logs" / f"g1.p{i}.log").read_text() == \
+            f"assigned: g1 p{i}\n"
+
+
+def test_supervisor_replaces_a_spare_that_dies_or_hangs_without_failing_the_job(tmp_path, capsys):
+    # the worker SIGKILLs the first spare, then SIGSTOPs the second (its heartbeat goes
+    # stale), and exits 0 once a third is warm: one generation, no failure
+    code = SPARE_WORKER.split("if (e.generation, e.process_id) == (0, 0):")[0] + r"""
+import signal
+def wait_for(pred):
+    t0 = time.time()
+    while not (v := pred()):
+        if time.time() - t0 > 90:
+            sys.exit(5)
+        time.sleep(0.05)
+    return v
+os.kill(wait_for(lambda: ready_spares().get("0")), signal.SIGKILL)
+os.kill(wait_for(lambda: ready_spares().get("1")), signal.SIGSTOP)
+wait_for(lambda: ready_spares().get("2"))
+"""
+    sup = Supervisor([sys.executable, "-c", code], n=1, devices_per_process=1, run_dir=tmp_path / "run",
+                     heartbeat_s=0.1, heartbeat_timeout_s=1.0, startup_timeout_s=20, spares=1, max_restarts=0)
+    assert sup.run() == 0
+    hist = json.loads((tmp_path / "run" / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["done"], hist
+    said = capsys.readouterr().out
+    assert "spare 0 (pid " in said and "exited with signal SIGKILL; replacing it" in said, said[-3000:]
+    assert "spare 1 (pid " in said and "hung: heartbeat" in said, said[-3000:]
+    assert sorted(spare_heartbeats(tmp_path / "run")) == [0, 1, 2]  # one start per loss, no more
+    assert _processes(tmp_path / "run")["spares"] == {}
+
+
+def test_launch_cli_rejects_negative_spares(tmp_path):
+    from helpers import child_env
+
+    r = subprocess.run([sys.executable, "-m", "resilax", "launch", "-n", "2", "--spares", "-1", "--run-dir",
+                        str(tmp_path), "--", sys.executable, "-c", "pass"],
+                       env=child_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--spares must be an integer >= 0" in r.stderr, r.stderr
+    assert not (tmp_path / PROCESSES_JSON).exists()
 
 
 def test_launch_cli_rejects_a_missing_command(tmp_path):

@@ -16,7 +16,10 @@ restored worker's events:
 ``kill_to_resume_s`` is the kill -> the job is back at the step it had reached. The run
 is done twice in one invocation: with the host state store (the new generation restores
 every shard from the hosts' stores, the dead host's from its neighbour's mirror) and with
-``--host-store-every 0`` (relaunch + the newest Orbax checkpoint: ``restart_*``).
+``--host-store-every 0`` (relaunch + the newest Orbax checkpoint: ``restart_*``); with
+``--spares S`` a third time with the host state store and S warm spares (``spares_*``: the
+new generation's first S workers are processes that already imported JAX and resilax; the
+kill waits until they are warm).
 ``final_max_rel_diff`` compares the final state with a failure-free single-process run
 of the same topology.
 """
@@ -35,7 +38,7 @@ import tempfile
 import time
 
 from resilax._src.io import write_json
-from resilax.tools.launch import heartbeats
+from resilax.tools.launch import heartbeats, spare_heartbeats
 
 
 def add_arguments(p) -> None:
@@ -46,6 +49,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
+    p.add_argument("--spares", type=int, default=0, metavar="S",
+                   help="also measure the host-store run with `resilax launch --spares S` (0: not measured)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory)")
 
@@ -76,19 +81,33 @@ def _rel_diff(a, b) -> float:
     return worst
 
 
+def _warm_spares(run: pathlib.Path) -> int:
+    try:
+        procs = json.loads((run / "processes.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    hbs = spare_heartbeats(run)
+    return sum((hbs.get(int(k)) or {}).get("pid") == pid and hbs[int(k)].get("phase") == "spare"
+               for k, pid in (procs.get("spares") or {}).items())
+
+
 def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, kill_after, rng, store_every,
-                   ref) -> dict:
-    """One launch; SIGKILL one random worker once every worker is past ``kill_after``."""
+                   ref, spares=0) -> dict:
+    """One launch; SIGKILL one random worker once every worker is past ``kill_after`` (and
+    ``spares`` spares are warm)."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", str(n), "--devices-per-process", str(devices_per_process),
            "--run-dir", str(run), "--heartbeat", "0.1", "--heartbeat-timeout", "3", "--max-restarts", "2",
-           "--host-store-every", str(store_every), "--", *train, "--out", str(out), "--summary", str(summ)]
+           "--host-store-every", str(store_every), "--spares", str(spares), "--", *train, "--out", str(out),
+           "--summary", str(summ)]
     log = open(work / "launch.log", "wb")
     p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait(lambda: len(h := heartbeats(run, 0)) == n and all((x.get("step") or 0) >= kill_after for x in h.values()),
               600, f"every worker past step {kill_after}", p)
+        if spares:
+            _wait(lambda: _warm_spares(run) >= spares, 600, f"{spares} warm spares", p)
         time.sleep(rng.uniform(0, 0.5))
         procs = json.loads((run / "processes.json").read_text())
         victim = rng.randrange(n)
@@ -119,6 +138,8 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
     noticed = hist[0]["ended"]
     import numpy as np
 
+    gen1 = [line for line in (work / "launch.log").read_text(errors="replace").splitlines()
+            if "] generation 1: " in line]
     return {
         "kill_to_resume_s": t_resume - t_kill,
         "phases": {"detect": noticed - t_kill, "agree": joined_t - noticed, "restore": restore_s,
@@ -127,21 +148,25 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
         "final_max_rel_diff": _rel_diff(np.load(out, allow_pickle=False), ref),
         "killed_process": victim, "kill_step": kill_step, "restored_step": restored_step,
         "restored_from": [e["source"] for e in restore], "detected_as": hist[0]["why"],
+        "spares": spares, "generation_1": gen1[0].split("] ", 1)[1] if gen1 else None,
     }
 
 
 def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=40, checkpoint_every=5,
-                       kill_after=12, seed=None, workdir=None) -> dict:
+                       kill_after=12, seed=None, workdir=None, spares=0) -> dict:
     import numpy as np
 
+    if spares < 0:
+        raise ValueError(f"resilax bench multiprocess: --spares must be >= 0, got {spares}")
     rng = random.Random(seed)
+    runs = 4 if spares else 3
     own = workdir is None
     work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mp-"))
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     train = ["resilax", "train", "--topology", topology, "--layout", "sharded", "--steps", str(steps),
              "--checkpoint-every", str(checkpoint_every), "--log-every", "10"]
-    print(f"[1/3] failure-free single-process reference: {topology}, {steps} steps", flush=True)
+    print(f"[1/{runs}] failure-free single-process reference: {topology}, {steps} steps", flush=True)
     r = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--quiet", "--checkpoint-dir",
                         str(work / "ref_ck"), "--out", str(work / "ref.npz")], env=dict(os.environ), timeout=600,
                        capture_output=True, text=True)
@@ -149,13 +174,20 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         raise RuntimeError(f"resilax bench multiprocess: the reference run failed:\n{r.stderr[-3000:]}")
     ref = np.load(work / "ref.npz", allow_pickle=False)
     common = dict(n=n, devices_per_process=devices_per_process, kill_after=kill_after, ref=ref)
-    print(f"[2/3] resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every step): "
-          f"SIGKILL a random worker past step {kill_after}", flush=True)
+    print(f"[2/{runs}] resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every "
+          f"step): SIGKILL a random worker past step {kill_after}", flush=True)
     (work / "store").mkdir()
     a = _kill_and_time(work / "store", train, rng=random.Random(rng.random()), store_every=1, **common)
-    print("[3/3] the same kill with --host-store-every 0: relaunch + Orbax checkpoint restore", flush=True)
+    print(f"[3/{runs}] the same kill with --host-store-every 0: relaunch + Orbax checkpoint restore", flush=True)
     (work / "restart").mkdir()
     b = _kill_and_time(work / "restart", train, rng=random.Random(rng.random()), store_every=0, **common)
+    c = None
+    if spares:
+        print(f"[4/{runs}] the host-store run with --spares {spares}: the new generation's workers come from warm "
+              f"spares", flush=True)
+        (work / "spares").mkdir()
+        c = _kill_and_time(work / "spares", train, rng=random.Random(rng.random()), store_every=1, spares=spares,
+                           **common)
     result = {
         "kill_to_resume_s": a["kill_to_resume_s"], "phases": a["phases"], "lost_steps": a["lost_steps"],
         "final_max_rel_diff": a["final_max_rel_diff"],
@@ -166,8 +198,12 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
                          "stores off (newest Orbax checkpoint)",
         "host_store_run": a, "restart_run": b,
         "setup": {"processes": n, "devices_per_process": devices_per_process, "topology": topology, "steps": steps,
-                  "checkpoint_every": checkpoint_every, "cpu_count": os.cpu_count()},
+                  "checkpoint_every": checkpoint_every, "cpu_count": os.cpu_count(), "spares": spares},
     }
+    if c is not None:
+        result.update({"spares_kill_to_resume_s": c["kill_to_resume_s"], "spares_phases": c["phases"],
+                       "spares_lost_steps": c["lost_steps"], "spares_final_max_rel_diff": c["final_max_rel_diff"],
+                       "spares_run": c})
     if own:
         shutil.rmtree(work, ignore_errors=True)
     return result
@@ -176,17 +212,22 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
 def run(args) -> int:
     r = bench_multiprocess(n=args.n, devices_per_process=args.devices_per_process, topology=args.topology,
                            steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
-                           seed=args.seed, workdir=args.workdir)
-    print(f"\n{'':<28}{'host store':>12}{'restart':>12}")
-    a, b = r["host_store_run"], r["restart_run"]
-    print(f"{'kill -> resume (s)':<28}{a['kill_to_resume_s']:12.2f}{b['kill_to_resume_s']:12.2f}")
-    for k in a["phases"]:
-        print(f"  {k:<26}{a['phases'][k]:12.2f}{b['phases'][k]:12.2f}")
-    print(f"{'killed at step':<28}{a['kill_step']:12d}{b['kill_step']:12d}")
-    print(f"{'restored step':<28}{a['restored_step']:12d}{b['restored_step']:12d}")
-    print(f"{'lost steps':<28}{a['lost_steps']:12d}{b['lost_steps']:12d}")
-    print(f"{'final max rel diff':<28}{a['final_max_rel_diff']:12.1e}{b['final_max_rel_diff']:12.1e}"
-          f"  (vs failure-free single-process run)")
+                           seed=args.seed, workdir=args.workdir, spares=args.spares)
+    runs = [r["host_store_run"], r["restart_run"]] + ([r["spares_run"]] if "spares_run" in r else [])
+    heads = ["host store", "restart"] + ([f"+{args.spares} spares"] if "spares_run" in r else [])
+
+    def row(label, vals, fmt):
+        print(f"{label:<28}" + "".join(format(v, fmt) for v in vals))
+
+    print(f"\n{'':<28}" + "".join(f"{h:>14}" for h in heads))
+    row("kill -> resume (s)", [x["kill_to_resume_s"] for x in runs], "14.2f")
+    for k in runs[0]["phases"]:
+        row(f"  {k}", [x["phases"][k] for x in runs], "14.2f")
+    row("killed at step", [x["kill_step"] for x in runs], "14d")
+    row("restored step", [x["restored_step"] for x in runs], "14d")
+    row("lost steps", [x["lost_steps"] for x in runs], "14d")
+    row("final max rel diff", [x["final_max_rel_diff"] for x in runs], "14.1e")
+    print("(final max rel diff: vs a failure-free single-process run)")
     if args.json:
         write_json(args.json, r)
         print(f"wrote {args.json}")

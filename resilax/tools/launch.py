@@ -1,6 +1,6 @@
 """`resilax launch`: a supervisor for N JAX worker processes on 127.0.0.1.
 
-    resilax launch -n 4 --devices-per-process 2 --run-dir D -- resilax train --topology cpu-4x2 ...
+    resilax launch -n 4 --devices-per-process 2 --run-dir D [--spares S] -- resilax train --topology cpu-4x2 ...
 
 The supervisor does no JAX compute. Per *generation* it starts a coordination service on
 a fresh loopback port (in this process, so no worker's death takes it down), starts N
@@ -15,11 +15,26 @@ them inside `Topology`/`wrap`), keeps ``D/processes.json`` current and watches t
   collective whose peer is gone) is hung too.
 
 On any death every other worker of the generation is SIGKILLed (their collectives are
-broken) and a new generation starts with N fresh workers on a new service; they resume
-from durable state (the newest Orbax checkpoint). At most ``--max-restarts`` new
-generations; then the supervisor exits with the last failure's code. SIGTERM/SIGINT to the
-supervisor are forwarded to the workers (each saves at the next preemption sync point and
-exits); a generation whose workers all exit 0 ends the job with 0.
+broken) and a new generation starts with N workers on a new service; they resume from
+durable state (the host state stores, else the newest Orbax checkpoint). At most
+``--max-restarts`` new generations; then the supervisor exits with the last failure's code.
+SIGTERM/SIGINT to the supervisor are forwarded to the workers (each saves at the next
+preemption sync point and exits); a generation whose workers all exit 0 ends the job with 0.
+
+``--spares S`` keeps S *spares* warm: processes of CMD started with ``RESILAX_SPARE`` (the
+path of their assignment file, ``D/spares/spare<k>.json``) instead of a place in the job.
+A spare imports JAX and resilax without starting a backend, writes ``phase: spare`` to
+``D/heartbeats/spare<k>.json`` and waits. A new generation takes its workers from the ready
+spares first (the supervisor writes each its `LaunchEnv` as JSON, atomically; the spare
+then joins like a fresh worker, minus Python start-up and imports) and starts fresh
+processes for the rest. The first S spares start with the first generation (whose workers
+are all fresh); after a recovery, new spares are started to get back to S once every worker
+of the new generation has completed a step (or after ``--startup-timeout``), so they do not
+compete for CPU with a recovering generation. A spare that dies, is not ready within
+``--startup-timeout``, or whose heartbeat goes stale once ready is replaced (not a job
+failure); spares are killed on SIGTERM and when the job ends. Their output goes to
+``D/logs/spare<k>.log`` (prefix ``[spare<k>]``), then, once assigned, to the worker's log
+with its ``[g<g> p<i>]`` prefix.
 
 Why a new generation and not a rejoin: a replacement joining the same service under the
 same process id connects, but gloo then fails (``ALREADY_EXISTS: key cpu:gloo/...``);
@@ -42,10 +57,12 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore
+from resilax._src.runtime import launched
 from resilax._src.runtime.launched import LaunchEnv
 
 PROCESSES_JSON = "processes.json"
-HEARTBEATS = "heartbeats"  # D/heartbeats/g<generation>.p<process id>.json
+HEARTBEATS = "heartbeats"  # D/heartbeats/g<generation>.p<process id>.json; spares: spare<k>.json
+SPARES = "spares"  # D/spares/spare<k>.json: a spare's assignment
 _STOPPED = "another worker of its generation died"
 
 
@@ -85,27 +102,49 @@ def heartbeats(run_dir, generation: int) -> dict[int, dict]:
     return out
 
 
+def spare_heartbeats(run_dir) -> dict[int, dict]:
+    """``{spare index: heartbeat record}`` (pid, t, phase ``warming``/``spare``/``assigned``)
+    of the spares that wrote one; unreadable files are left out."""
+    out = {}
+    for f in (pathlib.Path(run_dir) / HEARTBEATS).glob("spare*.json"):
+        try:
+            out[int(f.stem[len("spare"):])] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _say(msg: str) -> None:
     print(f"[resilax launch {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class _Worker:
-    def __init__(self, pid_: int, env: LaunchEnv, proc: subprocess.Popen, log_path: pathlib.Path):
-        self.process_id = pid_
-        self.env = env
-        self.proc = proc
-        self.log_path = log_path
-        self.started = time.time()
-        self.rc: int | None = None
-        self.killed_for: str | None = None
-        self._pump = threading.Thread(target=self._forward, daemon=True)
-        self._pump.start()
+class _Output(threading.Thread):
+    """Copies a child's output to its log file and, prefixed, to the supervisor's stdout. The
+    prefix and the log change when a spare becomes a worker (`relabel`)."""
 
-    def _forward(self):
-        """Copies the worker's output to its log file and, prefixed, to the supervisor's stdout."""
-        prefix = f"[g{self.env.generation} p{self.process_id}] "
-        with open(self.log_path, "ab") as log:
+    def __init__(self, proc: subprocess.Popen, prefix: str, log_path: pathlib.Path):
+        super().__init__(daemon=True)
+        self.proc = proc
+        self._lock = threading.Lock()
+        self._label = (prefix, log_path)
+        self.start()
+
+    def relabel(self, prefix: str, log_path: pathlib.Path):
+        open(log_path, "ab").close()  # every worker has its log, output or not
+        with self._lock:
+            self._label = (prefix, log_path)
+
+    def run(self):
+        path = self._label[1]
+        log = open(path, "ab")
+        try:
             for line in iter(self.proc.stdout.readline, b""):
+                with self._lock:
+                    prefix, want = self._label
+                if want != path:
+                    if log is not None:
+                        log.close()
+                    log, path = open(want, "ab"), want
                 log.write(line)
                 log.flush()
                 try:
@@ -113,6 +152,58 @@ class _Worker:
                     sys.stdout.flush()
                 except (OSError, ValueError):
                     pass
+        finally:
+            if log is not None:
+                log.close()
+
+
+class _Spare:
+    """A warm process of the worker command waiting for its assignment."""
+
+    def __init__(self, index: int, proc: subprocess.Popen, out: _Output, heartbeat_file: pathlib.Path,
+                 assignment: pathlib.Path):
+        self.index = index
+        self.proc = proc
+        self.out = out
+        self.heartbeat_file = heartbeat_file
+        self.assignment = assignment
+        self.started = time.time()
+
+    def heartbeat(self) -> dict | None:
+        try:
+            with open(self.heartbeat_file) as f:
+                hb = json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        return hb if hb.get("pid") == self.proc.pid else None
+
+    def ready(self, max_age_s: float) -> bool:
+        """Alive, imported and waiting, with a fresh heartbeat (a SIGSTOPped spare is not)."""
+        hb = self.heartbeat() or {}
+        return self.proc.poll() is None and hb.get("phase") == "spare" and time.time() - hb["t"] <= max_age_s
+
+    def kill(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class _Worker:
+    def __init__(self, pid_: int, env: LaunchEnv, proc: subprocess.Popen, out: _Output, spare: int | None = None):
+        self.process_id = pid_
+        self.env = env
+        self.proc = proc
+        self._pump = out
+        self.spare = spare  # the spare index it was, or None (started fresh)
+        self.started = time.time()
+        self.rc: int | None = None
+        self.killed_for: str | None = None
 
     def heartbeat(self) -> dict | None:
         try:
@@ -147,18 +238,22 @@ class Supervisor:
         step deadline, so a collective on a dead peer errors instead of waiting 30 minutes).
       startup_timeout_s: a generation whose workers have not all written a heartbeat by
         then is a failure.
+      spares: processes kept warm (imported, waiting) to become the next generation's
+        workers (see the module docstring); 0: every worker is started fresh.
     """
 
     def __init__(self, cmd, *, n: int, devices_per_process: int, run_dir, max_restarts: int = 3,
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, step_deadline_factor: float = 20.0,
                  min_step_deadline_s: float = 30.0, collective_timeout_s: int | None = None,
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 10, grace_s: float = 60.0,
-                 host_store_every: int = 1):
+                 host_store_every: int = 1, spares: int = 0):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if n < 1 or devices_per_process < 1:
             raise ValueError(f"resilax launch: -n and --devices-per-process must be >= 1, got {n} and "
                              f"{devices_per_process}")
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ValueError(f"resilax launch: --spares must be an integer >= 0 (0: no warm spares), got {spares!r}")
         if heartbeat_timeout_s <= heartbeat_s:
             raise ValueError(f"resilax launch: --heartbeat-timeout ({heartbeat_timeout_s} s) must exceed the heartbeat "
                              f"interval --heartbeat ({heartbeat_s} s)")
@@ -184,6 +279,12 @@ class Supervisor:
         self._term: int | None = None
         self._dead_process: int | None = None
         self._service = None
+        self.num_spares = spares
+        self.spares: list[_Spare] = []
+        self._spare_count = 0  # spare indices are never reused within a job
+        self._spare_backoff_until = 0.0
+        self._spare_failures = 0
+        self._t_gen = time.time()
 
     # ------------------------------------------------------------------ files
     def _write_processes(self, status: str):
@@ -191,6 +292,7 @@ class Supervisor:
             "generation": self.generation, "supervisor": os.getpid(),
             "workers": {str(w.process_id): w.proc.pid for w in self.workers if w.proc.poll() is None},
             "status": status, "coordinator": self.workers[0].env.coordinator if self.workers else None,
+            "spares": {str(s.index): s.proc.pid for s in self.spares if s.proc.poll() is None},
         })
 
     # ------------------------------------------------------------------ one generation
@@ -204,6 +306,7 @@ class Supervisor:
         (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.workers = []
+        ready = [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
         for i in range(self.n):
             env = LaunchEnv(
                 coordinator=f"127.0.0.1:{port}", process_id=i, num_processes=self.n, generation=g,
@@ -213,13 +316,97 @@ class Supervisor:
                 init_timeout_s=int(min(self.startup_timeout_s, 600)),
                 host_store=str(self.store_root or ""), host_store_every=self.host_store_every,
                 host_store_step=-1 if self.store_step is None else self.store_step)
-            proc = subprocess.Popen(self.cmd, env={**os.environ, **env.to_env(), "PYTHONUNBUFFERED": "1"},
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-            self.workers.append(_Worker(i, env, proc, self.run_dir / "logs" / f"g{g}.p{i}.log"))
+            prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
+            if ready:  # a warm spare: tell it its place (it then joins like a fresh worker)
+                s = ready.pop(0)
+                self.spares.remove(s)
+                write_json(s.assignment, env.to_dict())
+                s.out.relabel(prefix, log)
+                self.workers.append(_Worker(i, env, s.proc, s.out, spare=s.index))
+                continue
+            proc = self._popen({**env.to_env(), "PYTHONUNBUFFERED": "1"})
+            self.workers.append(_Worker(i, env, proc, _Output(proc, prefix, log)))
+        self._t_gen = time.time()
         self._write_processes("running")
+        from_spares = [w.process_id for w in self.workers if w.spare is not None]
         _say(f"generation {g}: {self.n} workers x {self.k} devices, coordinator 127.0.0.1:{port}, pids "
-             f"{[w.proc.pid for w in self.workers]}")
+             f"{[w.proc.pid for w in self.workers]}"
+             + (f"; processes {from_spares} from warm spares "
+                f"{[w.spare for w in self.workers if w.spare is not None]}" if from_spares else ""))
+
+    def _popen(self, env: dict) -> subprocess.Popen:
+        # From the main thread only: PR_SET_PDEATHSIG fires when the *thread* that forked the
+        # child exits, so a child started from a short-lived thread would die with it.
+        return subprocess.Popen(self.cmd, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    # ------------------------------------------------------------------ warm spares
+    def _start_spare(self):
+        k = self._spare_count
+        self._spare_count += 1
+        assignment = self.run_dir / SPARES / f"spare{k}.json"
+        hb = self.run_dir / HEARTBEATS / f"spare{k}.json"
+        for f in (assignment, hb):
+            f.unlink(missing_ok=True)
+        proc = self._popen({launched.SPARE_ENV: str(assignment), launched.SPARE_HEARTBEAT_ENV: str(hb),
+                            launched.SPARE_HEARTBEAT_S_ENV: str(self.heartbeat_s), "PYTHONUNBUFFERED": "1"})
+        self.spares.append(_Spare(k, proc, _Output(proc, f"[spare{k}] ", self.run_dir / "logs" / f"spare{k}.log"),
+                                  hb, assignment))
+        return proc.pid
+
+    def _settled(self, now: float) -> bool:
+        """Spares may be started: with the first generation (there is no lost progress to
+        win back yet, and an early failure finds them ready), else once every live worker
+        of the generation has completed a step (or it has run for the startup timeout), so
+        that new spares do not compete for CPU with a recovering generation."""
+        if self.generation == 0 or now - self._t_gen > self.startup_timeout_s:
+            return True
+        return all(w.proc.poll() is not None or (w.heartbeat() or {}).get("first_step_t") for w in self.workers)
+
+    def _tend_spares(self, now: float):
+        """Replaces spares that died or hung; starts new ones up to ``--spares`` once the
+        generation has settled. Never a job failure."""
+        changed = False
+        for s in list(self.spares):
+            rc = s.proc.poll()
+            hb = s.heartbeat()
+            why = None
+            phase = (hb or {}).get("phase")
+            if rc is not None:
+                why = f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
+            elif phase != "spare" and now - s.started > self.startup_timeout_s:  # importing may hold the GIL
+                why = f"not ready within --startup-timeout {self.startup_timeout_s:g} s (phase {phase})"
+            elif phase == "spare" and now - hb["t"] > self.heartbeat_timeout_s:
+                why = f"hung: heartbeat {now - hb['t']:.1f} s old"
+            if why is None:
+                continue
+            s.kill()
+            s.out.join(timeout=2)
+            self.spares.remove(s)
+            changed = True
+            if phase != "spare":  # never got ready: back off before the next one
+                self._spare_failures += 1
+                self._spare_backoff_until = now + min(60.0, 2.0 ** self._spare_failures)
+            _say(f"spare {s.index} (pid {s.proc.pid}) {why}; replacing it"
+                 + (f" in {self._spare_backoff_until - now:.0f} s" if self._spare_backoff_until > now else ""))
+        if self._term is None and len(self.spares) < self.num_spares and now >= self._spare_backoff_until \
+                and self._settled(now):
+            pids = [self._start_spare() for _ in range(self.num_spares - len(self.spares))]
+            _say(f"started {len(pids)} warm spare(s): pids {pids}")
+            changed = True
+        for s in self.spares:
+            if self._spare_failures and s.ready(self.heartbeat_timeout_s):
+                self._spare_failures = 0
+        if changed:
+            self._write_processes("running")
+
+    def _kill_spares(self):
+        for s in self.spares:
+            s.kill()
+        for s in self.spares:
+            s.out.join(timeout=2)
+        self.spares = []
 
     def _stop_generation(self, why: str):
         for w in self.workers:
@@ -286,6 +473,11 @@ class Supervisor:
                             w.proc.send_signal(signal.SIGTERM)
                         except ProcessLookupError:
                             pass
+                if self.spares:
+                    self._kill_spares()  # nothing to save; none are started from now on
+                    self._write_processes("running")
+            if self.num_spares:
+                self._tend_spares(now)
             for w in self.workers:
                 why = self._check(w, now)
                 if why is not None and (why.startswith("hung: no step") or (w.rc or 0) > 0):
@@ -312,6 +504,11 @@ class Supervisor:
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.num_spares:
+            shutil.rmtree(self.run_dir / SPARES, ignore_errors=True)  # a former launch's assignments
+            (self.run_dir / SPARES).mkdir(parents=True)
+            (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         if self.host_store_every:
             self._make_store()
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -328,6 +525,7 @@ class Supervisor:
                     outcome = "term"  # SIGTERM reached a worker directly (not through this supervisor)
                     self.history[-1]["outcome"] = outcome
                 if outcome in ("done", "term"):
+                    self._kill_spares()
                     self._stop_generation("generation ended")
                     self._write_processes("done" if outcome == "done" else "preempted")
                     _say(f"generation {self.generation}: all {self.n} workers exited 0"
@@ -346,9 +544,11 @@ class Supervisor:
                     _say(f"host stores hold every process's shards up to step {self.store_step}"
                          if self.store_step is not None else "host stores hold no complete step")
                 if self._term is not None:
+                    self._kill_spares()
                     self._write_processes("failed")
                     return rc
                 if self.generation >= self.max_restarts:
+                    self._kill_spares()
                     self._write_processes("failed")
                     _say(f"giving up: {self.generation} restarts (--max-restarts {self.max_restarts}); exit {rc}")
                     return rc
@@ -356,6 +556,7 @@ class Supervisor:
         finally:
             for w in self.workers:
                 w.kill()
+            self._kill_spares()
             if self._service is not None:
                 self._service.shutdown()
                 self._service = None
@@ -405,6 +606,9 @@ def register_cli(sub) -> None:
     p.add_argument("--host-store-every", type=int, default=1, metavar="K",
                    help="workers copy their shards to the host state store (RAM, mirrored to the next host) every K "
                         "steps; a new generation restores from there (0: off, restore from checkpoints only)")
+    p.add_argument("--spares", type=int, default=0, metavar="S",
+                   help="keep S processes of the command warm (JAX imported, waiting); a new generation takes its "
+                        "workers from them first (0: every worker starts fresh)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     p.set_defaults(func=_cmd_launch)
 
@@ -418,7 +622,8 @@ def _cmd_launch(args) -> int:
                          max_restarts=args.max_restarts, heartbeat_s=args.heartbeat,
                          heartbeat_timeout_s=args.heartbeat_timeout, step_deadline_factor=args.step_deadline_factor,
                          min_step_deadline_s=args.min_step_deadline, collective_timeout_s=args.collective_timeout,
-                         startup_timeout_s=args.startup_timeout, host_store_every=args.host_store_every)
+                         startup_timeout_s=args.startup_timeout, host_store_every=args.host_store_every,
+                         spares=args.spares)
     except ValueError as e:
         print(f"resilax: error: {e}", file=sys.stderr)
         return 2

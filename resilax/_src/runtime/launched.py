@@ -10,6 +10,13 @@ supervisor three things: the process runs (a SIGSTOPped or dead process stops wr
 which phase it is in, and when the last step completed (a step that takes far longer than
 the measured step time is a hang, and the supervisor kills the worker).
 
+A *spare* (``resilax launch --spares S``) is a process of the same command started ahead of
+need with ``RESILAX_SPARE`` (its assignment file) instead of a place in the job. `initialize`
+in a spare imports JAX and resilax's heavy modules without starting a JAX backend, reports
+the phase ``spare`` in its own heartbeat file, and waits for the supervisor to write its
+assignment (the full `LaunchEnv`, as JSON); from then on it is a worker like any other
+(`env()` and the ``RESILAX_*`` variables hold the assigned values).
+
 Outside `resilax launch` every function here is a no-op (`env()` is None).
 """
 
@@ -22,6 +29,10 @@ import threading
 import time
 
 ENV_PREFIX = "RESILAX_"
+SPARE_ENV = "RESILAX_SPARE"  # a spare: the path of the assignment file the supervisor writes
+SPARE_HEARTBEAT_ENV = "RESILAX_SPARE_HEARTBEAT"  # where a spare writes its heartbeat
+SPARE_HEARTBEAT_S_ENV = "RESILAX_SPARE_HEARTBEAT_S"
+_TYPES = {"str": str, "int": int, "float": float}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,32 +62,59 @@ class LaunchEnv:
         environ = os.environ if environ is None else environ
         if ENV_PREFIX + "COORDINATOR" not in environ:
             return None
+        missing = [ENV_PREFIX + f.name.upper() for f in dataclasses.fields(cls)
+                   if ENV_PREFIX + f.name.upper() not in environ and f.default is dataclasses.MISSING]
+        if missing:
+            from resilax._src.errors import ResilaxError
+
+            raise ResilaxError(f"resilax launch worker: {missing[0]} is missing from the environment "
+                               f"(RESILAX_COORDINATOR is set, so this process was started by `resilax launch`, which "
+                               f"sets every RESILAX_* variable); got "
+                               f"{sorted(k for k in environ if k.startswith(ENV_PREFIX))}")
+        return cls._typed({f.name: environ[ENV_PREFIX + f.name.upper()] for f in dataclasses.fields(cls)
+                           if ENV_PREFIX + f.name.upper() in environ}, "the environment")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d, where: str = "a spare's assignment") -> "LaunchEnv":
+        """The inverse of `to_dict` (a spare's assignment file); every field without a default is required."""
+        from resilax._src.errors import ResilaxError
+
+        if not isinstance(d, dict):
+            raise ResilaxError(f"resilax launch: {where} must be a JSON object of LaunchEnv fields, got "
+                               f"{type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING]
+        unknown = sorted(set(d) - names)
+        if missing or unknown:
+            raise ResilaxError(f"resilax launch: {where} lacks the fields {missing} / has unknown fields {unknown}")
+        return cls._typed(d, where)
+
+    @classmethod
+    def _typed(cls, raw: dict, where: str) -> "LaunchEnv":
         kw = {}
         for f in dataclasses.fields(cls):
-            key = ENV_PREFIX + f.name.upper()
-            if key not in environ and f.default is not dataclasses.MISSING:
-                kw[f.name] = f.default
-                continue
-            if key not in environ:
-                from resilax._src.errors import ResilaxError
+            if f.name in raw:
+                try:
+                    kw[f.name] = _TYPES[f.type](raw[f.name])
+                except (TypeError, ValueError) as e:
+                    from resilax._src.errors import ResilaxError
 
-                raise ResilaxError(f"resilax launch worker: {key} is missing from the environment (RESILAX_COORDINATOR "
-                                   f"is set, so this process was started by `resilax launch`, which sets every "
-                                   f"RESILAX_* variable); got {sorted(k for k in environ if k.startswith(ENV_PREFIX))}")
-            kw[f.name] = environ[key]
-        return cls(coordinator=kw["coordinator"], process_id=int(kw["process_id"]),
-                   num_processes=int(kw["num_processes"]), generation=int(kw["generation"]),
-                   devices_per_process=int(kw["devices_per_process"]), run_dir=kw["run_dir"],
-                   heartbeat_file=kw["heartbeat_file"], heartbeat_s=float(kw["heartbeat_s"]),
-                   jax_heartbeat_timeout_s=int(kw["jax_heartbeat_timeout_s"]),
-                   collective_timeout_s=int(kw["collective_timeout_s"]), init_timeout_s=int(kw["init_timeout_s"]),
-                   host_store=str(kw["host_store"]), host_store_step=int(kw["host_store_step"]),
-                   host_store_every=int(kw["host_store_every"]))
+                    raise ResilaxError(f"resilax launch: {where}: {f.name} = {raw[f.name]!r} is not a {f.type}") from e
+        return cls(**kw)
 
 
 def env() -> LaunchEnv | None:
-    """This worker's `LaunchEnv`, or None when not started by `resilax launch`."""
-    return LaunchEnv.from_env()
+    """This worker's `LaunchEnv`, or None when not started by `resilax launch` (or a spare
+    not assigned yet)."""
+    return _state.get("assigned") or LaunchEnv.from_env()
+
+
+def is_spare() -> bool:
+    """True in a spare that has no assignment yet (`initialize` will wait for one)."""
+    return SPARE_ENV in os.environ and "assigned" not in _state and ENV_PREFIX + "COORDINATOR" not in os.environ
 
 
 class _Heartbeat:
@@ -118,23 +156,120 @@ class _Heartbeat:
         self._stop.set()
 
 
+class _SpareHeartbeat(threading.Thread):
+    """A spare's heartbeat: ``{"pid", "spare", "t", "phase"}`` with phase ``warming`` (importing)
+    then ``spare`` (ready for an assignment); the supervisor kills a spare whose file goes stale."""
+
+    def __init__(self, path: str, every_s: float):
+        super().__init__(name="resilax-spare-heartbeat", daemon=True)
+        self.path, self.every_s, self.phase = path, every_s, "warming"
+        self._halt = threading.Event()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.beat()
+        self.start()
+
+    def beat(self):
+        tmp = f"{self.path}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"pid": os.getpid(), "spare": os.environ.get(SPARE_ENV), "t": time.time(),
+                                "phase": self.phase}))
+        os.replace(tmp, self.path)
+
+    def run(self):
+        while not self._halt.wait(self.every_s):
+            try:
+                self.beat()
+            except OSError:
+                pass
+
+    def stop(self):
+        self._halt.set()
+
+
+# Imported ahead by a spare: what a worker imports between joining and its first step. None
+# of these starts a JAX backend (that waits for jax_num_cpu_devices and the client).
+PREFETCH = ("jax", "jax.numpy", "jax.experimental.multihost_utils", "numpy", "orbax.checkpoint", "tensorstore",
+            "flax.linen", "optax", "resilax", "resilax._src.step.driver", "resilax.tools.runner",
+            "resilax.tools.example")
+
+
+def _prefetch() -> None:
+    import importlib
+
+    for name in PREFETCH:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # what the command cannot import it will not need (or will fail on after assignment)
+    from resilax._src.runtime import jaxdist
+
+    jaxdist.check()  # its JaxAssumptionError now rather than after the assignment
+    if jaxdist.backends_initialized():
+        from resilax._src.errors import ResilaxError
+
+        raise ResilaxError("resilax launch spare: JAX's backends already exist in this spare (some JAX call ran "
+                           "before resilax.launched.initialize()), so it cannot take a place in the job")
+
+
+def wait_for_assignment(prefetch: bool = True, poll_s: float = 0.01) -> LaunchEnv | None:
+    """In a spare: imports ahead (``prefetch``), reports ``spare`` in its heartbeat and blocks
+    until the supervisor writes its assignment; then sets the ``RESILAX_*`` variables to it
+    and returns it. Elsewhere: `env()` (no wait). `initialize` calls this first.
+
+    Raises:
+      ResilaxError: the assignment file is not a LaunchEnv, or JAX started in this spare.
+    """
+    if not is_spare():
+        return env()
+    path = os.environ[SPARE_ENV]
+    hb = _SpareHeartbeat(os.environ[SPARE_HEARTBEAT_ENV], float(os.environ.get(SPARE_HEARTBEAT_S_ENV, "0.5")))
+    try:
+        if prefetch:
+            _prefetch()
+        hb.phase = "spare"
+        hb.beat()
+        while True:
+            try:
+                with open(path) as f:  # the supervisor writes it whole (temporary file + rename)
+                    raw = f.read()
+                break
+            except FileNotFoundError:
+                time.sleep(poll_s)
+        try:
+            d = json.loads(raw)
+        except ValueError as e:
+            from resilax._src.errors import ResilaxError
+
+            raise ResilaxError(f"resilax launch spare: the assignment {path} is not JSON: {e}") from e
+        e = LaunchEnv.from_dict(d, f"the assignment {path}")
+        hb.phase = "assigned"
+        hb.beat()
+    finally:
+        hb.stop()
+    os.environ.update(e.to_env())  # child code (and LaunchEnv.from_env) sees the assigned place
+    os.environ.pop(SPARE_ENV, None)
+    _state["assigned"] = e
+    return e
+
+
 _state: dict = {}
 _lock = threading.Lock()
 
 
 def initialize() -> LaunchEnv | None:
-    """Joins the job `resilax launch` set up (idempotent); None outside `resilax launch`.
+    """Joins the job `resilax launch` set up (idempotent); None outside `resilax launch`. In a
+    spare it first waits for the assignment (`wait_for_assignment`).
 
     Raises:
       ResilaxError: JAX already started in this process, the service cannot be reached,
         or an assumption about JAX's internals broke (`jaxdist.JaxAssumptionError`).
     """
-    e = env()
-    if e is None:
-        return None
     with _lock:
         if "env" in _state:
             return _state["env"]
+        e = wait_for_assignment()  # a spare waits here for its place in the job
+        if e is None:
+            return None
         from resilax._src.runtime import jaxdist
 
         hb = _Heartbeat(e)  # before connecting: joining the service can take a while
