@@ -153,6 +153,7 @@ def bench_protection(args) -> dict:
     from resilax._src.step.sharding import resolve
 
     spec = ex.ExampleSpec(hidden=args.hidden, depth=args.depth, features=args.features, batch=args.batch)
+    args.model_spec = spec
     it = ex.make_iterator(spec)
     batches = [next(it) for _ in range(16)]
     template = ex.make_state(spec)
@@ -208,14 +209,21 @@ def _measure_layout(args, topo, template, batches, layout, variants, tmp, ex, re
     import resilax
 
     specs = layout(template)
-    runs, states = {}, {}
+    runs, states, wrapped = {}, {}, {}
     mesh = None
+    # every variant draws its batches from its own grain iterator (the same sequence), as a
+    # training loop does; resilax is given it at init, so its record log may replay inputs
+    # entries (`LogConfig.grads_budget`), and pays for get_state() every step
+    spec = args.model_spec
+    iters = {v: ex.make_iterator(spec) for v in variants}
     for v in variants:
         if v.startswith("plain"):
             continue
         cfg = _config(v, os.path.join(tmp, v), args.checkpoint_every)
         step = resilax.wrap(ex.train_step, topology=topo, state_sharding=specs, config=cfg)
-        runs[v], states[v] = step, step.init(template)
+        states[v] = step.init(template, data=iters[v])
+        runs[v] = _feeding(step, iters[v])
+        wrapped[v] = step
         mesh = step.mesh
     if mesh is None:
         mesh = topo.mesh([list(d) for d in topo.domains()])
@@ -226,7 +234,7 @@ def _measure_layout(args, topo, template, batches, layout, variants, tmp, ex, re
                     out_shardings=(state_sh, {"loss": rep, "accuracy": rep}), donate_argnums=(0,))
     for v in variants:
         if v.startswith("plain"):
-            runs[v] = lambda s, b: plain(s, jax.device_put(b, batch_sh))
+            runs[v] = _feeding(lambda s, b: plain(s, jax.device_put(b, batch_sh)), iters[v])
             states[v] = jax.tree.map(lambda x, s: jax.device_put(np.array(x), s), template, state_sh)
     from resilax.tools.bench import interleave
 
@@ -245,8 +253,8 @@ def _measure_layout(args, topo, template, batches, layout, variants, tmp, ex, re
     # checkpoint blocking (the resilax runs with checkpoints), memory held by protections
     ck_first, ck_rest = [], []
     for v in ("all", "checkpoint"):
-        if v in runs and runs[v].checkpoints is not None:
-            b = list(runs[v].checkpoints.blocking_s)
+        if v in wrapped and wrapped[v].checkpoints is not None:
+            b = list(wrapped[v].checkpoints.blocking_s)
             if b:
                 ck_first.append(b[0])
                 ck_rest += b[1:]
@@ -256,19 +264,32 @@ def _measure_layout(args, topo, template, batches, layout, variants, tmp, ex, re
     dev0 = mesh.devices.flat[0]
     any_state = states[names[0]]
     res["state_bytes_per_device"] = _per_device_bytes(jax.tree.leaves(any_state), dev0)
-    if "all" in runs:
-        held = [x for p in runs["all"]._protections for x in p.held()]
+    res["log_cadence"] = {v: wrapped[v].log_cadence() for v in wrapped if wrapped[v].log_cadence() is not None}
+    if "all" in wrapped:
+        held = [x for p in wrapped["all"]._protections for x in p.held()]
         res["protection_bytes_per_device"] = _per_device_bytes(held, dev0)
-        res["retained"] = {k: v for k, v in runs["all"].retained().items() if k != "host_batch_steps"}
+        res["retained"] = {k: v for k, v in wrapped["all"].retained().items() if k != "host_batch_steps"}
     else:
         res["protection_bytes_per_device"] = 0
     res["host_copy_s"] = _host_copy_s(any_state)
     ob = _orbax_blocking(any_state, os.path.join(tmp, "orbax"))
     res["orbax"] = {"first_blocking_s": ob[0], "blocking_s": statistics.median(ob[1:]), "all_s": ob}
-    for v in runs.values():
-        if hasattr(v, "close"):
-            v.close()
+    for v in wrapped.values():
+        v.close()
     return res
+
+
+class _feeding:
+    """``step(state, _) -> step(state, next(data))``: the interleaving loop's batch is ignored,
+    each variant reads its own iterator. Keeps ``wait_compiled`` visible to the loop."""
+
+    def __init__(self, step, data):
+        self.step, self.data = step, data
+        if hasattr(step, "wait_compiled"):
+            self.wait_compiled = step.wait_compiled
+
+    def __call__(self, state, _batch):
+        return self.step(state, next(self.data))
 
 
 def _recovery(args, topo, template, batches, layout, tmp):
@@ -310,6 +331,11 @@ def _table(r):
             print(f"    checkpoint blocking: first {c['first_blocking_s'] * 1e3:.1f} ms, median "
                   f"{c['blocking_s'] * 1e3:.1f} ms; plain Orbax first {lay['orbax']['first_blocking_s'] * 1e3:.1f} ms, "
                   f"steady {lay['orbax']['blocking_s'] * 1e3:.1f} ms; host copy {lay['host_copy_s'] * 1e3:.1f} ms")
+        for k, c in lay.get("log_cadence", {}).items():
+            if c.get("share") is not None:
+                print(f"    record log ({k}): {c['grads_entries']} grads entries, {c['inputs_only_entries']} inputs-only; "
+                      f"one grads entry {c['grads_cost_s'] * 1e3:.1f} ms of writer time, {c['share']:.2%} of step time "
+                      f"(budget {c['budget']:.0%}: {'met' if c['meets_budget'] else 'NOT met'})")
         print(f"    bytes per device: state {lay['state_bytes_per_device']:,}, protections "
               f"{lay['protection_bytes_per_device']:,}")
     rc = r["recovery"]
