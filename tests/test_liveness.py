@@ -53,6 +53,50 @@ def test_a_hung_domain_rejoins_and_a_hang_right_after_a_rejoin():
     assert tree_rel_diff(got, ref) == 0.0
 
 
+def _run_waiting(faults, cfg, steps, wait_after):
+    """`run`, but after step ``wait_after`` the loop waits (up to 20 s) until the watchdog
+    has had the time to probe: a repaired domain answers at its next probe round, which a
+    fast CPU loop would otherwise outrun."""
+    import time
+
+    from test_pipeline import CASES, host
+
+    case = CASES["batchnorm_mlp"]
+    st = case.make_state(0)
+    step = resilax.wrap(case.train_step, topology=TOPO, state_sharding=sharded(st), rng=True,
+                        metric_reductions=case.metric_reductions, config=cfg, faults=resilax.FaultPlan(faults))
+    state = step.init(st)
+    for b in case.make_batches(steps):
+        state, _ = step(state, b)
+        if step.step == wait_after:
+            t0 = time.time()
+            while not step._liveness.back and time.time() - t0 < 20:
+                time.sleep(0.02)
+    step.close()
+    return host(state), step
+
+
+def test_a_repaired_domain_is_seen_answering_and_rejoins_on_its_own():
+    """fail_slice -> its hardware comes back (repair_slice): no rejoin call; the watchdog's
+    probe of the failed domain answers and the driver rejoins it at the next step boundary,
+    state from its peers: bitwise in the bit-exact mode. A failed domain not repaired gets
+    nothing dispatched and never rejoins."""
+    cfg = _cfg(True, hang_detect_s=0.5, probe_every_s=0.05)
+    ref, *_ = run("batchnorm_mlp", topo=TOPO, config=cfg, steps=8, layout=sharded)
+    got, step = _run_waiting(["fail_slice@2/1", "fail_slice@2/3", "repair_slice@3/1"], cfg, 8, wait_after=4)
+    (rj,) = _events(step, "rejoin")
+    assert rj.fields["domain"] == 1 and rj.fields["found_by"] == "probe" and rj.step == 4, rj
+    assert rj.fields["mesh"]["data"] == 3 and rj.fields["down_s"] > 0
+    assert step.alive_domains == [0, 1, 2]
+    assert tree_rel_diff(got, ref) == 0.0
+    # told not to rejoin, the watchdog only reports it
+    cfg2 = _cfg(False, hang_detect_s=0.5, probe_every_s=0.05, rejoin_answering=False)
+    _, step2 = _run_waiting(["fail_slice@2/1", "repair_slice@3/1"], cfg2, 6, wait_after=4)
+    assert not _events(step2, "rejoin") and step2.alive_domains == [0, 2, 3]
+    (ans,) = _events(step2, "domain_answering")
+    assert ans.fields["domain"] == 1 and ans.fields["rejoined"] is False
+
+
 @pytest.mark.parametrize("remove", [False, True], ids=["reported", "removed"])
 def test_a_straggler_is_reported_or_removed(remove):
     cfg = _cfg(False, hang_detect_s=1.0, probe_every_s=0.02, straggler_rounds=3, remove_stragglers=remove)
@@ -76,6 +120,8 @@ def test_a_straggler_is_reported_or_removed(remove):
     ("hang_slice@3", resilax.HealthConfig(), "needs a target"),
     ("hang_slice@3:mid_step/1", resilax.HealthConfig(), "step boundary"),
     ("slow_slice@3/1", resilax.HealthConfig(straggler_factor=None), "straggler detection is off"),
+    ("repair_slice@3/1", None, "needs the liveness watchdog"),
+    ("repair_slice@3:mid_step/1", resilax.HealthConfig(), "step boundary"),
 ])
 def test_bad_liveness_faults_are_refused_at_wrap(spec, health, match):
     with pytest.raises(resilax.ConfigError, match=match):

@@ -256,6 +256,9 @@ class HealthConfig:
         ``straggler_rounds`` rounds) is this many times the others' is a straggler (event
         ``straggler``); None: not checked.
       remove_stragglers: fail a straggler like a dead domain (default: only report it).
+      rejoin_answering: the watchdog keeps probing failed domains; one that answers again
+        (repaired, replaced) rejoins at the next step boundary, state from its peers
+        (default). False: an event ``domain_answering`` only.
     """
 
     sdc_every: int = 1
@@ -266,6 +269,7 @@ class HealthConfig:
     straggler_factor: float | None = 4.0
     straggler_rounds: int = 5
     remove_stragglers: bool = False
+    rejoin_answering: bool = True
 
     def __post_init__(self):
         _check_type("HealthConfig", "sdc_every", self.sdc_every, (int,))
@@ -283,6 +287,7 @@ class HealthConfig:
         if self.straggler_rounds < 1:
             raise ConfigError(f"resilax.HealthConfig: straggler_rounds must be >= 1, but got {self.straggler_rounds}")
         _check_type("HealthConfig", "remove_stragglers", self.remove_stragglers, (bool,))
+        _check_type("HealthConfig", "rejoin_answering", self.rejoin_answering, (bool,))
 
 
 _GROUPS = {"checkpoint": CheckpointConfig, "log": LogConfig, "peers": PeersConfig, "anomaly": AnomalyConfig,

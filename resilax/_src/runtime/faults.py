@@ -23,6 +23,11 @@ Kinds:
   slice, fresh memory) at a step boundary (``before_step`` or ``after_step``): the mesh
   grows to include it, the state is copied to it from the live domains, training goes on
   (`ResilientStep.rejoin_domain`). Rejoining a live domain does nothing (an event says so).
+- ``repair_slice@N[:phase]/K``: failed domain ``K``'s hardware is back (repaired or
+  replaced, fresh memory), at a step boundary. Unlike ``rejoin`` nothing is called: the
+  liveness watchdog must see it answer its probe, and the driver then rejoins it at the next
+  step boundary (`HealthConfig.rejoin_answering`). Emulated like ``hang_slice``: a failed
+  domain is probed only once its repair was emulated. Needs the watchdog (one process).
 - ``bitflip@N[:phase]/K``: one bit of the live state flips on domain ``K``'s first device
   (silent data corruption: the largest floating leaf, a mantissa bit, so no NaN), at a
   step boundary; `HealthConfig`'s replica check must find it.
@@ -55,8 +60,9 @@ from resilax._src.errors import ConfigError
 
 PHASES = ("before_step", "after_step", "during_save", "mid_step", "during_peer_copy")
 GRAD_KINDS = ("nan", "spike")
-DOMAIN_KINDS = ("fail_slice", "rejoin", "bitflip", "hang_slice", "slow_slice")  # take a failure domain as target
-BOUNDARY_KINDS = ("rejoin", "bitflip", "hang_slice", "slow_slice")  # only between steps
+DOMAIN_KINDS = ("fail_slice", "rejoin", "repair_slice", "bitflip", "hang_slice", "slow_slice")  # a domain target
+BOUNDARY_KINDS = ("rejoin", "repair_slice", "bitflip", "hang_slice", "slow_slice")  # only between steps
+WATCHDOG_KINDS = ("hang_slice", "slow_slice", "repair_slice")  # need the liveness watchdog (one process)
 
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<phase>[a-z_]+))?(?:/(?P<target>\d+))?$")
 
@@ -117,6 +123,10 @@ def _rejoin(fault, ctx):
     ctx.rejoin_domain(fault.target, fault.phase)
 
 
+def _repair_slice(fault, ctx):
+    ctx.repair_domain(fault.target, fault.phase)
+
+
 def _grad_fault(fault, ctx):
     ctx.inject(fault.kind, ctx.step)
 
@@ -136,7 +146,8 @@ def _hang(fault, ctx):
 
 _KINDS: dict[str, Callable] = {"kill_process": _kill, "fail_slice": _fail_slice, "nan": _grad_fault,
                                "spike": _grad_fault, "hang": _hang, "rejoin": _rejoin,
-                               "bitflip": _bitflip, "hang_slice": _hang_slice, "slow_slice": _slow_slice}
+                               "bitflip": _bitflip, "hang_slice": _hang_slice, "slow_slice": _slow_slice,
+                               "repair_slice": _repair_slice}
 
 
 def register_kind(name: str, handler: Callable) -> None:
@@ -178,7 +189,7 @@ class FaultPlan:
                 pass  # target: a process index (a multi-process run), or none: every process
             elif f.target is not None:
                 raise ConfigError(f"{where}: {f.kind} takes no target")
-            if f.kind in ("hang_slice", "slow_slice"):
+            if f.kind in WATCHDOG_KINDS:
                 h = config.health
                 if h is None or h.hang_detect_s is None:
                     raise ConfigError(f"{where}: {f.kind} needs the liveness watchdog: Config(health=HealthConfig()) "

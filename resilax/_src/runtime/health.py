@@ -63,6 +63,9 @@ class Liveness:
         self.hung: dict[int, dict] = {}  # declared hung, not yet failed by the driver
         self._stragglers: dict[int, dict] = {}  # reported, not yet taken by the driver
         self._told_slow: set = set()
+        self.down: dict[int, float] = {}  # failed domains, watched for coming back: domain -> since
+        self._repaired: set = set()  # emulation: the failed domain's hardware is back (fault repair_slice)
+        self.back: dict[int, dict] = {}  # answering again, not yet taken by the driver
         self._probes: dict[int, tuple] = {}
         self.latency = {d: collections.deque(maxlen=cfg.straggler_rounds) for d in range(len(domains))}
         self._calls = collections.deque(maxlen=20)
@@ -124,6 +127,28 @@ class Liveness:
             self.latency[domain].clear()
             return info
 
+    def lost(self, domain: int) -> None:
+        """The driver failed ``domain``: its memory is gone (the probe's input too), nothing
+        is dispatched to it; the watchdog watches for it to come back."""
+        with self._cond:
+            p = self._probes.pop(domain, None)
+            if p is not None:
+                p[1].delete()
+            self.down.setdefault(domain, time.perf_counter())
+            self.back.pop(domain, None)
+
+    def rejoined(self, domain: int) -> None:
+        with self._cond:
+            self.down.pop(domain, None)
+            self._repaired.discard(domain)
+            self.back.pop(domain, None)
+
+    def take_back(self) -> dict[int, dict]:
+        """Failed domains whose probe answered again (each once)."""
+        with self._cond:
+            out, self.back = self.back, {}
+            return out
+
     def set_alive(self, alive) -> None:
         with self._cond:
             self.alive = list(alive)
@@ -145,6 +170,13 @@ class Liveness:
         """Fault ``hang_slice``: the domain stops answering (memory kept)."""
         with self._cond:
             self._stalled.setdefault(domain, time.perf_counter())
+
+    def repair(self, domain: int) -> None:
+        """Fault ``repair_slice``: the failed domain's hardware is back (repaired or replaced,
+        fresh memory). Nothing rejoins here: the watchdog's next probe of it must answer."""
+        with self._cond:
+            if domain in self.down:
+                self._repaired.add(domain)
 
     def slow(self, domain: int, seconds: float = SLOW_SLICE_S) -> None:
         """Fault ``slow_slice``: the domain's work starts ``seconds`` late from now on."""
@@ -176,6 +208,29 @@ class Liveness:
             self.probe_round(alive, why={"reason": "step_deadline", "deadline_s": dl, "waited_s": now - t0})
         elif now - self._last_round >= self.cfg.probe_every_s:
             self.probe_round(alive)
+            self._probe_down()
+
+    def _probe_down(self) -> None:
+        """Probes the failed domains that may answer again; one that answers within
+        ``hang_detect_s`` is back (`take_back`). **Emulated:** a failed domain's devices are
+        CPU devices that never really died, so only a domain whose repair was emulated
+        (fault ``repair_slice``) is probed; the others get nothing dispatched (they are dead).
+        The probe, its timeout and what the driver does with an answer are the real code."""
+        with self._cond:
+            todo = [d for d in self.down if d in self._repaired and d not in self.back]
+        for d in todo:
+            t0 = time.perf_counter()
+            f, x = self._probe(d)  # a fresh input on the domain's devices: its old memory is gone
+            y = f(x)
+            while not y.is_ready() and time.perf_counter() - t0 < self.cfg.hang_detect_s:
+                time.sleep(5e-4)
+            if y.is_ready():
+                now = time.perf_counter()
+                with self._cond:
+                    if d in self.down:
+                        self.back[d] = {"domain": d, "found_by": "probe", "answer_s": now - t0,
+                                        "down_s": now - self.down[d]}
+                        self._cond.notify_all()
 
     def probe_round(self, alive, why=None) -> dict[int, float | None]:
         """Probes ``alive``; returns each domain's answer time (None: no answer within

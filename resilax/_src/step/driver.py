@@ -548,6 +548,16 @@ class ResilientStep:
             self._recover()
             recovered = True
             lv.call_begin()  # the step's deadline counts from here: recovery time is not step time
+        for d, info in sorted(lv.take_back().items()):  # a failed domain answers again
+            if d in self._alive:
+                continue
+            info = {k: v for k, v in info.items() if k != "domain"}
+            if self.config.health.rejoin_answering:
+                self.rejoin_domain(d, "before_step", **info)
+                recovered = True
+                lv.call_begin()
+            else:
+                self.event("domain_answering", self.step, domain=d, rejoined=False, **info)
         return recovered
 
     def _publish_health(self):
@@ -667,6 +677,8 @@ class ResilientStep:
             self._held = held  # keeps ids stable while the maps are in use
         freed = _ring.delete_on(self._bufmaps.values(), devs)
         self._dead |= devs
+        if self._liveness is not None:
+            self._liveness.lost(domain)
         info = {"domain": domain, "phase": phase, "devices": sorted(d.id for d in devs), "bytes_deleted": freed,
                 "copy_in_flight": bool(self._copy_in_flight), "at": time.perf_counter() if at is None else at,
                 "detection_booked": at is not None}
@@ -722,13 +734,24 @@ class ResilientStep:
         self.event("bitflip", self.step, **info)
         return info
 
-    def rejoin_domain(self, domain: int, phase: str = "after_step") -> dict | None:
+    def repair_domain(self, domain: int, phase: str = "after_step") -> None:
+        """Fault ``repair_slice``: failed domain ``domain``'s hardware is back (emulated);
+        the liveness watchdog must see it answer before it rejoins."""
+        if domain in self._alive or self._liveness is None:
+            self.event("fault_ignored", self.step, fault="repair_slice", domain=domain, phase=phase,
+                       reason="the domain is alive" if self._liveness is not None else "no liveness watchdog")
+            return
+        self._liveness.repair(domain)
+        self.event("repair_slice", self.step, domain=domain, phase=phase)
+
+    def rejoin_domain(self, domain: int, phase: str = "after_step", **found) -> dict | None:
         """Failure domain ``domain`` (original index) is back (repaired, or a replacement
         with fresh memory): the mesh grows to include it, at a step boundary, with no restart
         and no checkpoint read. The state is copied to it from the live domains (bitwise),
         the grown mesh's programs are built (the full mesh's again: no microbatches), and
         every protection starts again on it. A domain that is alive already: nothing happens
-        (an event says so). Failures still pending are recovered first.
+        (an event says so). Failures still pending are recovered first. ``found``: how the
+        monitor found it back (``found_by``, ``down_s``, ...), kept in the event.
 
         Returns the ``rejoin`` event's fields (None when nothing happened).
         """
@@ -760,13 +783,14 @@ class ResilientStep:
             self.program, self.mesh, self._alive = prog, prog.mesh, alive
             if self._liveness is not None:
                 self._liveness.failed(domain)  # whatever was known of its old self
+                self._liveness.rejoined(domain)
                 self._liveness.set_alive(alive)
             self.live, self.guard = state, guard
             for p in self._protections:
                 p.restart(self, state)
         fields = dict(domain=domain, phase=phase, mesh=dict(prog.mesh.shape), microbatches=prog.m,
                       bytes_moved=int(sum(x.nbytes for x in jax.tree.leaves(state))), compiled_ahead=ahead,
-                      seconds={"compile": t_compile, "total": time.perf_counter() - t0})
+                      seconds={"compile": t_compile, "total": time.perf_counter() - t0}, **found)
         self.event("rejoin", self.step, **fields)
         self._compile_ahead()
         return fields
