@@ -71,9 +71,10 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path, damage):
     step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
                         config=resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path / "c"), every=5)))
     with pytest.warns(RuntimeWarning, match=r"checkpoint\(s\) \[15\].*failed verification.*restored the previous good checkpoint 10"):
-        s = step.init(template)
+        s = step.init(template, data=ex.make_iterator(SMALL))
     # checkpoint 10 is restored, then the record log (on by default, next to the
-    # checkpoints) replays steps 10..14 bitwise: nothing is lost to the damaged checkpoint
+    # checkpoints) replays steps 10..14 bitwise (its inputs entries rerun the steps from the
+    # data iterator, which the grads budget leaves most steps with): nothing is lost
     assert step.events[0].kind == "restore" and step.events[0].step == 10
     assert step.step == 15
     assert state_equal(jax.device_get(s), ref15)
@@ -136,7 +137,7 @@ def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monk
     monkeypatch.setattr(_checkpoint, "tree_checksums", real)
     step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4), config=cfg)
     with pytest.warns(RuntimeWarning, match=r"10: CorruptCheckpointError: checksum mismatch in leaves .*\].step"):
-        step.init(template)
+        step.init(template, data=ex.make_iterator(SMALL))  # the log's inputs entries rerun steps from the data
     assert step.events[0].kind == "restore" and step.events[0].step == 5
     assert step.step == 10, "the record log replays 5..9 after the fallback"
 
