@@ -191,8 +191,9 @@ class Liveness:
             devs = self.domains[d]
             sh = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devs), ("d",)), jax.sharding.PartitionSpec())
             x = jax.device_put(np.zeros((), np.float32), sh)
-            f = jax.jit(lambda v: v + 1, out_shardings=sh)
-            f(x).block_until_ready()
+            # compiled, not run: building a probe never waits on the domain (only a probe
+            # round does, with its timeout)
+            f = jax.jit(lambda v: v + 1, out_shardings=sh).lower(x).compile()
             p = self._probes[d] = (f, x)
         return p
 
@@ -217,7 +218,7 @@ class Liveness:
         (fault ``repair_slice``) is probed; the others get nothing dispatched (they are dead).
         The probe, its timeout and what the driver does with an answer are the real code."""
         with self._cond:
-            todo = [d for d in self.down if d in self._repaired and d not in self.back]
+            todo = [d for d in self.down if d in self._repaired]
         for d in todo:
             t0 = time.perf_counter()
             f, x = self._probe(d)  # a fresh input on the domain's devices: its old memory is gone
@@ -228,7 +229,8 @@ class Liveness:
                 now = time.perf_counter()
                 with self._cond:
                     if d in self.down:
-                        self.back[d] = {"domain": d, "found_by": "probe", "answer_s": now - t0,
+                        self._repaired.discard(d)  # known to be back: reported once, not probed again
+                        self.back[d] = {"found_by": "probe", "answer_s": now - t0,
                                         "down_s": now - self.down[d]}
                         self._cond.notify_all()
 
@@ -240,23 +242,28 @@ class Liveness:
         with self._cond:
             stalled, slow = dict(self._stalled), dict(self._slow)
         outs, ready = {}, {}
-        while len(ready) < len(alive) and time.perf_counter() - t0 < timeout:  # every domain gets the full timeout
+        while time.perf_counter() - t0 < timeout:  # every domain gets the full timeout
             now = time.perf_counter() - t0
             for d in alive:
                 # emulated hang: the probe never starts on the domain; emulated straggler: it starts late
                 if d not in outs and d not in stalled and now >= slow.get(d, 0.0):
-                    f, x = self._probe(d)
-                    outs[d] = f(x)
+                    with self._cond:  # the driver may fail it meanwhile: then nothing goes to it
+                        if d in self.down:
+                            continue
+                        f, x = self._probe(d)
+                        outs[d] = f(x)
             for d, y in outs.items():
                 if d not in ready and y.is_ready():
                     ready[d] = time.perf_counter() - t0
-            if len(ready) < len(alive):
-                time.sleep(5e-4)
+            if all(d in ready or d in self.down for d in alive):
+                break
+            time.sleep(5e-4)
         self._last_round = time.perf_counter()
         self.rounds += 1
-        silent = [d for d in alive if d not in ready]
         with self._cond:
-            if silent and len(silent) == len(alive):
+            watched = [d for d in alive if d not in self.down]  # one failed by the driver meanwhile is not hung
+            silent = [d for d in watched if d not in ready]
+            if silent and len(silent) == len(watched):
                 self._events.append(("probe_timeout", {"domains": silent, "timeout_s": timeout,
                                                        "reason": "no domain answered: nothing declared"}))
             elif silent:

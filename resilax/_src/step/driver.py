@@ -551,7 +551,6 @@ class ResilientStep:
         for d, info in sorted(lv.take_back().items()):  # a failed domain answers again
             if d in self._alive:
                 continue
-            info = {k: v for k, v in info.items() if k != "domain"}
             if self.config.health.rejoin_answering:
                 self.rejoin_domain(d, "before_step", **info)
                 recovered = True
