@@ -83,6 +83,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _read_json(path) -> dict | None:
+    """A heartbeat or similar record, or None when it cannot be read or parsed right now
+    (missing, or replaced while read)."""
+    try:
+        with open(path) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the child's session (it has its own: grain workers and the like go too)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _exit_reason(rc: int) -> str:
+    return f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
+
+
 def heartbeat_file(run_dir, generation: int, process_id: int) -> pathlib.Path:
     """Where worker ``process_id`` of ``generation`` writes its heartbeat."""
     return pathlib.Path(run_dir) / HEARTBEATS / f"g{generation}.p{process_id}.json"
@@ -94,9 +117,8 @@ def heartbeats(run_dir, generation: int) -> dict[int, dict]:
     started). A file that cannot be read or parsed right now is left out."""
     out = {}
     for f in (pathlib.Path(run_dir) / HEARTBEATS).glob(f"g{int(generation)}.p*.json"):
-        try:
-            hb = json.loads(f.read_text())
-        except (OSError, ValueError):
+        hb = _read_json(f)
+        if hb is None:
             continue
         out[hb["process_id"]] = hb
     return out
@@ -107,10 +129,9 @@ def spare_heartbeats(run_dir) -> dict[int, dict]:
     of the spares that wrote one; unreadable files are left out."""
     out = {}
     for f in (pathlib.Path(run_dir) / HEARTBEATS).glob("spare*.json"):
-        try:
-            out[int(f.stem[len("spare"):])] = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
+        hb = _read_json(f)
+        if hb is not None:
+            out[int(f.stem[len("spare"):])] = hb
     return out
 
 
@@ -170,12 +191,8 @@ class _Spare:
         self.started = time.time()
 
     def heartbeat(self) -> dict | None:
-        try:
-            with open(self.heartbeat_file) as f:
-                hb = json.loads(f.read())
-        except (OSError, ValueError):
-            return None
-        return hb if hb.get("pid") == self.proc.pid else None
+        hb = _read_json(self.heartbeat_file)
+        return hb if hb is not None and hb.get("pid") == self.proc.pid else None
 
     def ready(self, max_age_s: float) -> bool:
         """Alive, imported and waiting, with a fresh heartbeat (a SIGSTOPped spare is not)."""
@@ -183,11 +200,7 @@ class _Spare:
         return self.proc.poll() is None and hb.get("phase") == "spare" and time.time() - hb["t"] <= max_age_s
 
     def kill(self):
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_group(self.proc)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -206,21 +219,14 @@ class _Worker:
         self.killed_for: str | None = None
 
     def heartbeat(self) -> dict | None:
-        try:
-            with open(self.env.heartbeat_file) as f:
-                hb = json.loads(f.read())
-        except (OSError, ValueError):
-            return None
-        return hb if hb.get("pid") == self.proc.pid and hb.get("generation") == self.env.generation else None
+        hb = _read_json(self.env.heartbeat_file)
+        return hb if hb is not None and hb.get("pid") == self.proc.pid and hb.get("generation") == self.env.generation \
+            else None
 
     def kill(self, why: str | None = None):
-        if self.proc.poll() is None:
-            if why and self.killed_for is None:
-                self.killed_for = why
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: children (grain workers) too
-            except ProcessLookupError:
-                pass
+        if self.proc.poll() is None and why and self.killed_for is None:
+            self.killed_for = why
+        _kill_group(self.proc)
 
 
 class Supervisor:
@@ -374,7 +380,7 @@ class Supervisor:
             why = None
             phase = (hb or {}).get("phase")
             if rc is not None:
-                why = f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
+                why = _exit_reason(rc)
             elif phase != "spare" and now - s.started > self.startup_timeout_s:  # importing may hold the GIL
                 why = f"not ready within --startup-timeout {self.startup_timeout_s:g} s (phase {phase})"
             elif phase == "spare" and now - hb["t"] > self.heartbeat_timeout_s:
@@ -428,7 +434,7 @@ class Supervisor:
             w.rc = rc
             if rc == 0:
                 return None
-            return f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
+            return _exit_reason(rc)
         hb = w.heartbeat()
         if hb is None:
             if now - w.started > self.startup_timeout_s:
