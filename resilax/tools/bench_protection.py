@@ -153,7 +153,6 @@ def bench_protection(args) -> dict:
     from resilax._src.step.sharding import resolve
 
     spec = ex.ExampleSpec(hidden=args.hidden, depth=args.depth, features=args.features, batch=args.batch)
-    args.model_spec = spec
     it = ex.make_iterator(spec)
     batches = [next(it) for _ in range(16)]
     template = ex.make_state(spec)
@@ -169,7 +168,7 @@ def bench_protection(args) -> dict:
     tmp_root = tempfile.mkdtemp(prefix="resilax-bench-protection-")
     try:
         for lname, layout in layouts.items():
-            out["layouts"][lname] = _measure_layout(args, topo, template, batches, layout, variants,
+            out["layouts"][lname] = _measure_layout(args, topo, spec, template, batches, layout, variants,
                                                     os.path.join(tmp_root, lname), ex, resolve, P, NamedSharding)
         lay = out["layouts"]
         worst = max(lay, key=lambda k: lay[k]["ratio"].get("all", 0.0))
@@ -204,7 +203,7 @@ def bench_protection(args) -> dict:
     return out
 
 
-def _measure_layout(args, topo, template, batches, layout, variants, tmp, ex, resolve, P, NamedSharding):
+def _measure_layout(args, topo, spec, template, batches, layout, variants, tmp, ex, resolve, P, NamedSharding):
     import jax
     import resilax
 
@@ -214,7 +213,6 @@ def _measure_layout(args, topo, template, batches, layout, variants, tmp, ex, re
     # every variant draws its batches from its own grain iterator (the same sequence), as a
     # training loop does; resilax is given it at init, so its record log may replay inputs
     # entries (`LogConfig.grads_budget`), and pays for get_state() every step
-    spec = args.model_spec
     iters = {v: ex.make_iterator(spec) for v in variants}
     for v in variants:
         if v.startswith("plain"):
@@ -264,7 +262,7 @@ def _measure_layout(args, topo, template, batches, layout, variants, tmp, ex, re
     dev0 = mesh.devices.flat[0]
     any_state = states[names[0]]
     res["state_bytes_per_device"] = _per_device_bytes(jax.tree.leaves(any_state), dev0)
-    res["log_cadence"] = {v: wrapped[v].log_cadence() for v in wrapped if wrapped[v].log_cadence() is not None}
+    res["log_cadence"] = {v: c for v, c in ((v, w.log_cadence()) for v, w in wrapped.items()) if c is not None}
     if "all" in wrapped:
         held = [x for p in wrapped["all"]._protections for x in p.held()]
         res["protection_bytes_per_device"] = _per_device_bytes(held, dev0)
