@@ -256,7 +256,7 @@ class Program:
                 metrics = {k: (v * 1000.0 if k == _watched(spec) else v) for k, v in metrics.items()}
             rec = jax.lax.with_sharding_constraint(rec, rec_sh)
             if spec.anomaly_check is not None:
-                ok, loss, guard = spec.anomaly_check(guard, rec, metrics)
+                ok, loss, guard = spec.anomaly_check(guard, rec, metrics, rec_sh)
             else:
                 ok, loss = jnp.zeros((), jnp.int32), None
             ring = _ring.ring_pack(jax.tree.leaves(rec), pack) if log_ring and pack is not None else None
