@@ -371,3 +371,102 @@ def test_transformer_slice_loss_at_each_phase(phase, tmp_path):
     target = ev.fields["target_step"]
     assert tree_rel_diff(kept[target], ref_states[target]) == 0.0
     assert tree_rel_diff(got, ref) < TOL
+
+
+# ------------------------------------------------------------ 8: peer copies every k steps, the peer cadence
+def test_copies_every_4_without_log_entries_recompute_since_the_copy():
+    """``PeersConfig(every=4, log_entries_between=False)``: no device log between copies; a
+    slice lost 3 steps after a copy is rebuilt from that copy plus 3 steps recomputed from
+    their retained batches (dropout: each example draws the same bits on the smaller mesh)."""
+    ref, _, _ = reference("dropout_mlp", steps=10)
+    cfg = resilax.Config(peers=resilax.PeersConfig(every=4, log_entries_between=False))
+    got, step, _, _ = run("dropout_mlp", ["fail_slice@7:after_step/1"], config=cfg, steps=10)
+    (ev,) = recovery(step)
+    f = ev.fields
+    assert f["source"] == "peer" and f["restored_step"] == 4 and f["steps_recomputed"] == 3
+    assert f["steps_replayed"] == 0
+    assert step.retained()["device_log_bytes"] == 0
+    assert tree_rel_diff(got, ref) < TOL
+
+
+def _samples(none, ring, ring_local, log, n=8, jitter=0.0):
+    """Synthetic calibration samples: each variant's seconds, with an alternating jitter."""
+    return {k: [v + (jitter if i % 2 else -jitter) for i in range(n)]
+            for k, v in (("none", none), ("ring", ring), ("ring+local", ring_local), ("log", log))}
+
+
+@pytest.mark.parametrize("costs, budget, want", [
+    ((0.100, 0.1005, 0.101, 0.1002), 0.01, (1, False, True)),  # copies nearly free: every step
+    ((0.100, 0.108, 0.112, 0.1002), 0.01, (15, True, True)),  # cheap log entries: (C + 14 L) / 15 <= A
+    ((0.100, 0.108, 0.112, 0.1002), 0.02, (7, True, True)),
+    ((0.100, 0.108, 0.112, 0.1003), 0.01, (12, False, True)),  # with log entries it would take 17 > 16
+    ((0.100, 0.108, 0.1115, 0.103), 0.01, (12, False, True)),  # log entries cost more than the budget
+    ((0.100, 0.108, 0.130, 0.103), 0.01, (16, False, False)),  # not even every 16 steps: said so
+])
+def test_peer_cadence_choice(costs, budget, want):
+    from resilax._src.protect.cadence import decide
+
+    d = decide(_samples(*costs), budget, 16)
+    assert (d["every"], d["log_entries_between"], d["meets_budget"]) == want, d
+    assert d["meets_budget"] == (d["share"] <= budget)
+
+
+def test_peer_cadence_noise_lengthens_the_cadence():
+    """Costs are taken at their upper bound: the same medians with 20x the spread give a
+    longer cadence, never a budget the measurement cannot vouch for."""
+    from resilax._src.protect.cadence import decide
+
+    calm = decide(_samples(0.100, 0.108, 0.112, 0.103), 0.01, 64)
+    noisy = decide(_samples(0.100, 0.108, 0.112, 0.103, jitter=2e-3), 0.01, 64)
+    assert noisy["every"] > calm["every"] and noisy["cost_s"] == pytest.approx(calm["cost_s"], abs=1e-9)
+
+
+def test_auto_peer_cadence_is_calibrated_then_recovers():
+    """``PeersConfig(every="auto")``: after the background compiles, the four variants are
+    timed (3 samples each: steps 2-14), the cadence is chosen from those samples, and a
+    slice lost afterwards is rebuilt from the newest copy (plus the steps since, replayed or
+    recomputed), matching the failure-free run."""
+    from resilax._src.protect.cadence import decide
+
+    name, steps = "dropout_mlp", 20
+    ref, _, _ = reference(name, steps=steps)
+    case = CASES[name]
+    st = case.make_state(0)
+    cfg = resilax.Config(peers=resilax.PeersConfig(every="auto", max_every=4, calibration_samples=3))
+    step = resilax.wrap(case.train_step, topology=resilax.Topology.emulated(2, 4), state_sharding=sharded(st),
+                        rng=True, metric_reductions=case.metric_reductions, config=cfg)
+    state = step.init(st)
+    assert step.peer_cadence()["phase"] == "wait"
+    for i, b in enumerate(case.make_batches(steps)):
+        state, _ = step(state, b)
+        if i == 0:
+            assert step.wait_compiled(600)
+        if step.step == 14:
+            rep = step.peer_cadence()
+            samples = {k: list(v) for k, v in step._peers.cadence.samples.items()}
+        if step.step == 18:
+            step.fail_domain(1, "after_step")
+    step.close()
+    assert rep["phase"] == "set"
+    (d,) = rep["decisions"]
+    assert d == decide(samples, 0.01, 4) and all(len(v) == 3 for v in samples.values())
+    (ev,) = [e for e in step.events if e.kind == "peer_cadence"]
+    assert ev.step == 14 and ev.fields["every"] == d["every"]
+    (rec,) = recovery(step)
+    newest_copy = 15 + (18 - 15) // d["every"] * d["every"]  # the cadence starts with a copy at 15
+    f = rec.fields
+    assert f["source"] == "peer" and f["restored_step"] == newest_copy
+    assert f["steps_replayed"] + f["steps_recomputed"] == 18 - newest_copy
+    assert f["steps_recomputed"] == (0 if d["log_entries_between"] else 18 - newest_copy)
+    assert step.peer_cadence()["phase"] == "idle"  # one domain left: no copies, nothing to calibrate
+    assert tree_rel_diff(host(state), ref) < TOL
+
+
+def test_auto_peer_cadence_rejects_bad_values():
+    for bad in ("sometimes", 0, 2.5):
+        with pytest.raises(resilax.ConfigError, match="every must be"):
+            resilax.PeersConfig(every=bad)
+    with pytest.raises(resilax.ConfigError, match="budget must be in"):
+        resilax.PeersConfig(every="auto", budget=0)
+    with pytest.raises(resilax.ConfigError, match="calibration_samples must be >= 3"):
+        resilax.PeersConfig(every="auto", calibration_samples=1)

@@ -121,6 +121,23 @@ class PeersConfig:
     Attributes:
       every: copy every this many steps; between copies the record log's device entries
         (ring-copied too) cover the steps. 1 = every step (no replay needed on recovery).
+        ``"auto"``: chosen from measured costs so that copies (and the log's device entries
+        between them) cost at most ``budget`` of a step (see ``protect/cadence.py``): every
+        step where copies are that cheap (fast interconnect, overlapped with compute), else
+        the smallest cadence that fits, with or without device log entries between copies;
+        a recovery then recomputes the steps since the newest copy from their batches
+        (within the default mode's tolerance, bitwise in the bit-exact mode). Needs the
+        record log (it keeps those batches); without it copies stay at every step.
+      log_entries_between: with ``every > 1``, the record log keeps each step's recorded
+        values between copies, ring-copied (a recovery replays only their update: bitwise,
+        fast; costs device memory and a ring copy of the recorded values per step); False:
+        a recovery recomputes those steps from their retained batches. ``"auto"`` chooses.
+      budget: with ``every="auto"``, the share of step time peer copies may cost.
+      max_every: with ``every="auto"``, the longest cadence (the most steps a recovery may
+        have to recompute); when even that is over budget it is used and the report says
+        the budget is not met.
+      calibration_samples: with ``every="auto"``, timed steps per variant when calibrating
+        (each blocked to completion; once per mesh, after its background compiles).
       compile_ahead: compile the executables of every mesh one more domain loss would leave,
         on a background thread (never on a step's critical path), so a recovery does not
         wait for XLA; a recovery that comes first waits for the compile in flight.
@@ -129,16 +146,31 @@ class PeersConfig:
         microbatches. ``None``: the device's own limit (unbounded where it reports none).
     """
 
-    every: int = 1
+    every: int | str = 1
     compile_ahead: bool = True
     device_memory_bytes: int | None = None
+    log_entries_between: bool = True
+    budget: float = 0.01
+    max_every: int = 16
+    calibration_samples: int = 8
 
     def __post_init__(self):
-        _check_type("PeersConfig", "every", self.every, (int,))
+        if self.every != "auto":
+            _check_type("PeersConfig", "every", self.every, (int, str))
+            if isinstance(self.every, str):
+                raise ConfigError(f"resilax.PeersConfig: every must be an int >= 1 or 'auto', but got {self.every!r}")
         _check_type("PeersConfig", "compile_ahead", self.compile_ahead, (bool,))
         _check_type("PeersConfig", "device_memory_bytes", self.device_memory_bytes, (int, type(None)))
-        if self.every < 1:
+        if self.every != "auto" and self.every < 1:
             raise ConfigError(f"resilax.PeersConfig: every must be >= 1, but got {self.every}")
+        _check_type("PeersConfig", "log_entries_between", self.log_entries_between, (bool,))
+        _check_type("PeersConfig", "budget", self.budget, (int, float))
+        if not 0 < self.budget <= 1:
+            raise ConfigError(f"resilax.PeersConfig: budget must be in (0, 1], but got {self.budget}")
+        for name, least in (("max_every", 1), ("calibration_samples", 3)):
+            _check_type("PeersConfig", name, getattr(self, name), (int,))
+            if getattr(self, name) < least:
+                raise ConfigError(f"resilax.PeersConfig: {name} must be >= {least}, but got {getattr(self, name)}")
         if self.device_memory_bytes is not None and self.device_memory_bytes <= 0:
             raise ConfigError(
                 f"resilax.PeersConfig: device_memory_bytes must be > 0 or None, but got {self.device_memory_bytes}")

@@ -29,7 +29,7 @@ class Checkpoints(base.Protection):
         prog = run.program
         variants = {None}
         if run._peers is not None and prog.protects:
-            variants.add("ring" if run._peers.every == 1 else "ring+local")
+            variants.update(run._peers.variants())
 
         def keep_variants():
             for v in variants:

@@ -4,7 +4,8 @@ domain of the elastic axis (ring), made inside the update executable on copy ste
 Every ``PeersConfig.every`` steps the update part also returns the packed ring copy of the
 new state (one collective-permute per dtype); with ``every > 1`` it returns a local copy
 too, so a whole consistent step survives while the live state moves on, and the record
-log's device entries (ring-copied as well) cover the steps in between. State replicated
+log's device entries (ring-copied as well) or its retained batches cover the steps in
+between. ``every="auto"`` measures the costs and picks the cadence (``cadence.py``). State replicated
 across the elastic axis is its own backup: such a mesh makes no copies at all.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 import jax
 
 from resilax._src.protect import base
+from resilax._src.protect.cadence import Cadence
 from resilax._src.protect.planner import Candidate
 
 
@@ -31,24 +33,62 @@ class Snapshot:
 class Peers(base.Protection):
     name = "peers"
 
-    def __init__(self, cfg):
-        self.every = cfg.every
+    def __init__(self, cfg, *, has_log: bool):
+        self.cadence = Cadence(cfg, has_log=has_log) if cfg.every == "auto" else None
+        self.every = 1 if self.cadence is not None else cfg.every
+        self.between = cfg.log_entries_between
         self.snap: Snapshot | None = None
+
+    def variants(self) -> tuple:
+        """The copy variants this run's update part may use."""
+        if self.cadence is not None:
+            return ("ring", "ring+local")
+        return ("ring",) if self.every == 1 else ("ring+local",)
 
     def copy_variant(self, run, step_after):
         if not run.program.protects:
             return None
+        c = self.cadence
+        if c is not None:
+            if c.phase == "wait" and c.ready is None:
+                c.ready = run.compile_in_background(run.program, (None,) + self.variants(), log_ring=True)
+            v = c.plan(step_after, background_idle=run.background_idle(), over_cap=run.log_over_cap())
+            self.every = c.every
+            return v
         if self.every == 1:
             return "ring"
         return "ring+local" if step_after % self.every == 0 or run.log_over_cap() else None
+
+    def log_entries(self) -> bool:
+        """Whether a step without a copy keeps its record-log device entry (ring-copied)."""
+        if self.cadence is not None:
+            return self.cadence.log_ring_wanted()
+        return self.between
+
+    def blocks(self) -> bool:
+        """Whether the step in flight is a calibration sample (timed to completion)."""
+        return self.cadence is not None and self.cadence.blocks()
+
+    def timed(self, run, seconds: float) -> None:
+        d = self.cadence.timed(seconds) if self.cadence is not None else None
+        if d is not None:
+            self.every = d["every"]
+            run.event("peer_cadence", run.step, mesh=dict(run.program.mesh.shape), **d)
+
+    def report(self) -> dict:
+        if self.cadence is not None:
+            return self.cadence.report()
+        return {"mode": "fixed", "every": self.every, "log_entries_between": self.between and self.every > 1}
 
     def start(self, run, state):
         """A snapshot of the placed state, so step ``run.step`` is covered from the start."""
         p = run.program
         if not p.protects:
             self.snap = None
+            if self.cadence is not None:
+                self.cadence.reset(copies=False)
             return
-        ring, local = p.snapshot(local=self.every > 1)(state)
+        ring, local = p.snapshot(local=self.every > 1 or self.cadence is not None)(state)
         self.snap = Snapshot(run.step, p, local, ring, run.guard)
 
     def after_step(self, run, rec):
@@ -75,6 +115,9 @@ class Peers(base.Protection):
         return [Candidate("peer", s.step, shards)]
 
     def restart(self, run, state):
+        if self.cadence is not None:  # a new mesh: its costs are measured again
+            self.cadence.reset(copies=run.program.protects)
+            self.every = 1
         self.start(run, state)
 
     def close(self):

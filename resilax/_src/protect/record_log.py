@@ -79,7 +79,7 @@ class RecordLog(base.Protection):
         self._trim()
 
     def wants_log_ring(self, run, copy):
-        return self.peers and copy is None and run.program.protects
+        return self.peers and copy is None and run.program.protects and run.peer_log_entries()
 
     def device_bytes(self) -> int:
         return sum(e.nbytes for e in self.device.values())
@@ -108,7 +108,7 @@ class RecordLog(base.Protection):
         g = rec.gout
         self.verdicts[rec.step] = (g.ok, g.loss)
         self.batches[rec.step] = rec.batch
-        if rec.copy is None and self.peers and rec.program.protects:
+        if rec.copy is None and self.peers and rec.program.protects and run.peer_log_entries():
             leaves = jax.tree.leaves(g.rec)
             nbytes = sum(x.nbytes for x in leaves) + sum(x.nbytes for x in (g.rec_ring or ()))
             self.pending[rec.step] = DeviceEntry(leaves, g.rec_ring, rec.program, nbytes)

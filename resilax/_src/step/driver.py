@@ -232,7 +232,7 @@ class ResilientStep:
                                   checkpoints=cfg.checkpoint is not None)
         if cfg.anomaly is not None:
             self._watch = _anomaly.Watch(cfg.anomaly)
-        peers = Peers(cfg.peers) if cfg.peers is not None and self.topology.num_domains > 1 else None
+        peers = Peers(cfg.peers, has_log=cfg.log is not None) if cfg.peers is not None and self.topology.num_domains > 1 else None
         # after_step order: the log records the step, peers snapshot it (and tell the log),
         # the watcher reads the previous verdict; checkpoints are saved by the driver.
         check = CrossCheck(cfg.verify) if cfg.verify is not None else None
@@ -378,12 +378,13 @@ class ResilientStep:
             return
         if self._ahead_pool is None:
             self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-compile-ahead")
-        spec, every, at = self.program.spec, pc.every, self.step
+        spec, at = self.program.spec, self.step
+        variants = self._peers.variants() if self._peers is not None else ()
         t0 = time.perf_counter()
         futs = []
         for k in keys:
             mesh = self.topology.mesh([self._domains[i] for i in k])
-            futs.append(self._ahead_pool.submit(_build_ahead, spec, mesh, every))
+            futs.append(self._ahead_pool.submit(_build_ahead, spec, mesh, variants))
             self._ahead[k] = futs[-1]
 
         def report():
@@ -399,18 +400,45 @@ class ResilientStep:
 
         self._ahead_done = self._ahead_pool.submit(report)
 
+    def compile_in_background(self, prog, variants, *, log_ring: bool):
+        """A future that compiles ``prog``'s update ``variants`` (and its grad part with and
+        without the log's ring copy) on the compile-ahead thread: off the step's path."""
+        if self._ahead_pool is None:
+            self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-compile-ahead")
+
+        def build():
+            prog.grad(False)
+            if log_ring:
+                prog.grad(True)
+            for v in variants:
+                prog.update(v)
+
+        return self._ahead_pool.submit(build)
+
+    def background_idle(self) -> bool:
+        """Whether no background compile of a degraded mesh is in flight (they would compete
+        with a measurement for the cores)."""
+        return self._ahead_done is None or self._ahead_done.done()
+
+    def peer_cadence(self) -> dict | None:
+        """The peer-copy cadence: ``every``, whether the record log's device entries cover
+        the steps between copies, and with ``PeersConfig(every="auto")`` how it was chosen
+        (phase, measured costs, share of step time, ``meets_budget``). None without peers."""
+        return None if self._peers is None else self._peers.report()
+
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Blocks until the background compiles of the degraded meshes are done (benchmarks,
-        tests); returns whether they are."""
-        fut = self._ahead_done
-        if fut is None:
-            return True
-        try:
-            fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            return False
-        except concurrent.futures.CancelledError:
-            pass
+        """Blocks until the background compiles (degraded meshes, the peer cadence's
+        variants) are done (benchmarks, tests); returns whether they are."""
+        cad = self._peers.cadence if self._peers is not None else None
+        for fut in (self._ahead_done, cad.ready if cad is not None else None):
+            if fut is None:
+                continue
+            try:
+                fut.result(timeout)
+            except concurrent.futures.TimeoutError:
+                return False
+            except concurrent.futures.CancelledError:
+                pass
         return True
 
     # ================================================================ the step
@@ -491,6 +519,9 @@ class ResilientStep:
         keep, self._keep_input = self._keep_input, False  # a checkpoint's persister still reads this state
         new_state, ring, local = prog.update(copy, keep_input=keep)(self.live, gout.rec, gout.ok, np.uint32(k))
         self.live, self.guard, self.step, self._data_pos = new_state, gout.guard, k + 1, after
+        if self._peers is not None and self._peers.blocks():  # a calibration sample of the peer cadence
+            jax.block_until_ready(new_state)
+            self._peers.timed(self, time.perf_counter() - t0)
         rec = _base.StepRecord(k, batch, gout, copy, new_state, ring, local, before, after, prog)
         with self.goodput_recorder.span("protection"):
             for p in self._protections:
@@ -622,6 +653,10 @@ class ResilientStep:
         inputs-only entries, measured cost of one grads entry, share of step time,
         ``meets_budget``); None without a disk log in grads mode."""
         return None if self._log is None else self._log.cadence()
+
+    def peer_log_entries(self) -> bool:
+        """Whether the step in flight keeps its record-log device entry (`PeersConfig.every`)."""
+        return self._peers is None or self._peers.log_entries()
 
     def log_over_cap(self) -> bool:
         return self._log is not None and self._log.over_cap()
@@ -1064,7 +1099,7 @@ class ResilientStep:
         # compiled ahead at start): the persister reads these very buffers, and `settle`
         # (before any failure deletes buffers, before a recovery) waits for it.
         prog = self.program
-        variants = [None] if self._peers is None else [None, "ring" if self._peers.every == 1 else "ring+local"]
+        variants = [None] if self._peers is None else [None, *self._peers.variants()]
         uncopied = (state is self.live and prog is not None and
                     (not self.config.donate_state or all(prog.has_update(v, keep_input=True) for v in variants)))
         with self.goodput_recorder.span("checkpoint_save", step=self.step):
@@ -1145,18 +1180,18 @@ class ResilientStep:
         self.close()
 
 
-def _build_ahead(spec, mesh, every) -> Program:
-    """A degraded mesh's program with the executables a recovery and the steps after it run."""
+def _build_ahead(spec, mesh, variants) -> Program:
+    """A degraded mesh's program with the executables a recovery and the steps after it run
+    (``variants``: the peer-copy variants the run uses)."""
     prog = _program.make(spec, mesh, full_mesh=False)
     prog.fits_global_batch()
     prog.grad(False)
     prog.update(None)
     if prog.protects:
-        if every == 1:
-            prog.update("ring")
-        else:
+        if "ring+local" in variants:
             prog.grad(True)
-            prog.update("ring+local")
+        for v in variants:
+            prog.update(v)
     return prog
 
 
