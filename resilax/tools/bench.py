@@ -32,7 +32,7 @@ def option_adder(parser):
 
 
 def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quiet: bool, warm: int = 3,
-               block: int = 4) -> dict:
+               block: int = 4, max_settle: int = 200) -> dict:
     """Times ``runs`` (name -> ``step(state, batch) -> (state, metrics)``) in rounds: each
     round runs every variant for ``block`` consecutive steps, the order of the variants
     rotating every round so slow drifts of the machine hit all alike, each step timed to
@@ -41,20 +41,26 @@ def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quie
     each variant is charged for its own background work and not its neighbour's (with one
     step per variant, whichever ran after the variant with a writer thread looked ~10%
     slower, an A/A pair included: measured). ``warm`` untimed rounds first, then the
-    background compiles of the degraded meshes (``wait_compiled``) are waited for. Updates
-    ``states`` in place; returns ``{name: [seconds per timed step]}`` (``steps`` each)."""
+    background compiles of the degraded meshes (``wait_compiled``) are waited for, then
+    untimed rounds go on (at most ``max_settle``) until every run that has ``settled()``
+    says it is (a calibrating peer cadence: a one-time cost, reported by the run itself).
+    Updates ``states`` in place; returns ``{name: [seconds per timed step]}`` (``steps``
+    each)."""
     import jax
 
     names = list(runs)
     times: dict = {k: [] for k in names}
     block = max(2, int(block))
-    rounds = range(warm + -(-steps // (block - 1)))
+    need = -(-steps // (block - 1))
+    bar = None
     if not quiet:
         from tqdm import tqdm
 
-        rounds = tqdm(rounds, desc=desc, unit="round", file=sys.stderr, mininterval=2.0)
-    n = 0
-    for i in rounds:
+        bar = tqdm(total=need, desc=desc, unit="round", file=sys.stderr, mininterval=2.0)
+    n = i = done = settle = 0
+    while done < need:
+        timed = i >= warm and (settle >= max_settle or all(runs[k].settled() for k in names
+                                                          if hasattr(runs[k], "settled")))
         if i == warm:
             for k in names:
                 if hasattr(runs[k], "wait_compiled"):
@@ -66,9 +72,18 @@ def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quie
                 t0 = time.perf_counter()
                 states[k], m = runs[k](states[k], b)
                 jax.block_until_ready((states[k], m))
-                if i >= warm and j > 0 and len(times[k]) < steps:
+                if timed and j > 0 and len(times[k]) < steps:
                     times[k].append(time.perf_counter() - t0)
         n += block
+        i += 1
+        if timed:
+            done += 1
+            if bar is not None:
+                bar.update(1)
+        elif i > warm:
+            settle += 1
+    if bar is not None:
+        bar.close()
     return times
 
 

@@ -12,15 +12,18 @@ MLP trained with AdamW: parameters + two moments), in two layouts:
 Per layout, round-robin with the order rotating every step (machine noise hits all alike),
 each step timed to completion (state and metrics): a plain jitted step with no
 checkpoints, a second plain one (the A/A control: its ratio is the noise floor), resilax
-with every protection on (checkpoint every ``--checkpoint-every`` steps, peers, record
-log on disk, NaN/spike skipping), resilax with each protection alone, and every
-protection in the bit-exact mode (``deterministic``: `resilax.DeterministicConfig`). Ratios are of
-medians (steady steps) and of means (save steps included).
+with every protection on (``all``: checkpoint every ``--checkpoint-every`` steps, peer
+copies at the cadence calibrated to 1% of a step, ``PeersConfig(every="auto")``, record
+log on disk, NaN/spike skipping; ``all_every_step``: the same with a peer copy every
+step), resilax with each protection alone, and every protection in the bit-exact mode
+(``deterministic``: `resilax.DeterministicConfig`). Ratios are of medians (steady steps)
+and of means (save steps included). Steps are timed once the auto cadence has
+calibrated (a one-time cost; its measured costs are reported).
 
 Then: the blocking time of plain Orbax async saves of the same state (first and steady),
 the floor (a host copy of every shard a checkpoint needs), and a slice failure on a step
-boundary (``fail_slice@N:after_step/1``) with every protection on: seconds by phase, in
-step-times, lost steps.
+boundary with every protection on, for both peer cadences (with the auto cadence at its
+worst step, right before the next copy): seconds by phase, in step-times, lost steps.
 
 The persistent XLA compilation cache is off here: a recovery must not look fast because
 an earlier run compiled its programs.
@@ -39,7 +42,8 @@ import time
 import numpy as np
 
 
-VARIANTS = ("plain", "plain_aa", "all", "checkpoint", "peers", "log", "log_inputs", "anomaly", "deterministic")
+VARIANTS = ("plain", "plain_aa", "all", "all_every_step", "checkpoint", "peers", "peers_every_step", "log", "log_inputs",
+            "anomaly", "deterministic")
 
 
 def add_arguments(parser) -> None:
@@ -82,13 +86,18 @@ def _config(name, tmp, every):
 
     ck = resilax.CheckpointConfig(os.path.join(tmp, "ckpt"), every=every)
     logdir = os.path.join(tmp, "log")
+    auto = resilax.PeersConfig(every="auto")  # the cadence calibrated to 1% of a step
     if name == "all":
+        return resilax.Config(checkpoint=ck, peers=auto)
+    if name == "all_every_step":  # peer copies every step: the shortest recovery
         return resilax.Config(checkpoint=ck)
     if name == "deterministic":  # every protection, in the bit-exact mode
         return resilax.Config(checkpoint=ck, deterministic=resilax.DeterministicConfig())
     if name == "checkpoint":
         return resilax.Config(checkpoint=ck, log=None, peers=None, anomaly=None)
-    if name == "peers":
+    if name == "peers":  # the auto cadence covers the steps between copies with the log's batches
+        return resilax.Config(log=resilax.LogConfig(directory=None), anomaly=None, peers=auto)
+    if name == "peers_every_step":
         return resilax.Config(log=None, anomaly=None)
     if name == "log":
         return resilax.Config(log=resilax.LogConfig(directory=logdir), peers=None, anomaly=None)
@@ -175,8 +184,9 @@ def bench_protection(args) -> dict:
         top = lay[worst]
         ck = [lay[k]["checkpoint"] for k in lay if lay[k]["checkpoint"]["blocking_s"]]
         # recovery: a slice failure on a step boundary, every protection on, state sharded over every device
-        rec = _recovery(args, topo, template, batches, _layouts(topo, ["sharded"])["sharded"],
-                        os.path.join(tmp_root, "recovery"))
+        shd = _layouts(topo, ["sharded"])["sharded"]
+        rec = _recovery(args, topo, template, batches, shd, os.path.join(tmp_root, "recovery"), "all")
+        rec1 = _recovery(args, topo, template, batches, shd, os.path.join(tmp_root, "recovery"), "all_every_step")
         step_s = lay.get("sharded", top)["step_s"]["plain"]
         out.update({
             "overhead_layout": worst,
@@ -195,6 +205,12 @@ def bench_protection(args) -> dict:
             "recovery_steps": rec["recovery_s"] / step_s,
             "lost_steps": rec["lost_steps"],
             "recovery": rec,
+            # the same with peer copies every step: the shortest recovery, at the copies' cost
+            "every_step_copies": {
+                "overhead_ratio": top["ratio"].get("all_every_step"),
+                "overhead_ratio_mean": top["ratio_mean"].get("all_every_step"),
+                "recovery_s": rec1["recovery_s"], "recovery_steps": rec1["recovery_s"] / step_s,
+                "lost_steps": rec1["lost_steps"], "recovery": rec1},
             "protection_bytes_per_device": max(lay[k]["protection_bytes_per_device"] for k in lay),
             "state_bytes_per_device": max(lay[k]["state_bytes_per_device"] for k in lay),
         })
@@ -263,6 +279,8 @@ def _measure_layout(args, topo, spec, template, batches, layout, variants, tmp, 
     any_state = states[names[0]]
     res["state_bytes_per_device"] = _per_device_bytes(jax.tree.leaves(any_state), dev0)
     res["log_cadence"] = {v: c for v, c in ((v, w.log_cadence()) for v, w in wrapped.items()) if c is not None}
+    res["peer_cadence"] = {v: c for v, c in ((v, w.peer_cadence()) for v, w in wrapped.items())
+                           if c is not None and c.get("mode") == "auto"}
     if "all" in wrapped:
         held = [x for p in wrapped["all"]._protections for x in p.held()]
         res["protection_bytes_per_device"] = _per_device_bytes(held, dev0)
@@ -285,35 +303,53 @@ class _feeding:
         self.step, self.data = step, data
         if hasattr(step, "wait_compiled"):
             self.wait_compiled = step.wait_compiled
+        if hasattr(step, "peer_cadence"):  # the auto cadence calibrates before steps are timed
+            self.settled = lambda: (step.peer_cadence() or {}).get("phase") not in ("wait", "calibrate")
 
     def __call__(self, state, _batch):
         return self.step(state, next(self.data))
 
 
-def _recovery(args, topo, template, batches, layout, tmp):
+def _recovery(args, topo, template, batches, layout, tmp, variant):
+    """A slice lost on a step boundary with every protection on (``variant``: ``all``, the
+    auto peer cadence, or ``all_every_step``). With the auto cadence the loss is put at the
+    worst step: the last one before the next copy (``every - 1`` steps to recompute)."""
     import jax
     import resilax
     from resilax.tools import example as ex
 
     F = args.fail_at
-    cfg = _config("all", tmp, args.checkpoint_every)
-    step = resilax.wrap(ex.train_step, topology=topo, state_sharding=layout(template), config=cfg,
-                        faults=resilax.FaultPlan([f"fail_slice@{F}:after_step/1"]))
+    cfg = _config(variant, os.path.join(tmp, variant), args.checkpoint_every)
+    auto = cfg.peers is not None and cfg.peers.every == "auto"
+    faults = resilax.FaultPlan([] if auto else [f"fail_slice@{F}:after_step/1"])
+    step = resilax.wrap(ex.train_step, topology=topo, state_sharding=layout(template), config=cfg, faults=faults)
     state = step.init(template)
-    n = F + 10
-    for i in range(n):
+    failed_at, cadence, i = None, None, 0
+    while not any(e.kind == "recovery" for e in step.events):
+        if i > F + 400:
+            raise RuntimeError("bench protection: the recovery run never recovered")
         state, m = step(state, batches[i % len(batches)])
         jax.block_until_ready((state, m))
-        if i == 0:  # a failure after the background compiles (one before them waits for the one in flight)
+        i += 1
+        if i == 1:  # a failure after the background compiles (one before them waits for the one in flight)
             step.wait_compiled()
+        if auto and failed_at is None:
+            c = step.peer_cadence()
+            if c["phase"] == "set" and step.step >= F:
+                cad = step._peers.cadence
+                if (step.step - cad.anchor) % cad.every == cad.every - 1:
+                    cadence, failed_at = dict(c), step.step
+                    step.fail_domain(1, "after_step")
     ev = next(e.fields for e in step.events if e.kind == "recovery")
     ahead = [e.fields for e in step.events if e.kind == "compile_ahead"]
     step.close()
-    return {"fail_at": F, "source": ev["source"], "restored_step": ev["restored_step"], "target_step": ev["target_step"],
+    return {"variant": variant, "fail_at": failed_at if auto else F, "source": ev["source"],
+            "restored_step": ev["restored_step"], "target_step": ev["target_step"],
             "lost_steps": ev["lost_steps"], "steps_replayed": ev["steps_replayed"],
             "steps_recomputed": ev["steps_recomputed"], "seconds": ev["seconds"],
             "recovery_s": sum(ev["seconds"].values()), "compiled_ahead": ev["compiled_ahead"],
-            "compile_ahead": ahead, "mesh": ev["mesh"]}
+            "compile_ahead": ahead, "mesh": ev["mesh"],
+            "peer_cadence": {k: v for k, v in (cadence or {}).items() if k != "decisions"} or None}
 
 
 def _table(r):
@@ -334,14 +370,28 @@ def _table(r):
                 print(f"    record log ({k}): {c['grads_entries']} grads entries, {c['inputs_only_entries']} inputs-only; "
                       f"one grads entry {c['grads_cost_s'] * 1e3:.1f} ms of writer time, {c['share']:.2%} of step time "
                       f"(budget {c['budget']:.0%}: {'met' if c['meets_budget'] else 'NOT met'})")
+        for k, c in lay.get("peer_cadence", {}).items():
+            d = c["decisions"][-1] if c["decisions"] else None
+            if d is None:
+                print(f"    peer cadence ({k}): {c['phase']}" + (f" ({c['why']})" if c.get("why") else ""))
+                continue
+            cs = d["cost_s"]
+            print(f"    peer cadence ({k}): every {d['every']} steps, log entries between: "
+                  f"{'yes' if d['log_entries_between'] else 'no (recompute)'}; measured per step: ring copy "
+                  f"{cs['ring'] * 1e3:.2f} ms, ring+local {cs['ring+local'] * 1e3:.2f} ms, log entry "
+                  f"{cs['log'] * 1e3:.2f} ms ({d['samples']} samples each); {d['share']:.2%} of step time "
+                  f"(budget {d['budget']:.0%}: {'met' if d['meets_budget'] else 'NOT met'})")
         print(f"    bytes per device: state {lay['state_bytes_per_device']:,}, protections "
               f"{lay['protection_bytes_per_device']:,}")
     rc = r["recovery"]
-    print(f"  recovery (fail_slice@{rc['fail_at']}:after_step/1): {r['recovery_s']:.3f} s = "
+    print(f"  recovery (slice 1 lost after {rc['fail_at']} steps, the worst step for the cadence): {r['recovery_s']:.3f} s = "
           f"{r['recovery_steps']:.2f} step-times, lost steps {r['lost_steps']}, source {rc['source']}; by phase "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rc["seconds"].items()))
+    rc1 = r["every_step_copies"]
+    print(f"  with peer copies every step: recovery {rc1['recovery_s']:.3f} s = {rc1['recovery_steps']:.2f} step-times, "
+          f"lost steps {rc1['lost_steps']}")
     print(f"  overhead_ratio {r['overhead_ratio']:.3f} ({r['overhead_layout']}), mean {r['overhead_ratio_mean']:.3f}, "
-          f"A/A {r['aa_ratio']:.3f}")
+          f"A/A {r['aa_ratio']:.3f}; with peer copies every step {rc1['overhead_ratio'] or float('nan'):.3f}")
     if r.get("deterministic_overhead_ratio"):
         print("  deterministic_overhead_ratio (bit-exact mode / default mode, every protection on): "
               + ", ".join(f"{k} {v:.3f}" for k, v in r["deterministic_overhead_ratio"].items()))

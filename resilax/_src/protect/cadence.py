@@ -19,7 +19,9 @@ each blocked to completion and timed, ``calibration_samples`` times each:
 The rotation keeps every step covered: a ``ring`` step's snapshot is valid until the
 next step, which is the ``ring+local`` one. Costs are differences of medians against
 ``none``; each is taken at its upper bound (median + 2 standard errors, from the MAD), so
-a noisy machine gets a longer cadence, never a budget it does not meet.
+a noisy machine gets a longer cadence, never a budget it does not meet. While the noise
+still changes the choice (the cadence from the medians differs from the one from the
+upper bounds), sampling goes on, up to 4x ``calibration_samples``.
 
 **Choice**, ``A = budget x step time`` (the ``none`` median), first that fits:
 
@@ -100,8 +102,12 @@ class Cadence:
         self.i += 1
         if timed:
             self.samples[v].append(seconds)
-        if min(len(x) for x in self.samples.values()) < self.n:
+        have = min(len(x) for x in self.samples.values())
+        if have < self.n or have % self.n:
             return None
+        if have < 4 * self.n and decide(self.samples, self.budget, self.max_every, z=0.0)["every"] != \
+                decide(self.samples, self.budget, self.max_every)["every"]:
+            return None  # the noise still changes the choice: more samples (at most 4x)
         return self._decide()
 
     # ------------------------------------------------------------------ the choice
@@ -128,15 +134,15 @@ class Cadence:
         return out
 
 
-def decide(samples: dict, budget: float, max_every: int) -> dict:
-    """The cadence from timed samples (``{variant: [seconds]}`` for ``ORDER``); see the
-    module docstring. Pure: tested on its own."""
+def decide(samples: dict, budget: float, max_every: int, z: float = 2.0) -> dict:
+    """The cadence from timed samples (``{variant: [seconds]}`` for ``ORDER``), each cost
+    taken at median + ``z`` standard errors; see the module docstring. Pure: tested alone."""
     base, base_se = _robust(samples["none"])
     cost, upper = {}, {}
     for v in ("ring", "ring+local", "log"):
         med, se = _robust(samples[v])
         cost[v] = max(0.0, med - base)
-        upper[v] = max(0.0, med - base + 2 * (se ** 2 + base_se ** 2) ** 0.5)
+        upper[v] = max(0.0, med - base + z * (se ** 2 + base_se ** 2) ** 0.5)
     allow = budget * base
     c1, c2, cl = upper["ring"], upper["ring+local"], upper["log"]
     every, log_ring = None, True
