@@ -477,6 +477,13 @@ def test_auto_peer_cadence_rejects_bad_values():
         resilax.PeersConfig(every="auto", budget=0)
     with pytest.raises(resilax.ConfigError, match="calibration_samples must be >= 3"):
         resilax.PeersConfig(every="auto", calibration_samples=1)
+    # which steps copy is measured while the run goes: a fault pinned to a copy is refused
+    case = CASES["dropout_mlp"]
+    st = case.make_state(0)
+    with pytest.raises(resilax.ConfigError, match="during_peer_copy needs a fixed PeersConfig.every"):
+        resilax.wrap(case.train_step, topology=resilax.Topology.emulated(2, 4), state_sharding=sharded(st),
+                     config=resilax.Config(peers=resilax.PeersConfig(every="auto")),
+                     faults=resilax.FaultPlan(["fail_slice@3:during_peer_copy/1"]))
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

@@ -213,6 +213,9 @@ class FaultPlan:
                 pc = config.peers
                 if pc is None:
                     raise ConfigError(f"{where}: during_peer_copy needs peer copies (Config.peers is None)")
+                if pc.every == "auto":
+                    raise ConfigError(f"{where}: during_peer_copy needs a fixed PeersConfig.every: with 'auto' the "
+                                      f"steps that copy are chosen by measurement while the run goes")
                 if (f.step + 1) % pc.every:
                     raise ConfigError(f"{where}: step {f.step + 1} makes no peer copy (PeersConfig.every = "
                                       f"{pc.every}); use a step N with N + 1 a multiple of it")
