@@ -55,15 +55,15 @@ class Cadence:
         self.decisions: list[dict] = []  # one per calibrated mesh, newest last
         self.reset()
 
-    def reset(self, ready=None, *, copies: bool = True):
-        """A new mesh: copies every step until its variants are compiled (``ready``: a
-        future, or None) and calibrated. ``copies``: whether the mesh makes copies at all."""
+    def reset(self, *, copies: bool = True):
+        """A new mesh: copies every step until its variants are compiled (`ready`, a future
+        set by the caller) and calibrated. ``copies``: whether the mesh makes copies at all."""
         self.phase = "idle" if not copies else "wait" if self.has_log else "fixed"
         self.every, self.log_ring, self.anchor = 1, True, None
         self.samples = {k: [] for k in ORDER}
         self.i = -1
         self.now = None  # (variant, block, timed) of the step in flight
-        self.ready = ready
+        self.ready = None
 
     # ------------------------------------------------------------------ per step
     def plan(self, step_after: int, *, background_idle: bool, over_cap: bool) -> str | None:
@@ -105,14 +105,9 @@ class Cadence:
         have = min(len(x) for x in self.samples.values())
         if have < self.n or have % self.n:
             return None
-        if have < 4 * self.n and decide(self.samples, self.budget, self.max_every, z=0.0)["every"] != \
-                decide(self.samples, self.budget, self.max_every)["every"]:
-            return None  # the noise still changes the choice: more samples (at most 4x)
-        return self._decide()
-
-    # ------------------------------------------------------------------ the choice
-    def _decide(self) -> dict:
         d = decide(self.samples, self.budget, self.max_every)
+        if have < 4 * self.n and decide(self.samples, self.budget, self.max_every, z=0.0)["every"] != d["every"]:
+            return None  # the noise still changes the choice: more samples (at most 4x)
         self.every, self.log_ring, self.phase, self.anchor = d["every"], d["log_entries_between"], "set", None
         self.decisions.append(d)
         return d

@@ -5,8 +5,8 @@ Every ``PeersConfig.every`` steps the update part also returns the packed ring c
 new state (one collective-permute per dtype); with ``every > 1`` it returns a local copy
 too, so a whole consistent step survives while the live state moves on, and the record
 log's device entries (ring-copied as well) or its retained batches cover the steps in
-between. ``every="auto"`` measures the costs and picks the cadence (``cadence.py``). State replicated
-across the elastic axis is its own backup: such a mesh makes no copies at all.
+between; ``every="auto"`` measures the costs and picks the cadence (``cadence.py``). State
+replicated across the elastic axis is its own backup: such a mesh makes no copies at all.
 """
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ class Peers(base.Protection):
 
     def __init__(self, cfg, *, has_log: bool):
         self.cadence = Cadence(cfg, has_log=has_log) if cfg.every == "auto" else None
-        self.every = 1 if self.cadence is not None else cfg.every
+        self._every = None if self.cadence is not None else cfg.every
         self.between = cfg.log_entries_between
         self.snap: Snapshot | None = None
+
+    @property
+    def every(self) -> int:
+        """The cadence now (the auto cadence's current choice, 1 until it has one)."""
+        return self.cadence.every if self.cadence is not None else self._every
 
     def variants(self) -> tuple:
         """The copy variants this run's update part may use."""
@@ -51,10 +56,8 @@ class Peers(base.Protection):
         c = self.cadence
         if c is not None:
             if c.phase == "wait" and c.ready is None:
-                c.ready = run.compile_in_background(run.program, (None,) + self.variants(), log_ring=True)
-            v = c.plan(step_after, background_idle=run.background_idle(), over_cap=run.log_over_cap())
-            self.every = c.every
-            return v
+                c.ready = run.compile_in_background(run.program, (None,) + self.variants())
+            return c.plan(step_after, background_idle=run.background_idle(), over_cap=run.log_over_cap())
         if self.every == 1:
             return "ring"
         return "ring+local" if step_after % self.every == 0 or run.log_over_cap() else None
@@ -72,7 +75,6 @@ class Peers(base.Protection):
     def timed(self, run, seconds: float) -> None:
         d = self.cadence.timed(seconds) if self.cadence is not None else None
         if d is not None:
-            self.every = d["every"]
             run.event("peer_cadence", run.step, mesh=dict(run.program.mesh.shape), **d)
 
     def report(self) -> dict:
@@ -116,8 +118,7 @@ class Peers(base.Protection):
 
     def restart(self, run, state):
         if self.cadence is not None:  # a new mesh: its costs are measured again
-            self.cadence.reset(copies=run.program.protects)
-            self.every = 1
+            self.cadence.reset()
         self.start(run, state)
 
     def close(self):

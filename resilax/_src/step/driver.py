@@ -376,15 +376,14 @@ class ResilientStep:
         keys = [k for k in keys if k not in self._programs and k not in self._ahead]
         if not keys:
             return
-        if self._ahead_pool is None:
-            self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-compile-ahead")
+        pool = self._compile_pool()
         spec, at = self.program.spec, self.step
         variants = self._peers.variants() if self._peers is not None else ()
         t0 = time.perf_counter()
         futs = []
         for k in keys:
             mesh = self.topology.mesh([self._domains[i] for i in k])
-            futs.append(self._ahead_pool.submit(_build_ahead, spec, mesh, variants))
+            futs.append(pool.submit(_build_ahead, spec, mesh, variants))
             self._ahead[k] = futs[-1]
 
         def report():
@@ -398,22 +397,18 @@ class ResilientStep:
             except Exception:  # the run was closed meanwhile: nobody reads the event
                 pass
 
-        self._ahead_done = self._ahead_pool.submit(report)
+        self._ahead_done = pool.submit(report)
 
-    def compile_in_background(self, prog, variants, *, log_ring: bool):
-        """A future that compiles ``prog``'s update ``variants`` (and its grad part with and
-        without the log's ring copy) on the compile-ahead thread: off the step's path."""
+    def _compile_pool(self):
+        """The one background thread every compile ahead of need runs on."""
         if self._ahead_pool is None:
             self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-compile-ahead")
+        return self._ahead_pool
 
-        def build():
-            prog.grad(False)
-            if log_ring:
-                prog.grad(True)
-            for v in variants:
-                prog.update(v)
-
-        return self._ahead_pool.submit(build)
+    def compile_in_background(self, prog, variants):
+        """A future that compiles ``prog``'s update ``variants`` and its grad part (with and
+        without the log's ring copy: `Program.compile_all`) on the compile-ahead thread."""
+        return self._compile_pool().submit(prog.compile_all, variants)
 
     def background_idle(self) -> bool:
         """Whether no background compile of a degraded mesh is in flight (they would compete
