@@ -89,12 +89,15 @@ def test_bench_health_writes_json(tmp_path):
     timed; a hang is found within the probe cadence + timeout and its slice named; the overhead ratios are measured (their size is the benchmark's business)."""
     out = tmp_path / "h.json"
     r = subprocess.run([sys.executable, "-m", "resilax", "bench", "health", "--steps", "3", "--hidden", "64",
-                        "--batch", "64", "--quiet", "--json", str(out)], env=_env(), capture_output=True, text=True,
+                        "--batch", "64", "--checkpoint-every", "4", "--quiet", "--json", str(out)], env=_env(), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["sdc_detect_steps"] == 0 and res["sdc_domain_identified"] is True
     assert res["rejoin_s"] > 0 and res["deterministic_overhead_ratio"] > 0 and res["health_overhead_ratio"] > 0
+    assert res["health_every_step_ratio"] > 0
+    cad = res["sdc_cadence"]["deterministic_health"]  # timed once the auto cadence was chosen
+    assert cad["phase"] == "set" and cad["every"] == cad["decision"]["every"] >= 1 and cad["rebuildable"]
     # default HealthConfig: a silent domain gets the whole 5 s probe timeout, probes every 1 s
     assert 5.0 <= res["hang_detect_s"] <= 5.0 + 1.0 + 3.0 and res["hang_domain_identified"] is True
     assert res["step_deadline_s"] >= 5.0

@@ -82,6 +82,50 @@ def test_two_replicas_are_told_apart_by_rebuilding_the_step(tmp_path, target):
     assert tree_rel_diff(got, ref) == 0.0
 
 
+@pytest.mark.parametrize("topo,target,named", [((4, 2), 2, [2]), ((2, 4), 1, [])], ids=["4-domains", "2-domains"])
+def test_a_late_find_goes_on_from_the_rebuilt_state(tmp_path, topo, target, named):
+    """Checked every 3 steps (and at the save at 4): the flip after step 5 feeds the next step
+    on every replica before the check at 6 finds it. No replica is right any more; the step is
+    rebuilt from the checkpoint (4) and the record log (step 4 from the log, step 5 recomputed
+    from its batch), the run goes on from that, bitwise the failure-free run, and the log's
+    entries after 4 are quarantined. A strict majority still names the flipped domain; two
+    replicas cannot (both are kept)."""
+    ref, *_ = _run(topo=topo, steps=8)
+    cfg = resilax.Config(deterministic=resilax.DeterministicConfig(), health=resilax.HealthConfig(sdc_every=3),
+                         checkpoint=resilax.CheckpointConfig(str(tmp_path / "ck"), every=4))
+    with pytest.warns(RuntimeWarning, match="recorded from corrupted replicas after step 4"):
+        got, step, _, _ = run("batchnorm_mlp", [f"bitflip@5/{target}"], topo=resilax.Topology.emulated(*topo),
+                              config=cfg, steps=8, layout=sharded)
+    (sdc,) = [e for e in step.events if e.kind == "sdc"]
+    assert sdc.step == 6 and sdc.fields["decided_by"] == "rebuilt_adopted" and sdc.fields["bad_domains"] == named
+    (rebuilt,) = [e for e in step.events if e.kind == "rebuilt"]
+    assert rebuilt.fields["restored_step"] == 4 and rebuilt.fields["steps_redone"] == 2
+    assert [e.fields["failed_domains"] for e in step.events if e.kind == "recovery"] == ([named] if named else [])
+    assert tree_rel_diff(got, ref) == 0.0
+
+
+def test_auto_cadence_is_measured_and_a_find_within_it_is_recovered(tmp_path):
+    """``sdc_every="auto"``: every step while the check and the step are timed, then the cadence
+    the budget allows (the rule applied to its own samples); a flip after that is found at the
+    next due check and the run ends bitwise on the failure-free trajectory. Without a checkpoint
+    to rebuild from (none configured, or none committed yet), it checks every step."""
+    H4 = resilax.HealthConfig(sdc_budget=0.001, sdc_max_every=4)
+    ref, *_ = _run(steps=22)
+    cfg = resilax.Config(deterministic=resilax.DeterministicConfig(), health=H4,
+                         checkpoint=resilax.CheckpointConfig(str(tmp_path / "ck"), every=8))
+    got, step, _, _ = run("batchnorm_mlp", ["bitflip@17/1"], topo=resilax.Topology.emulated(4, 2), config=cfg,
+                          steps=22, layout=sharded)
+    (cad,) = [e for e in step.events if e.kind == "sdc_cadence"]
+    f = cad.fields
+    assert f["every"] == min(4, max(1, -(-f["check_s"] // (0.001 * f["step_s"])))) == 4 and f["samples"] >= 8
+    assert cad.step < 17, "calibrated before the flip"
+    (sdc,) = [e for e in step.events if e.kind == "sdc"]
+    assert sdc.step - 17 in range(0, 4) and (sdc.step - cad.step) % 4 == 0 and sdc.fields["bad_domains"] == [1]
+    assert tree_rel_diff(got, ref) == 0.0
+    _, plain, _, _ = _run(health=H4, steps=3)
+    assert plain._sdc.report()["phase"] == "fixed" and plain._sdc.every == 1 and len(plain._sdc.seconds) == 3
+
+
 def _host_checksum(x):
     """The checksum's definition on the host: words of the raveled leaf, flat positions."""
     import numpy as np

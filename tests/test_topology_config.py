@@ -97,6 +97,13 @@ def test_config_errors():
         resilax.Config.from_configdict({"overhead_budget": 0.01})  # removed: it steered nothing
     with pytest.raises(resilax.ConfigError, match="async_save must be bool"):
         resilax.CheckpointConfig("/tmp/x", async_save=1)
+    for bad, msg in (({"sdc_every": "often"}, "sdc_every must be an int >= 1 or 'auto'"),
+                     ({"sdc_every": 0}, "sdc_every must be an int >= 1 or 'auto'"),
+                     ({"sdc_every": True}, "sdc_every must be int or str"),
+                     ({"sdc_budget": 0}, r"sdc_budget must be in \(0, 1\]"),
+                     ({"sdc_max_every": 0}, "sdc_max_every must be >= 1")):
+        with pytest.raises(resilax.ConfigError, match=msg):
+            resilax.HealthConfig(**bad)
 
 
 def test_config_from_gin():

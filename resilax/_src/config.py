@@ -273,9 +273,17 @@ class HealthConfig:
     Attributes:
       sdc_every: compare the checksums of the state's replicas across failure domains at
         the start of every this-many-th step, before the state is used (and before every
-        checkpoint save). With 1 (the default) a domain outvoted by a strict majority is
-        treated as failed and the run goes on from the good replicas; found later, or with
-        two replicas, it is a `SilentDataCorruptionError`.
+        checkpoint save). With 1 a domain outvoted by a strict majority is treated as failed
+        and the run goes on from the good replicas. Found later (the corrupted values may
+        have entered every replica's update), or with two replicas, the step is rebuilt from
+        the newest checkpoint and the record log and the run goes on from that (see
+        ``protect/sdc.py``); with no checkpoint to rebuild from it is a
+        `SilentDataCorruptionError`. ``"auto"`` (the default): every step while the check's
+        cost is measured, then the shortest cadence whose checks cost at most ``sdc_budget``
+        of a step (at most ``sdc_max_every``); every step when there is no checkpoint to
+        rebuild a late find from.
+      sdc_budget, sdc_max_every: with ``sdc_every="auto"``, the share of step time the
+        checks may cost, and the longest cadence (the most steps a find may be late).
       hang_detect_s: a failure domain that does not answer a liveness probe (a tiny
         computation on its devices) within this many seconds is hung: it is failed (its
         memory dropped) and the run goes on from the others. None: no liveness watchdog.
@@ -293,7 +301,9 @@ class HealthConfig:
         (default). False: an event ``domain_answering`` only.
     """
 
-    sdc_every: int = 1
+    sdc_every: int | str = "auto"
+    sdc_budget: float = 0.01
+    sdc_max_every: int = 16
     hang_detect_s: float | None = 5.0
     probe_every_s: float = 1.0
     step_deadline_factor: float = 10.0
@@ -304,9 +314,17 @@ class HealthConfig:
     rejoin_answering: bool = True
 
     def __post_init__(self):
-        _check_type("HealthConfig", "sdc_every", self.sdc_every, (int,))
-        if self.sdc_every < 1:
-            raise ConfigError(f"resilax.HealthConfig: sdc_every must be >= 1, but got {self.sdc_every}")
+        if self.sdc_every != "auto":
+            _check_type("HealthConfig", "sdc_every", self.sdc_every, (int, str))
+            if isinstance(self.sdc_every, str) or self.sdc_every < 1:
+                raise ConfigError(f"resilax.HealthConfig: sdc_every must be an int >= 1 or 'auto', but got "
+                                  f"{self.sdc_every!r}")
+        _check_type("HealthConfig", "sdc_budget", self.sdc_budget, (int, float))
+        if not 0 < self.sdc_budget <= 1:
+            raise ConfigError(f"resilax.HealthConfig: sdc_budget must be in (0, 1], but got {self.sdc_budget}")
+        _check_type("HealthConfig", "sdc_max_every", self.sdc_max_every, (int,))
+        if self.sdc_max_every < 1:
+            raise ConfigError(f"resilax.HealthConfig: sdc_max_every must be >= 1, but got {self.sdc_max_every}")
         for name, optional in (("hang_detect_s", True), ("probe_every_s", False), ("step_deadline_factor", False),
                                ("step_deadline_min_s", False), ("straggler_factor", True)):
             v = getattr(self, name)

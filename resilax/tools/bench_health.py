@@ -3,8 +3,11 @@ how fast they act, on the example MLP (every protection on).
 
 - ``deterministic_overhead_ratio``: the bit-exact mode against the default mode, step time
   (median), interleaved round-robin in one process (cpu-2x4, state sharded inside a slice);
-- ``health_overhead_ratio``: the bit-exact mode with `HealthConfig` (replica checksums
-  before every step) against without, interleaved the same way;
+- ``health_overhead_ratio``: the bit-exact mode with `HealthConfig` (defaults: the replica
+  checksums at the auto cadence, the liveness watchdog, straggler timing) against without,
+  interleaved the same way, timed once the cadence is chosen and a checkpoint committed
+  (every variant checkpoints every ``--checkpoint-every`` steps); ``health_every_step_ratio``
+  the same with ``sdc_every=1`` (checked before every step);
 - ``sdc_detect_steps`` / ``sdc_domain_identified``: a ``bitflip`` on slice 2 of cpu-4x2:
   steps between the flip and the ``sdc`` event, and whether the flipped slice was named;
 - ``rejoin_s``: slice 1 lost then back: seconds of the ``rejoin`` (copy + protections).
@@ -19,7 +22,10 @@ Prints a table and writes JSON (``--json PATH``).
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import tempfile
 
 
 
@@ -32,6 +38,7 @@ def add_arguments(parser) -> None:
     opt("--hidden", type=int, default=512)
     opt("--batch", type=int, default=256)
     opt("--quiet", action="store_true")
+    opt("--checkpoint-every", type=int, default=100, help="every variant saves a checkpoint this often")
 
 
 def _wrap(topo, state, cfg, faults=()):
@@ -43,15 +50,32 @@ def _wrap(topo, state, cfg, faults=()):
     return step, step.init(state)
 
 
-def _interleaved(topo, template, batches, configs: dict, steps: int, quiet: bool) -> dict:
+class _Settling:
+    """A wrapped step whose ``settled()`` says the replica-check cadence is chosen and a
+    checkpoint committed (what the interleaving loop waits for before timing)."""
+
+    def __init__(self, step):
+        self.step = step
+        self.wait_compiled = step.wait_compiled
+
+    def settled(self) -> bool:
+        c = self.step.sdc_cadence()
+        return c is None or (c["phase"] in ("set", "fixed") and c["rebuildable"])
+
+    def __call__(self, state, batch):
+        return self.step(state, batch)
+
+
+def _interleaved(topo, template, batches, configs: dict, steps: int, quiet: bool):
     from resilax.tools.bench import interleave
 
     runs = {k: _wrap(topo, template, c) for k, c in configs.items()}
-    steps_, states = {k: r[0] for k, r in runs.items()}, {k: r[1] for k, r in runs.items()}
+    steps_, states = {k: _Settling(r[0]) for k, r in runs.items()}, {k: r[1] for k, r in runs.items()}
     times = interleave(steps_, states, batches, steps, desc="bench health", quiet=quiet)
+    cadence = {k: s.step.sdc_cadence() for k, s in steps_.items() if s.step.sdc_cadence() is not None}
     for s in steps_.values():
-        s.close()
-    return {k: statistics.median(t) for k, t in times.items()}
+        s.step.close()
+    return {k: statistics.median(t) for k, t in times.items()}, cadence
 
 
 def bench_health(args) -> dict:
@@ -69,17 +93,32 @@ def bench_health(args) -> dict:
     template = ex.make_state(spec)
     det = resilax.DeterministicConfig()
     topo = resilax.Topology.load("cpu-2x4")
-    med = _interleaved(topo, template, batches, {
-        "default": resilax.Config(),
-        "deterministic": resilax.Config(deterministic=det),
-        "deterministic_health": resilax.Config(deterministic=det, health=resilax.HealthConfig()),
-    }, args.steps, args.quiet)
+    tmp = tempfile.mkdtemp(prefix="resilax-bench-health-")
+
+    def ck(name):
+        return resilax.CheckpointConfig(os.path.join(tmp, name), every=args.checkpoint_every)
+
+    try:
+        med, cadence = _interleaved(topo, template, batches, {
+            "default": resilax.Config(checkpoint=ck("default")),
+            "deterministic": resilax.Config(deterministic=det, checkpoint=ck("det")),
+            "deterministic_health": resilax.Config(deterministic=det, health=resilax.HealthConfig(),
+                                                   checkpoint=ck("det_health")),
+            "deterministic_health_every_step": resilax.Config(
+                deterministic=det, health=resilax.HealthConfig(sdc_every=1), checkpoint=ck("det_health1")),
+        }, args.steps, args.quiet)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     out: dict = {"benchmark": "health", "platform": jax.devices()[0].platform, "steps": args.steps,
+                 "checkpoint_every": args.checkpoint_every,
                  "model": {"hidden": spec.hidden, "batch": spec.batch,
                            "state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(template)))},
                  "step_s": med,
                  "deterministic_overhead_ratio": med["deterministic"] / med["default"],
                  "health_overhead_ratio": med["deterministic_health"] / med["deterministic"],
+                 "health_every_step_ratio": med["deterministic_health_every_step"] / med["deterministic"],
+                 "sdc_cadence": {k: {kk: vv for kk, vv in c.items() if kk != "decisions"} | {
+                     "decision": c["decisions"][-1] if c["decisions"] else None} for k, c in cadence.items()},
                  }
     # silent data corruption on 4 slices: flip at 6 on slice 2
     topo4 = resilax.Topology.load("cpu-4x2")
@@ -111,7 +150,12 @@ def _table(r) -> None:
     for k, v in r["step_s"].items():
         print(f"  {k:<22} {v * 1e3:8.2f} ms/step (median)")
     print(f"  deterministic_overhead_ratio  {r['deterministic_overhead_ratio']:.3f}  (bit-exact / default mode)")
-    print(f"  health_overhead_ratio         {r['health_overhead_ratio']:.3f}  (replica checksums every step / none)")
+    c = r["sdc_cadence"].get("deterministic_health", {})
+    d = c.get("decision") or {}
+    print(f"  health_overhead_ratio         {r['health_overhead_ratio']:.3f}  (health checks on / off; replica "
+          f"checks every {c.get('every')} steps: check {d.get('check_s', float('nan')) * 1e3:.2f} ms, "
+          f"share {d.get('share', float('nan')):.3%})")
+    print(f"  health_every_step_ratio       {r['health_every_step_ratio']:.3f}  (replica checks before every step)")
     print(f"  sdc_detect_steps              {r['sdc_detect_steps']}  (domain identified: {r['sdc_domain_identified']})")
     print(f"  rejoin_s                      {r['rejoin_s']:.3f}  ({r['rejoin_bytes']:,} bytes copied)")
     print(f"  hang_detect_s                 {r['hang_detect_s']:.3f}  (found by {r['hang_found_by']}, "

@@ -192,6 +192,9 @@ class Watch(Protection):
     def start(self, run, state):
         self._pending = None
 
+    def adopted(self, run, state, since):
+        self._pending = None  # a verdict on corrupted replicas: the rebuilt steps had their own
+
     def restart(self, run, state):
         """The unread verdict's array lost its dead devices' buffers: read a survivor's."""
         if self._pending is not None:

@@ -69,6 +69,19 @@ class Protection:
     def after_step(self, run, rec: StepRecord) -> None:
         pass
 
+    def blocks(self) -> bool:
+        """Whether the step in flight is a calibration sample: the driver waits for it to
+        finish and reports its time to `timed`."""
+        return False
+
+    def timed(self, run, seconds: float) -> None:
+        pass
+
+    def adopted(self, run, state, since: int) -> None:
+        """The live state was replaced by ``state``, rebuilt at ``run.step`` from trusted
+        sources (`ResilientStep.adopt`): whatever this protection derived from the live state
+        after step ``since`` (log entries, copies) may hold corrupted values and is dropped."""
+
     def held(self) -> list:
         return []
 

@@ -116,6 +116,9 @@ class Peers(base.Protection):
                                   ring=(p.state_pack, list(s.ring) if s.ring is not None else []))
         return [Candidate("peer", s.step, shards)]
 
+    def adopted(self, run, state, since):
+        self.start(run, state)  # the copies may hold corrupted values: a fresh one of the adopted state
+
     def restart(self, run, state):
         if self.cadence is not None:  # a new mesh: its costs are measured again
             self.cadence.reset()

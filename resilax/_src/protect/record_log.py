@@ -175,6 +175,21 @@ class RecordLog(base.Protection):
             del self.device[s]
         self._trim()
 
+    def adopted(self, run, state, since: int) -> None:
+        """Entries of steps after ``since`` were recorded from corrupted replicas: device
+        entries and verdicts are dropped, disk entries quarantined (a resume from disk then
+        stops at ``since`` and redoes the rest from the data, never replaying them). Batches
+        stay: they are inputs, not results."""
+        self.settle()
+        for d in (self.device, self.verdicts):
+            for s in [s for s in d if s > since]:
+                del d[s]
+        if self.disk is not None:  # waits for the entries in flight first
+            self.disk.discard_from(since + 1, f"recorded from corrupted replicas after step {since}; the state was "
+                                              f"rebuilt at step {run.step}")
+        if self.peers and run.program.protects:
+            self.covered = run.step  # the peers snapshot the adopted state (`Peers.adopted`)
+
     def checkpointed(self, step: int) -> None:
         self.ckpt_step = step
         self._trim()

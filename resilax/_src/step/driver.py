@@ -421,6 +421,18 @@ class ResilientStep:
         (phase, measured costs, share of step time, ``meets_budget``). None without peers."""
         return None if self._peers is None else self._peers.report()
 
+    def sdc_cadence(self) -> dict | None:
+        """How often the replicas are compared (`HealthConfig.sdc_every`): ``every``, the
+        phase (``auto``/``calibrate`` before it is chosen, ``set``, ``fixed``), each choice's
+        measured check and step time and share of step time, and ``rebuildable`` (a
+        checkpoint is committed: until then the auto cadence checks every step). None
+        without `HealthConfig`."""
+        if self._sdc is None:
+            return None
+        out = self._sdc.report()
+        out["rebuildable"] = self._ckpt is not None and bool(self._ckpt.store.steps())
+        return out
+
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Blocks until the background compiles (degraded meshes, the peer cadence's
         variants) are done (benchmarks, tests); returns whether they are."""
@@ -514,9 +526,11 @@ class ResilientStep:
         keep, self._keep_input = self._keep_input, False  # a checkpoint's persister still reads this state
         new_state, ring, local = prog.update(copy, keep_input=keep)(self.live, gout.rec, gout.ok, np.uint32(k))
         self.live, self.guard, self.step, self._data_pos = new_state, gout.guard, k + 1, after
-        if self._peers is not None and self._peers.blocks():  # a calibration sample of the peer cadence
+        timers = [p for p in self._protections if p.blocks()]
+        if timers:  # a calibration sample (peer copy or replica check cadence): the whole step, waited on
             jax.block_until_ready(new_state)
-            self._peers.timed(self, time.perf_counter() - t0)
+            for p in timers:
+                p.timed(self, time.perf_counter() - t0)
         rec = _base.StepRecord(k, batch, gout, copy, new_state, ring, local, before, after, prog)
         with self.goodput_recorder.span("protection"):
             for p in self._protections:
@@ -920,8 +934,9 @@ class ResilientStep:
         entries or retained batches, never a live buffer), on the current mesh: the witness
         that tells which of two disagreeing replicas is right (`protect/sdc.py`). Steps after
         ``trusted_through`` (whose recorded values may have been computed from a corrupted
-        state) are recomputed from their batches, never taken from the log. None when no
-        checkpoint at or before ``step`` exists or a step after it cannot be redone so."""
+        state) are recomputed from their batches, never taken from the log. Returns
+        ``(state, anomaly guard)``; None when no checkpoint at or before ``step`` exists or a
+        step after it cannot be redone so."""
         if self._ckpt is None:
             return None
         cands = [c for c in self._ckpt.candidates(self) if c.step <= step]
@@ -942,7 +957,16 @@ class ResilientStep:
             jax.block_until_ready(state)
         self.event("rebuilt", step, source="checkpoint", restored_step=plan.start,
                    steps_redone=len(plan.replay), why="witness for the replica check")
-        return state
+        return state, guard
+
+    def adopt(self, state, guard, since: int) -> None:
+        """The live state becomes ``state`` (with the anomaly detector's ``guard``), rebuilt
+        at this step from trusted sources (`rebuilt_state`) because every replica of the live
+        one holds corrupted values. What the protections derived from the live state after
+        step ``since`` (log entries, peer copies) is dropped: it may hold them too."""
+        self.live, self.guard = state, guard
+        for p in self._protections:
+            p.adopted(self, state, since)
 
     def _restore(self, plan, cand, prog):
         shapes = [x.shape for x in jax.tree.leaves(self._abstract_state)]
@@ -1088,7 +1112,7 @@ class ResilientStep:
             self._sdc.before_save(self, state, self.step)
             if self._failures:
                 self._recover()
-                state = self.live
+            state = self.live  # a recovery, or the rebuilt state adopted in place of corrupted replicas
         after = (lambda: self.faults.fire("during_save", self.step, self)) if self.faults else None
         # The live state needs no copy when the next step keeps its input (the variant was
         # compiled ahead at start): the persister reads these very buffers, and `settle`
