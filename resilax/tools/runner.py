@@ -428,7 +428,14 @@ def _health_phase(work: pathlib.Path, steps: int, checkpoint_every: int) -> bool
         elif k == "bitflip":
             what = f"a bit of {e['leaf']} flipped on slice {e['domain']} (silent data corruption)"
         elif k == "sdc":
-            what = f"replica checksums: slice(s) {e['bad_domains']} outvoted by {e['good_domains']} in {e['leaves']}"
+            what = (f"replica checksums: slice(s) {e['bad_domains']} outvoted by {e['good_domains']} in {e['leaves']}"
+                    if e["bad_domains"] else f"replica checksums: slices {e['good_domains']} disagree in "
+                                             f"{e['leaves']}, no majority names one")
+            if e.get("decided_by") == "rebuilt_adopted":
+                what += (f"; found after the flip fed updates (checked every few steps), so the state was rebuilt "
+                         f"from the checkpoint and the record log after step {e['trusted_through']}")
+            elif e.get("decided_by") == "rebuilt":
+                what += "; told apart by the state rebuilt from the checkpoint and the record log"
         elif k == "rejoin":
             what = f"slice {e['domain']} rejoined: mesh {e['mesh']}, {e['bytes_moved']:,} bytes copied to it"
         elif k == "hang_slice":
