@@ -153,10 +153,7 @@ def train(
             print("resilax train under `resilax launch`: record log and peer copies are off in multi-process runs "
                   "(not yet supported); a restart resumes from the newest checkpoint", flush=True)
         log, log_mode, peers, peers_every = False, None, False, None
-        if deterministic and job.process_id == 0:
-            print("resilax train under `resilax launch`: the bit-exact mode is single-process for now; this run uses "
-                  "the default mode (the same maths up to reduction order)", flush=True)
-        deterministic = health = False  # both read other processes' domains: single-process for now
+        health = False  # replica checks and the liveness watchdog read other processes' domains: one process only
     if deterministic and layout == "sharded" and not launched.env():
         print("layout sharded: the bit-exact mode (default) holds the state whole in every slice, sharded over the "
               "slice's devices; --no-deterministic shards it over every device", flush=True)

@@ -37,9 +37,11 @@ instead of one all-reduce, and every domain holds the whole state (FSDP only ins
 domain). ``resilax bench health`` reports ``deterministic_overhead_ratio``.
 
 Executables are per domain and shared by every mesh that domain is part of, so a
-recovery onto fewer domains compiles nothing. One process only (the combine moves
-arrays between domains with ``device_put``); under ``resilax launch`` it is refused with
-a clear error for now.
+recovery onto fewer domains compiles nothing. In one process the combine's inputs move
+between domains with ``device_put``; with several (``resilax launch``) each process runs the
+replicas of its own domains, stacks their results per domain and one all-gather over the
+elastic axis brings them to every domain (pure data movement: the same bits). A domain must
+then lie within one process.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class _Domain:
         self.state_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s.spec), prog.state_sh)
         self.rec_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s.spec), prog.rec_sh)
         self.batch_sh = _sh.resolve(prog.replica_batch_specs, prog.replica_batch, self.mesh, "batch_sharding")
+        here = jax.process_index()
+        self.local = all(d.process_index == here for d in self.devices)  # this process dispatches to it
+        self.partly_local = any(d.process_index == here for d in self.devices)
 
 
 class DeterministicProgram(Program):
@@ -113,6 +118,18 @@ class DeterministicProgram(Program):
         self.doms = [_Domain(self, i) for i in range(self.live)]
         self.cache = spec.cache  # executables per domain, shared by every mesh the domain is part of
         self._ready: set = set()  # variants whose executables this program has for every domain
+        # Several processes (`resilax launch`): each runs the replicas of its own domains and
+        # the replicas' results reach every domain through one all-gather over the elastic
+        # axis (pure data movement, so the bits are those of the one-process run).
+        self.multi = jax.process_count() > 1
+        split_doms = [d.key for d in self.doms if d.partly_local and not d.local]
+        if split_doms:
+            raise WrapError(
+                f"resilax: the bit-exact mode runs each failure domain's executables in the process that owns its "
+                f"devices, but domain(s) with devices {split_doms} span several processes; use a topology whose "
+                f"failure domains are whole processes (e.g. cpu-4x2 with 4 processes x 2 devices)")
+        self.mine = [d for d in self.doms if d.local]
+        self.slots = -(-self.V // self.live)  # replicas per domain (v -> domain v % live, slot v // live)
 
     # ----------------------------------------------------------------- executables
     def _exe(self, key, build):
@@ -136,9 +153,8 @@ class DeterministicProgram(Program):
 
         return self._exe(("grad", dom.key), build)
 
-    def _combine_exe(self, dom: _Domain, fault):
+    def _combine_fn(self, fault):
         spec = self.spec
-        V = self.V
 
         def fn(recs, ws, mets, guard):
             rec, weight = combine(recs, ws)
@@ -153,6 +169,13 @@ class DeterministicProgram(Program):
             else:
                 ok, loss = jnp.zeros((), jnp.int32), None
             return rec, weight, metrics, ok, loss, guard
+
+        return fn
+
+    def _combine_exe(self, dom: _Domain, fault):
+        spec = self.spec
+        V = self.V
+        fn = self._combine_fn(fault)
 
         def build():
             rep = dom.rep
@@ -196,6 +219,9 @@ class DeterministicProgram(Program):
         n = np.shape(leaves[0])[0] // self.V if leaves else 0
         out = []
         for v, j in self.assignment():
+            if not self.doms[j].local:  # another process's replica: it places its own
+                out.append(None)
+                continue
             part = jax.tree.unflatten(treedef, [np.asarray(x)[v * n : (v + 1) * n] for x in leaves])
             out.append(_sh.put(part, self.doms[j].batch_sh))
         return out
@@ -213,9 +239,13 @@ class DeterministicProgram(Program):
     def grad(self, log_ring: bool = False, fault: tuple | None = None):
         doms = self.doms
         if ("grad", fault) not in self._ready:  # once per program: the per-step path builds nothing
-            self._compile([functools.partial(f, d) for d in doms for f in (
-                self._grad_exe, lambda d: self._combine_exe(d, fault))])
+            combine = (lambda d: self._combine_multi_exe(d, fault)) if self.multi else (
+                lambda d: self._combine_exe(d, fault))
+            self._compile([functools.partial(f, d) for d in self.mine for f in (self._grad_exe, combine)])
             self._ready.add(("grad", fault))
+
+        if self.multi:
+            return self._grad_multi(fault)
 
         def run(state, guard, batches, step_no):
             views = [_view(state, d.state_sh, d.devset) for d in doms]
@@ -239,7 +269,7 @@ class DeterministicProgram(Program):
 
     def update(self, copy: str | None = None, keep_input: bool = False):
         donate = self.spec.donate and not keep_input
-        doms = self.doms
+        doms = self.mine
         if ("update", donate) not in self._ready:
             self._compile([functools.partial(self._update_exe, d, donate) for d in doms])
             self._ready.add(("update", donate))
@@ -255,10 +285,138 @@ class DeterministicProgram(Program):
 
     def has_update(self, copy: str | None = None, keep_input: bool = False) -> bool:
         donate = self.spec.donate and not keep_input
-        return all(("update", d.key, donate) in self.cache for d in self.doms)
+        return all(("update", d.key, donate) in self.cache for d in self.mine)
 
     def fits_global_batch(self) -> bool:
         return True  # each domain runs B / V examples per call, as on the full mesh
+
+    # ----------------------------------------------------------------- several processes
+    def _pack_exe(self, dom: _Domain, present: int):
+        """One domain's ``present`` replica results -> each leaf stacked as ``[1, slots, ...]``
+        (zeros in the unused slots), laid out as a block of the global exchange array."""
+        S, axis = self.slots, self.spec.elastic_axis
+
+        def fn(recs, ws, mets):
+            def stack(xs):
+                xs = list(xs) + [jnp.zeros_like(xs[0])] * (S - len(xs))
+                return jnp.stack(xs)[None]
+
+            rec = jax.tree.map(lambda *xs: stack(xs), *recs)
+            w = None if ws is None else stack(ws)
+            met = jax.tree.map(lambda *xs: stack(xs), *mets)
+            return rec, w, met
+
+        def build():
+            rep = dom.rep
+            met_sh = jax.tree.map(lambda _: rep, self.abstract_metrics)
+            out_sh = jax.tree.map(lambda sh: NamedSharding(dom.mesh, P(axis, None, *sh.spec)),
+                                  (dom.rec_sh, rep if self.has_weight else None, met_sh))
+            j = jax.jit(fn, in_shardings=([dom.rec_sh] * present, [rep] * present if self.has_weight else None,
+                                          [met_sh] * present), out_shardings=out_sh)
+            f32 = jax.ShapeDtypeStruct((), jnp.float32)
+            return j.lower([_sh.abstract(self.abstract_rec, dom.rec_sh)] * present,
+                           [f32] * present if self.has_weight else None,
+                           [self.abstract_metrics] * present).compile()
+
+        return self._exe(("pack", dom.key, present, S), build)
+
+    def _exchange_shardings(self, gathered: bool):
+        """Shardings (on the whole mesh) of the stacked ``(rec, w, metrics)``: split over the
+        elastic axis (each domain's block), or ``gathered`` on every domain."""
+        axis, mesh = self.spec.elastic_axis, self.mesh
+        lead = (None, None) if gathered else (axis, None)
+        rep = NamedSharding(mesh, P())
+        return jax.tree.map(lambda sh: NamedSharding(mesh, P(*lead, *sh.spec)),
+                            (self.rec_sh, rep if self.has_weight else None,
+                             jax.tree.map(lambda _: rep, self.abstract_metrics)))
+
+    def _gather_exe(self):
+        """The all-gather over the elastic axis (every process runs it: one collective)."""
+
+        def build():
+            src, dst = self._exchange_shardings(False), self._exchange_shardings(True)
+            shapes = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((self.live, self.slots) + tuple(a.shape), a.dtype),
+                (self.abstract_rec, jax.ShapeDtypeStruct((), jnp.float32) if self.has_weight else None,
+                 self.abstract_metrics))
+            j = jax.jit(lambda t: t, in_shardings=(src,), out_shardings=dst)
+            return j.lower(_sh.abstract(shapes, src)).compile()
+
+        return self._exe(("gather", tuple(d.id for d in self.mesh.devices.flat), self.slots), build)
+
+    def _combine_multi_exe(self, dom: _Domain, fault):
+        """`_combine_exe` on the gathered ``[live, slots, ...]`` arrays: replica ``v`` is at
+        ``[v % live, v // live]``; combined in the order ``v = 0 .. V-1`` as in one process."""
+        spec, V, live = self.spec, self.V, self.live
+        inner = self._combine_fn(fault)
+
+        def fn(rec_st, w_st, met_st, guard):
+            pick = lambda t, v: jax.tree.map(lambda x: x[v % live, v // live], t)  # noqa: E731
+            recs = [pick(rec_st, v) for v in range(V)]
+            ws = None if w_st is None else [w_st[v % live, v // live] for v in range(V)]
+            mets = [pick(met_st, v) for v in range(V)]
+            return inner(recs, ws, mets, guard)
+
+        def build():
+            rep = dom.rep
+            guard_sh = jax.tree.map(lambda _: rep, spec.abstract_guard)
+            met_sh = jax.tree.map(lambda _: rep, self.abstract_metrics)
+            st_sh = jax.tree.map(lambda sh: NamedSharding(dom.mesh, P(None, None, *sh.spec)),
+                                 (dom.rec_sh, rep if self.has_weight else None, met_sh))
+            out_sh = (dom.rec_sh, rep if self.has_weight else None, met_sh, rep,
+                      rep if spec.anomaly_check is not None else None, guard_sh)
+            j = jax.jit(fn, in_shardings=(*st_sh, guard_sh), out_shardings=out_sh)
+            shapes = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((live, self.slots) + tuple(a.shape), a.dtype),
+                (self.abstract_rec, jax.ShapeDtypeStruct((), jnp.float32) if self.has_weight else None,
+                 self.abstract_metrics))
+            return j.lower(*_sh.abstract(shapes, st_sh), spec.abstract_guard).compile()
+
+        return self._exe(("combine_multi", dom.key, fault, live, self.slots), build)
+
+    def _grad_multi(self, fault):
+        doms, live = self.doms, self.live
+
+        def run(state, guard, batches, step_no):
+            outs = {}
+            for d in self.mine:
+                view = _view(state, d.state_sh, d.devset)
+                j = doms.index(d)
+                for v in range(j, self.V, live):
+                    outs[v] = self._grad_exe(d)(view, batches[v], step_no, np.uint32(v))
+            self.last_replica0 = outs[0][0] if 0 in outs else None
+            # each domain's results stacked, then one all-gather over the elastic axis
+            src = self._exchange_shardings(False)
+            blocks = []
+            for d in self.mine:
+                vs = list(range(doms.index(d), self.V, live))
+                rec, w, met = self._pack_exe(d, len(vs))(
+                    [outs[v][0] for v in vs], [outs[v][1] for v in vs] if self.has_weight else None,
+                    [outs[v][2] for v in vs])
+                blocks.append((rec, w, met))
+            flat_src, treedef = jax.tree.flatten(src)
+            flat_shapes = [(live, self.slots) + tuple(a.shape) for a in jax.tree.leaves(
+                (self.abstract_rec, jax.ShapeDtypeStruct((), jnp.float32) if self.has_weight else None,
+                 self.abstract_metrics))]
+            flat_blocks = [jax.tree.leaves(b) for b in blocks]
+            stacked = jax.tree.unflatten(treedef, [
+                jax.make_array_from_single_device_arrays(
+                    flat_shapes[i], flat_src[i], [sh.data for fb in flat_blocks for sh in fb[i].addressable_shards])
+                for i in range(len(flat_src))])
+            gathered = self._gather_exe()(stacked)
+            dst = self._exchange_shardings(True)
+            results = []
+            for d in self.mine:
+                dsh = jax.tree.map(lambda sh: NamedSharding(d.mesh, sh.spec), dst)
+                parts = _view(gathered, dsh, d.devset)
+                g = None if guard is None else _view(guard, jax.tree.map(lambda _: d.rep, guard), d.devset)
+                results.append(self._combine_multi_exe(d, fault)(*parts, g))
+            rec, weight, metrics, ok, loss, new_guard = (
+                _assemble([r[i] for r in results], sh) for i, sh in enumerate(
+                    (self.rec_sh, self.rep, self.rep, self.rep, self.rep, self.rep)))
+            return GradOut(rec, metrics, ok, new_guard, loss, None, weight)
+
+        return run
 
     def compile_all(self, variants) -> None:
         self.grad(False)

@@ -140,9 +140,6 @@ class ResilientStep:
             # the bit-exact mode computes and holds the state per failure domain (sharded inside one only)
             from resilax._src.step.deterministic import strip_axis
             state_sharding = strip_axis(state_sharding, topology.elastic_axis)
-            if jax.process_count() > 1:
-                raise WrapError("resilax.wrap: Config.deterministic (the bit-exact mode) runs in one process for now; "
-                                "under resilax launch use the default mode (Config.deterministic=None)")
         self._state_spec = state_sharding
         self._batch_spec = P(topology.elastic_axis) if batch_sharding is None else batch_sharding
         self._reductions = reductions
