@@ -24,6 +24,7 @@ from resilax._src.errors import (
     CorruptCheckpointError as CorruptCheckpointError,
     ReplayLogError as ReplayLogError,
     ProgramMismatchError as ProgramMismatchError,
+    Preempted as Preempted,
     ResilaxError as ResilaxError,
     StateLostError as StateLostError,
     SilentDataCorruptionError as SilentDataCorruptionError,

@@ -38,6 +38,21 @@ def test_call_before_init_and_after_close():
         step(state, next(ex.make_iterator(SMALL)))
 
 
+def test_a_call_after_the_preemption_point_exits_the_process_cleanly():
+    """Under `resilax launch` the call whose step is the agreed preemption point saves and sets
+    ``step.preempted`` (tested with real workers and SIGTERM in test_launch.py); the next call
+    raises `resilax.Preempted`, a SystemExit with code 0, before doing anything."""
+    step = resilax.wrap(ex.train_step, topology=TOPO)
+    it = ex.make_iterator(SMALL)
+    state, _ = step(step.init(ex.make_state(SMALL)), next(it))
+    assert step.preempted is False
+    step.preempted = True
+    with pytest.raises(resilax.Preempted, match="stopped after step 1") as e:
+        step(state, next(it))
+    assert isinstance(e.value, SystemExit) and e.value.code == 0 and e.value.step == 1 and step.step == 1
+    step.close()
+
+
 def test_sharding_that_does_not_divide_names_the_leaf():
     state = ex.make_state(SMALL)
     specs = jax.tree.map(lambda x: P(("data", "fsdp")) if np.ndim(x) == 1 else P(), state)

@@ -46,3 +46,19 @@ class ProgramMismatchError(ResilaxError):
 class SilentDataCorruptionError(ResilaxError):
     """Replicas of the state that must be bitwise equal differ, and which one is right cannot
     be decided (two replicas): nothing is saved from them; restart from the newest checkpoint."""
+
+
+class Preempted(SystemExit):
+    """Raised by a `ResilientStep` call after the job was preempted (under ``resilax
+    launch``: SIGTERM reached some worker, every worker stopped after the same step and a
+    checkpoint of it was saved; ``ResilientStep.preempted`` was set by that step's call).
+    A ``SystemExit`` with code 0: a loop that does not catch it ends the process cleanly,
+    and relaunching resumes from that checkpoint. Attribute ``step``."""
+
+    def __init__(self, msg, *, step: int):
+        super().__init__(0)
+        self.msg = msg
+        self.step = step
+
+    def __str__(self):
+        return self.msg

@@ -204,11 +204,11 @@ def train(
                 step_s = (now - last_t) / max(step.step - last_s, 1)
                 last_t, last_s = now, step.step
                 bar(step.step, loss, acc, step_s)
-            if launched.preemption_point(step.step):  # SIGTERM reached some worker: all stop here
+            if step.preempted:  # SIGTERM reached some worker: all stopped after this step, and it is saved
                 preempted = True
                 break
         saved = bool(checkpoint_every) and step.step % checkpoint_every == 0  # the driver saved it already
-        if checkpoint_dir and not saved:
+        if checkpoint_dir and not saved and not preempted:
             step.save(state)
         if preempted:
             print(f"preempted: every worker stopped after step {step.step}, checkpoint saved; relaunch to resume",

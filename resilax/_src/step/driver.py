@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilax._src.config import Config
-from resilax._src.errors import ReplayLogError, ResilaxError, StateLostError, WrapError
+from resilax._src.errors import Preempted, ReplayLogError, ResilaxError, StateLostError, WrapError
 from resilax._src.events import Event, event
 from resilax._src.protect import anomaly as _anomaly
 from resilax._src.protect import base as _base
@@ -154,6 +154,7 @@ class ResilientStep:
         self._data_pos = None
         self._closed = False
         self._broken: str | None = None
+        self.preempted = False  # set by the call whose step was the agreed preemption point (`resilax launch`)
         self._protections: list = []
         self._ckpt: Checkpoints | None = None
         self._log: RecordLog | None = None
@@ -459,6 +460,9 @@ class ResilientStep:
         if self.mesh is None or self._closed:
             raise WrapError("resilax.ResilientStep: call step.init(state) before step(state, batch)"
                             if not self._closed else "resilax.ResilientStep: this step was closed")
+        if self.preempted:
+            raise Preempted(f"resilax.ResilientStep: the job was preempted: every worker stopped after step {self.step} "
+                            f"and a checkpoint of it was saved; exit, and relaunch to resume", step=self.step)
         if self._broken:
             raise WrapError(f"resilax.ResilientStep: an earlier call failed ({self._broken}); the step cannot continue. "
                             f"Start a new ResilientStep and init() it (it restores the newest checkpoint)")
@@ -540,11 +544,26 @@ class ResilientStep:
         self.step_seconds(time.perf_counter() - t0)
         launched.progress(self.step, self._step_s)  # the supervisor's step deadline (no-op outside a launch)
         self._fire("after_step")
-        if self._ckpt is not None and self._ckpt.due(self.step):
+        saved = self._ckpt is not None and self._ckpt.due(self.step)
+        if saved:
             self.save(self.live)
+        if launched.preemption_point(self.step):  # SIGTERM reached some worker: every one stops after this step
+            self._preempt(saved)
         if lv is not None:
             lv.call_end(record=not recovered and not self._failures)
         return self.live, gout.metrics
+
+    def _preempt(self, saved: bool) -> None:
+        """Every worker reached the same preemption point (`launched.preemption_point`):
+        checkpoint this step (all processes take part in the save) and wait until it is
+        committed; the next call raises `Preempted`."""
+        if self._ckpt is not None:
+            if not saved:
+                self.save(self.live)
+            self._ckpt.store.wait()
+        self.preempted = True
+        self.event("preempted", self.step, checkpoint=self._ckpt is not None,
+                   detail="every worker stopped after this step; the next call raises resilax.Preempted")
 
     def step_seconds(self, dt):
         self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
