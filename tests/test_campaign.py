@@ -150,3 +150,19 @@ def test_slice_loss_right_after_a_save_does_not_checksum_deleted_buffers():
     t = C.Trial(172, "dropout_mlp", (8, 1), "replicated", 2, 6, ("fail_slice@4:before_step/1",))
     rec = C.run_trial(t)
     assert rec["outcome"] == "ok", rec
+
+
+def test_health_faults_end_on_the_failure_free_run():
+    """A flip outvoted on 4 replicas, a hang declared and failed, the hung domain repaired and
+    seen back by the watchdog: the failure-free run. The flip comes right after the save of
+    step 2 checked the state: the replica check at step 2 was skipped (the save had checked
+    it), so the flipped replica fed step 3's update and was only then outvoted (1.8e-5 off
+    the failure-free run in this mode, within the campaign's TOL; 2.8e-6 in the bit-exact
+    mode, judged bitwise). Found before use, the run is the failure-free one to ~1e-7."""
+    t = C.Trial(5, "dropout_mlp", (4, 2), "replicated", 2, 5,
+                ("bitflip@2:before_step/1", "hang_slice@3:after_step/2", "repair_slice@4:before_step/2"),
+                "default", "watchdog")
+    e = C.expect(t, C._shapes(t))
+    assert not (e.lost or e.sdc or e.uncertain or e.forbidden), e
+    rec = C.run_trial(t)
+    assert rec["outcome"] == "ok" and rec["max_rel_diff"] < 2e-6, rec

@@ -26,7 +26,35 @@ model of the documented semantics:
 - ``kill_process``: the run is restarted with the same directories and the faults that
   come after the kill, on the whole topology again (a new process); it must end where the
   failure-free run ends. Faults after the kill count as in any run (a spike after it is
-  judged on the detector history the restart restored).
+  judged on the detector history the restart restored); faults in the kill's own (step,
+  phase) group die with it.
+
+Slice health (drawn in ~40% of the trials, after everything else so older seeds keep their
+base schedules; such a trial runs with ``HealthConfig(sdc_every=1)`` and, when a watchdog
+fault is drawn, a 0.5 s liveness watchdog probing every 0.1 s):
+
+- faults of one group fire in list order; ``rejoin@N/K`` first recovers the group's failures
+  listed before it, then gives ``K`` back (state copied from the live domains; the grown
+  mesh's copies are made again and later failures of ``K`` count again); rejoining a live
+  domain does nothing;
+- ``hang_slice@N/K``: ``K`` is declared hung at the next health gate (the next step's start,
+  after its ``before_step`` group, or a save) and failed there, its memory dropped, like a
+  ``fail_slice`` on its own; several hung at one gate are declared in one probe round or in
+  several (both are followed); every live domain hung is never drawn (nothing is declared);
+- ``slow_slice``: reported only (``remove_stragglers`` is off): no effect on the state;
+- ``repair_slice@N/K`` of a failed ``K``: it rejoins at some later gate, or never within the
+  run (the watchdog must see it answer: timing); of a live one: nothing;
+- ``bitflip@N/K`` is found by the replica check at the next step's start or at a save: with
+  3+ live replicas ``K`` is outvoted and failed; with 2 and no checkpoint saved yet,
+  `SilentDataCorruptionError` (outcome ``expected_sdc``); with 2 and a checkpoint, whether
+  it was committed and which replica the rebuild names is timing. Not drawn: a flip in state
+  with no replica (the default mode's sharded layout, or one domain left), two flips at one
+  check (the emulated flip is the same bit everywhere), a failure or rejoin before the flip
+  was checked (the recovery may copy the corrupted replica).
+
+The oracle follows every path those timings allow (``_simulate`` with a ``choose`` for each);
+a trial is drawn only when all paths agree on the outcome and none leaves the documented
+semantics, so every outcome it judges is certain.
 """
 
 from __future__ import annotations
