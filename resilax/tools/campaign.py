@@ -591,7 +591,10 @@ def run_trial(trial: Trial, *, timeout_s: float = 300.0) -> dict:
     except (_Timeout, subprocess.TimeoutExpired):
         rec["outcome"] = "hang"
     except Exception as e:  # noqa: BLE001 - the campaign counts every unexpected exception
-        rec.update(outcome="unexpected_exception", error=f"{type(e).__name__}: {str(e)[:1500]}")
+        import traceback
+
+        rec.update(outcome="unexpected_exception", error=f"{type(e).__name__}: {str(e)[:1500]}",
+                   traceback=traceback.format_exc()[-4000:])  # a rare one may not come back on a rerun
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
