@@ -26,7 +26,35 @@ model of the documented semantics:
 - ``kill_process``: the run is restarted with the same directories and the faults that
   come after the kill, on the whole topology again (a new process); it must end where the
   failure-free run ends. Faults after the kill count as in any run (a spike after it is
-  judged on the detector history the restart restored).
+  judged on the detector history the restart restored); faults in the kill's own (step,
+  phase) group die with it.
+
+Slice health (drawn in ~40% of the trials, after everything else so older seeds keep their
+base schedules; such a trial runs with ``HealthConfig(sdc_every=1)`` and, when a watchdog
+fault is drawn, a 0.5 s liveness watchdog probing every 0.1 s):
+
+- faults of one group fire in list order; ``rejoin@N/K`` first recovers the group's failures
+  listed before it, then gives ``K`` back (state copied from the live domains; the grown
+  mesh's copies are made again and later failures of ``K`` count again); rejoining a live
+  domain does nothing;
+- ``hang_slice@N/K``: ``K`` is declared hung at the next health gate (the next step's start,
+  after its ``before_step`` group, or a save) and failed there, its memory dropped, like a
+  ``fail_slice`` on its own; several hung at one gate are declared in one probe round or in
+  several (both are followed); every live domain hung is never drawn (nothing is declared);
+- ``slow_slice``: reported only (``remove_stragglers`` is off): no effect on the state;
+- ``repair_slice@N/K`` of a failed ``K``: it rejoins at some later gate, or never within the
+  run (the watchdog must see it answer: timing); of a live one: nothing;
+- ``bitflip@N/K`` is found by the replica check at the next step's start or at a save: with
+  3+ live replicas ``K`` is outvoted and failed; with 2 and no checkpoint saved yet,
+  `SilentDataCorruptionError` (outcome ``expected_sdc``); with 2 and a checkpoint, whether
+  it was committed and which replica the rebuild names is timing. Not drawn: a flip in state
+  with no replica (the default mode's sharded layout, or one domain left), two flips at one
+  check (the emulated flip is the same bit everywhere), a failure or rejoin before the flip
+  was checked (the recovery may copy the corrupted replica).
+
+The oracle follows every path those timings allow (``_simulate`` with a ``choose`` for each);
+a trial is drawn only when all paths agree on the outcome and none leaves the documented
+semantics, so every outcome it judges is certain.
 """
 
 from __future__ import annotations
@@ -46,13 +74,16 @@ from typing import Any
 import numpy as np
 
 KINDS = ("fail_slice", "nan", "spike", "kill_process")
+HEALTH_KINDS = ("rejoin", "bitflip", "hang_slice", "slow_slice", "repair_slice")
+WATCHDOG_KINDS = ("hang_slice", "slow_slice", "repair_slice")  # need the liveness watchdog
 PHASES = ("before_step", "mid_step", "during_peer_copy", "after_step", "during_save")
 TOPOLOGIES = ((2, 4), (4, 2), (8, 1))
 MODELS = ("dropout_mlp", "batchnorm_mlp", "token_lm", "transformer_lm")
 MIN_HISTORY = 3
 TOL = 1e-4
-OUTCOMES = ("ok", "expected_lost", "silent_mismatch", "unexpected_exception", "hang", "wrong_lost", "missed_lost")
-BAD = ("silent_mismatch", "unexpected_exception", "hang", "wrong_lost", "missed_lost")
+OUTCOMES = ("ok", "expected_lost", "expected_sdc", "silent_mismatch", "unexpected_exception", "hang", "wrong_lost",
+            "missed_lost", "missed_sdc")
+BAD = ("silent_mismatch", "unexpected_exception", "hang", "wrong_lost", "missed_lost", "missed_sdc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +96,7 @@ class Trial:
     steps: int
     faults: tuple  # of fault specs
     mode: str = "default"  # or "deterministic": the bit-exact mode, judged bitwise
+    health: str | None = None  # "sdc": replica checks every step; "watchdog": and the liveness watchdog
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -144,7 +176,46 @@ def random_trial(rng: random.Random, seed: int) -> Trial:
         ks = kill[0][1]
         faults = [f for f in faults if not (f.split("@")[0] in ("nan", "spike") and ks - 3 <= _parse(f)[1] <= ks + 1)]
     mode = "deterministic" if rng.random() < 0.3 else "default"  # drawn last: older seeds keep their schedules
-    return Trial(seed, model, (d, k), layout, ckpt_every, steps, tuple(faults), mode)
+    trial = Trial(seed, model, (d, k), layout, ckpt_every, steps, tuple(faults), mode)
+    if rng.random() < HEALTH_SHARE:  # drawn after the rest: older seeds keep their schedules
+        trial = _with_health(rng, trial, targets)
+    return trial
+
+
+HEALTH_SHARE = 0.4
+
+
+def _with_health(rng: random.Random, trial: Trial, dead: list) -> Trial:
+    """``trial`` with 1-2 slice-health faults (and the `HealthConfig` they need), redrawn until
+    the oracle's outcome is certain and documented; unchanged (health checks on, no health
+    fault) when 8 draws found none."""
+    d = trial.topology[0]
+    shapes = _shapes(trial)
+    for _ in range(8):
+        extra = []
+        for _ in range(rng.choice((1, 1, 2))):
+            kind = rng.choices(HEALTH_KINDS, weights=(2, 2, 1.5, 0.5, 1.5))[0]
+            if kind in ("rejoin", "repair_slice") and dead and rng.random() < 0.8:
+                target = rng.choice(dead)  # one failed earlier (a live one: nothing happens)
+            else:
+                target = rng.randrange(d)
+            edge = rng.random()
+            if edge < 0.5 and trial.faults:
+                step = _parse(rng.choice(trial.faults))[1] + rng.choice((0, 1, 1, 2))  # around another fault
+            else:
+                step = rng.randrange(0, trial.steps)
+            step = min(step, trial.steps - 1)
+            phase = rng.choice(("before_step", "after_step")) if step > 0 else "before_step"
+            extra.append(f"{kind}@{step}:{phase}/{target}")
+        faults = list(trial.faults)
+        for f in extra:  # anywhere in the list: the order inside a (step, phase) group matters
+            faults.insert(rng.randrange(len(faults) + 1), f)
+        watchdog = any(f.split("@")[0] in WATCHDOG_KINDS for f in extra) or rng.random() < 0.3
+        t = dataclasses.replace(trial, faults=tuple(faults), health="watchdog" if watchdog else "sdc")
+        e = expect(t, shapes)
+        if not e.uncertain and e.forbidden is None:
+            return t
+    return dataclasses.replace(trial, health="sdc")
 
 
 # ------------------------------------------------------------------ the oracle
@@ -154,6 +225,9 @@ class Expect:
     lost_at: tuple | None  # (step, phase) of the failure that loses the state
     skipped: tuple  # step indices whose update is not applied
     kill: tuple | None  # (step, phase) of the kill
+    sdc: bool = False  # SilentDataCorruptionError expected (two replicas disagree, no checkpoint)
+    uncertain: bool = False  # the documented semantics allow more than one outcome (timing)
+    forbidden: str | None = None  # a schedule whose outcome the docs do not promise (never drawn)
 
 
 def _single_domain_leaf(shapes, domains: int, alive: int, per: int, layout: str) -> bool:
@@ -165,50 +239,182 @@ def _single_domain_leaf(shapes, domains: int, alive: int, per: int, layout: str)
     return any(len(sh) and sh[0] % (domains * per) == 0 and sh[0] % (alive * per) == 0 for sh in shapes)
 
 
-def expect(trial: Trial, shapes) -> Expect:
+class _Done(Exception):
+    def __init__(self, out):
+        self.out = out
+
+
+def _simulate(trial: Trial, shapes, choose) -> tuple:
+    """One path through the documented semantics; ``choose(n)`` picks one of ``n`` outcomes
+    the docs leave to timing. Returns ``(lost, lost_at, skipped, kill, sdc, forbidden)``."""
     d, per = trial.topology
-    alive = list(range(d))
-    ckpt_at = None
+    # the bit-exact mode holds the state whole in every domain: no leaf lives in one only
+    layout = trial.layout if trial.mode == "default" else "replicated"
+    sim = dict(alive=list(range(d)), ckpt_at=None, kill=None)
     skipped: list[int] = []
+    stalled: set = set()  # hang_slice: not answering, not yet declared
+    repaired: set = set()  # repair_slice of a failed domain: rejoins once the watchdog sees it answer
+    flips: list[int] = []  # bitflip: domains whose replica differs, not yet checked
+
+    def end(lost=False, at=None, sdc=False, forbidden=None):
+        raise _Done((lost, at, tuple(sorted(set(skipped))), sim["kill"], sdc, forbidden))
+
+    def fail(dead, at):
+        """One recovery from losing ``dead`` together."""
+        alive = sim["alive"]
+        dead = set(dead) & set(alive)
+        if not dead:
+            return
+        if any(f not in dead for f in flips):
+            # the recovery may copy the unchecked corrupted replica to the new mesh
+            end(forbidden="a recovery while a corrupted replica is unchecked")
+        survivors = [a for a in alive if a not in dead]
+        if not survivors:
+            end(True, at)
+        n = len(alive)
+        adjacent = n > 1 and any(alive[(alive.index(x) + 1) % n] in dead for x in dead)
+        if adjacent and _single_domain_leaf(shapes, d, n, per, layout) and sim["ckpt_at"] is None:
+            end(True, at)
+        sim["alive"] = survivors
+        flips[:] = [f for f in flips if f not in dead]  # its memory is gone
+        stalled.difference_update(dead)
+
+    def rejoin(k):
+        if k in sim["alive"]:
+            return  # a live domain: nothing happens
+        if flips:
+            end(forbidden="a rejoin copies the state while a corrupted replica is unchecked")
+        sim["alive"] = sorted(sim["alive"] + [k])
+        repaired.discard(k)
+        stalled.discard(k)
+
+    def gate(at):
+        """A step boundary's health gate: hung domains are failed, repaired ones may rejoin."""
+        hung = stalled & set(sim["alive"])
+        if hung:
+            if hung == set(sim["alive"]):
+                end(forbidden="every live domain hangs: nothing is declared (documented)")
+            if len(hung) > 1 and choose(2):  # declared in one probe round, or in several
+                for h in sorted(hung):
+                    fail({h}, at)
+            else:
+                fail(hung, at)
+            stalled.difference_update(hung)
+        for r in sorted(repaired):
+            if r not in sim["alive"] and choose(2):  # the watchdog's probe saw it answer by now
+                rejoin(r)
+
+    def check(at):
+        """The replica check (sdc_every=1), before the state is used or saved."""
+        alive = sim["alive"]
+        bad = sorted(set(f for f in flips if f in alive))
+        if len(bad) != len([f for f in flips if f in alive]):
+            end(forbidden="one domain flipped twice (the emulated flip is the same bit: undone)")
+        flips.clear()
+        if not bad:
+            return
+        if len(bad) > 1:
+            end(forbidden="two domains flipped alike (the emulated flip is the same bit in each)")
+        if not (trial.mode == "deterministic" or trial.layout == "replicated") or len(alive) < 2:
+            end(forbidden="a flip in state with no replica to compare with (documented: not caught)")
+        if len(alive) >= 3:
+            fail(set(bad), at)  # outvoted by a strict majority: failed, the run goes on
+        elif sim["ckpt_at"] is None:
+            end(at=at, sdc=True)  # two replicas, nothing to rebuild from
+        else:
+            c = choose(3)  # checkpoint not committed yet / the rebuild names the bad one / adopted
+            if c == 0:
+                end(at=at, sdc=True)
+            if c == 1:
+                fail(set(bad), at)
+
     events = sorted(((_order(s, ph), kind, s, ph, t) for kind, s, ph, t in map(_parse, trial.faults)),
                     key=lambda e: e[0])
-    # group simultaneous faults
-    groups: list[list] = []
+    groups: list[list] = []  # faults at the same (step, phase) fire together, in list order
     for e in events:
         if groups and groups[-1][0][0] == e[0]:
             groups[-1].append(e)
         else:
             groups.append([e])
-    gi, kill = 0, None
+    gi = 0
+
+    def run_group(group):
+        nonlocal skipped
+        pending: set = set()
+        at = (group[0][2], group[0][3])
+        for _, kind, s, ph, t in group:
+            alive = sim["alive"]
+            if kind in ("nan", "spike"):
+                if kind == "nan" or applied_before(s, skipped) >= MIN_HISTORY:
+                    skipped.append(s)  # injected into the grad part of step index s
+            elif kind == "kill_process":
+                if sim["kill"] is None:
+                    # the restart is a new process on the whole topology, with the faults that
+                    # come after the kill (a spike after it is judged on the restored history);
+                    # the kill's own group dies with it
+                    sim.update(kill=(s, ph), alive=list(range(d)))
+                    stalled.clear(), repaired.clear(), flips.clear()
+                    return
+            elif kind == "fail_slice":
+                pending.add(t)
+            elif kind == "rejoin":
+                fail(pending, at)  # failures still pending are recovered first
+                pending = set()
+                rejoin(t)
+            elif kind == "repair_slice":
+                if t not in alive:
+                    repaired.add(t)
+            elif kind == "hang_slice":
+                if t in alive and t not in pending:
+                    stalled.add(t)
+            elif kind == "bitflip":
+                if t in pending:
+                    end(forbidden="a flip on a domain failed in the same group")
+                if t in alive:
+                    flips.append(t)
+            # slow_slice: reported only (HealthConfig.remove_stragglers is False)
+        fail(pending, at)
+
     for k in range(trial.steps):
         for pos in range(5):
             while gi < len(groups) and groups[gi][0][0] == (k, pos):
-                group = groups[gi]
                 gi += 1
-                for _, kind, s, ph, t in group:
-                    if kind in ("nan", "spike"):
-                        idx = s  # injected into the grad part of step index s
-                        if kind == "nan" or applied_before(idx, skipped) >= MIN_HISTORY:
-                            skipped.append(idx)
-                    elif kind == "kill_process" and kill is None:
-                        # the restart is a new process on the whole topology, with the faults that
-                        # come after the kill (a spike after it is judged on the restored history)
-                        kill, alive = (s, ph), list(range(d))
-                dead = {t for _, kind, _, _, t in group if kind == "fail_slice"} & set(alive)
-                if dead:
-                    survivors = [a for a in alive if a not in dead]
-                    if not survivors:
-                        return Expect(True, (group[0][2], group[0][3]), tuple(sorted(set(skipped))), kill)
-                    n = len(alive)
-                    adjacent = n > 1 and any(alive[(alive.index(x) + 1) % n] in dead for x in dead)
-                    # the bit-exact mode holds the state whole in every domain: no leaf lives in one only
-                    sharded = trial.layout if trial.mode == "default" else "replicated"
-                    if adjacent and _single_domain_leaf(shapes, d, n, per, sharded) and ckpt_at is None:
-                        return Expect(True, (group[0][2], group[0][3]), tuple(sorted(set(skipped))), kill)
-                    alive = survivors
+                run_group(groups[gi - 1])
+            if pos == 0:
+                gate((k, "before_step"))
+                check((k, "before_step"))
             if pos == 3 and trial.ckpt_every and (k + 1) % trial.ckpt_every == 0:
-                ckpt_at = k + 1  # saved after after_step; a during_save failure comes after it
-    return Expect(False, None, tuple(sorted(set(skipped))), kill)
+                gate((k + 1, "after_step"))  # save(): the health gate, then the replica check
+                check((k + 1, "after_step"))
+                sim["ckpt_at"] = k + 1  # saved after after_step; a during_save failure comes after it
+    end()
+
+
+def expect(trial: Trial, shapes) -> Expect:
+    """The oracle: every path `_simulate` can take (each timing the docs allow); the trial's
+    outcome is certain when they all agree."""
+    outs, todo = [], [()]
+    while todo and len(outs) < 4096:
+        path = list(todo.pop())
+        i = [0]
+
+        def choose(n):
+            j = i[0]
+            i[0] += 1
+            if j < len(path):
+                return path[j]
+            todo.extend(tuple(path) + (alt,) for alt in range(1, n))
+            path.append(0)
+            return 0
+
+        try:
+            _simulate(trial, shapes, choose)
+        except _Done as done:
+            outs.append(done.out)
+    lost, at, skipped, kill, sdc, forbidden = outs[0]
+    forbidden = next((o[5] for o in outs if o[5]), None)
+    uncertain = bool(todo) or len({(o[0], o[2], o[4]) for o in outs}) > 1
+    return Expect(lost, at, skipped, kill, sdc, uncertain, forbidden)
 
 
 def applied_before(idx: int, skipped) -> int:
@@ -240,8 +446,16 @@ def _config(trial: Trial, workdir: str | None):
         ck = resilax.CheckpointConfig(os.path.join(workdir, "ck"), every=trial.ckpt_every)
     log = resilax.LogConfig(directory=os.path.join(workdir, "log") if workdir else None)
     det = resilax.DeterministicConfig() if trial.mode == "deterministic" else None
+    health = None
+    if trial.health:
+        # replica checks before every step (the auto cadence depends on timing); a fast watchdog
+        health = resilax.HealthConfig(sdc_every=1, hang_detect_s=HANG_DETECT_S if trial.health == "watchdog" else None,
+                                      probe_every_s=0.1, step_deadline_min_s=0.5)
     return resilax.Config(checkpoint=ck, log=log, anomaly=resilax.AnomalyConfig(min_history=MIN_HISTORY),
-                          deterministic=det)
+                          deterministic=det, health=health)
+
+
+HANG_DETECT_S = 0.5
 
 
 def faulted_run(trial: Trial, workdir: str, faults=None) -> dict:
@@ -292,7 +506,7 @@ def deterministic_reference(trial: Trial) -> dict:
     grad_only = tuple(f for f in trial.faults if f.split("@")[0] in ("nan", "spike"))
     key = ("deterministic", trial.model, trial.topology, trial.layout, trial.steps, grad_only)
     if key not in _REFS:
-        bare = dataclasses.replace(trial, ckpt_every=None)
+        bare = dataclasses.replace(trial, ckpt_every=None, health=None)
         _REFS[key] = faulted_run(bare, None, faults=grad_only)
     return _REFS[key]
 
@@ -309,12 +523,17 @@ def rel_diff(a: dict, b: dict) -> float:
     return worst
 
 
+_SHAPES: dict = {}
+
+
 def _shapes(trial: Trial):
-    import jax
+    if trial.model not in _SHAPES:
+        import jax
 
-    from resilax.tools.models import CASES
+        from resilax.tools.models import CASES
 
-    return [np.shape(x) for x in jax.tree.leaves(CASES[trial.model].make_state(0))]
+        _SHAPES[trial.model] = [np.shape(x) for x in jax.tree.leaves(jax.eval_shape(CASES[trial.model].make_state, 0))]
+    return _SHAPES[trial.model]
 
 
 class _Timeout(Exception):
@@ -328,6 +547,8 @@ def run_trial(trial: Trial, *, timeout_s: float = 300.0) -> dict:
     t0 = time.perf_counter()
     exp = expect(trial, _shapes(trial))
     rec: dict[str, Any] = {"trial": trial.to_json(), "expect_lost": exp.lost, "skipped": list(exp.skipped)}
+    if exp.sdc:
+        rec["expect_sdc"] = True
     work = tempfile.mkdtemp(prefix="resilax-campaign-")
 
     def alarm(*_):
@@ -357,15 +578,23 @@ def run_trial(trial: Trial, *, timeout_s: float = 300.0) -> dict:
         rec["max_rel_diff"] = diff
         if exp.lost:
             rec["outcome"] = "missed_lost"
+        elif exp.sdc:
+            rec["outcome"] = "missed_sdc"
         else:
             rec["outcome"] = "ok" if good else "silent_mismatch"
     except resilax.StateLostError as e:
         rec["outcome"] = "expected_lost" if exp.lost else "wrong_lost"
         rec["error"] = str(e)[:1500]
+    except resilax.SilentDataCorruptionError as e:
+        rec["outcome"] = "expected_sdc" if exp.sdc else "unexpected_exception"
+        rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
     except (_Timeout, subprocess.TimeoutExpired):
         rec["outcome"] = "hang"
     except Exception as e:  # noqa: BLE001 - the campaign counts every unexpected exception
-        rec.update(outcome="unexpected_exception", error=f"{type(e).__name__}: {str(e)[:1500]}")
+        import traceback
+
+        rec.update(outcome="unexpected_exception", error=f"{type(e).__name__}: {str(e)[:1500]}",
+                   traceback=traceback.format_exc()[-4000:])  # a rare one may not come back on a rerun
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)

@@ -65,6 +65,7 @@ class SdcCheck(Protection):
         self.phase = "auto" if self.auto else "fixed"
         self._anchor = 0
         self._checked_at = None
+        self._checked_refs = None
         self._good_at = None  # the newest step whose replicas were found equal
         self._told = set()
         self._fns: dict = {}
@@ -133,7 +134,7 @@ class SdcCheck(Protection):
     # ------------------------------------------------------------------ per step
     def before_step(self, run, state, step: int) -> None:
         self._plan(run)
-        if self._checked_at == step:
+        if self._seen(state, step):  # checked by the save at this step, and unchanged since
             return
         if not self.due(step) and (self.phase != "set" or self._rebuildable(run)):
             return
@@ -153,8 +154,19 @@ class SdcCheck(Protection):
         self._decide(run, step)
 
     def before_save(self, run, state, step: int) -> None:
-        if self._checked_at != step:
+        if not self._seen(state, step):
             self.check(run, state, step)
+
+    def _seen(self, state, step: int) -> bool:
+        """Whether ``state`` is the very state checked at ``step`` (its leaves the same
+        arrays). A save checks the state, and the next step's check is then skipped; but a
+        state replaced in between (fault ``bitflip@N:before_step`` after the save of step N)
+        must be checked again: skipping it let the corrupted replica feed step N+1's update,
+        found one step late but decided as found before use (a silent mismatch)."""
+        if self._checked_at != step or self._checked_refs is None:
+            return False
+        leaves = jax.tree.leaves(state)
+        return len(leaves) == len(self._checked_refs) and all(r() is x for r, x in zip(self._checked_refs, leaves))
 
     def _fn(self, prog, idx, leaves):
         """One executable per program: every device checksums its own shard of the leaves
@@ -193,6 +205,7 @@ class SdcCheck(Protection):
         indices; they were failed), or raises when it cannot tell."""
         t0 = time.perf_counter()
         self._checked_at = step
+        self._checked_refs = [_ref(x) for x in jax.tree.leaves(state)]  # weak: never keeps a state alive
         prog = run.program
         mesh = prog.mesh
         leaves = jax.tree.leaves(state)
@@ -267,6 +280,13 @@ class SdcCheck(Protection):
                 f"restart from the newest checkpoint (each one was checked when it was saved). "
                 f"HealthConfig(sdc_every=1) checks every step, before the state is used, and recovers in place")
         return _decide(run, step, alive, best, differing, "majority", t0)
+
+
+def _ref(x):
+    try:
+        return weakref.ref(x)
+    except TypeError:  # a Python scalar leaf: compared by identity all the same
+        return lambda: x
 
 
 def _decide(run, step, alive, good, differing, how, t0) -> list[int]:
