@@ -150,7 +150,7 @@ def test_checksums_of_sharded_leaves_follow_their_definition():
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from resilax._src.protect.checksum import tree_checksums
+    from resilax._src.protect.checksum import replica_sums, tree_checksums
 
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
     r = np.random.default_rng(0)
@@ -161,3 +161,9 @@ def test_checksums_of_sharded_leaves_follow_their_definition():
     tree = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in leaves]
     got = np.asarray(tree_checksums(tree)).tolist()
     assert got == [_host_checksum(np.asarray(x)) for x in tree]  # (int64 is int32 without jax_enable_x64)
+    # the replica check's sums are the first lane, and any one flipped bit changes them
+    assert np.asarray(jax.jit(replica_sums)(tree)).tolist() == [[g[0]] for g in got]
+    flipped = np.asarray(tree[0]).copy().view(np.uint32)
+    flipped[5, 3] ^= np.uint32(1 << 31)
+    one = jax.device_put(flipped.view(np.float32), tree[0].sharding)
+    assert int(np.asarray(jax.jit(replica_sums)([one]))[0, 0]) != got[0][0]

@@ -5,7 +5,7 @@ never persisted).
 
 Every device checksums its own shard of every leaf replicated across the elastic axis (all
 of the state in the bit-exact mode, where every domain computes the same update), in one
-executable; only the ``[devices, leaves, 2]`` sums come to the host, and each domain's rows
+executable; only the ``[devices, leaves, 1]`` sums (the position-weighted lane of the checksum: any one-word change changes it) come to the host, and each domain's rows
 are its replica's fingerprint. On a mismatch:
 
 - 3 or more domains, and the replicas were equal at the previous step (so the corrupted
@@ -49,7 +49,7 @@ import numpy as np
 from resilax._src.errors import SilentDataCorruptionError
 from resilax._src.protect import ring as _ring
 from resilax._src.protect.base import Protection
-from resilax._src.protect.checksum import tree_checksums
+from resilax._src.protect.checksum import replica_sums
 
 CALIBRATION_SAMPLES = 8  # timed steps and checks before the cadence is chosen
 
@@ -170,8 +170,8 @@ class SdcCheck(Protection):
 
     def _fn(self, prog, idx, leaves):
         """One executable per program: every device checksums its own shard of the leaves
-        replicated across domains (`checksum.tree_checksums` on the local block), all in one
-        dispatch; the ``[devices, leaves, 2]`` sums come to the host in one transfer. Within a
+        replicated across domains (`checksum.replica_sums` on the local block), all in one
+        dispatch; the ``[devices, leaves, 1]`` sums come to the host in one transfer. Within a
         domain the shards are laid out alike in every domain, so equal replicas give equal
         rows, domain by domain."""
         key = (id(prog), tuple(idx))
@@ -180,7 +180,7 @@ class SdcCheck(Protection):
 
             mesh = prog.mesh
             specs = [x.sharding.spec for x in leaves]
-            body = lambda xs: tree_checksums(list(xs))[None]  # noqa: E731  [1, leaves, 2] per device
+            body = lambda xs: replica_sums(list(xs))[None]  # noqa: E731  [1, leaves, 1] per device
             self._fns = {k: v for k, v in self._fns.items() if v[0]() is not None}  # programs still alive
             self._fns[key] = (weakref.ref(prog), jax.jit(jax.shard_map(
                 body, mesh=mesh, in_specs=(specs,), out_specs=P(tuple(mesh.axis_names)), check_vma=False)))
@@ -221,7 +221,7 @@ class SdcCheck(Protection):
             return []
         picked = [leaves[i] for i in idx]
         shard_sums = self._fn(prog, idx, picked)
-        sums = list(np.asarray(shard_sums(picked)).reshape(live, -1, len(idx), 2))
+        sums = list(np.asarray(shard_sums(picked)).reshape(live, -1, len(idx), 1))
         self.seconds.append(time.perf_counter() - t0)
         keys = [s.tobytes() for s in sums]
         if len(set(keys)) == 1:
@@ -243,7 +243,7 @@ class SdcCheck(Protection):
             if rebuilt is not None:
                 witness, guard = rebuilt
                 wl = jax.tree.leaves(witness)
-                ws = np.asarray(shard_sums([wl[i] for i in idx])).reshape(live, -1, len(idx), 2)
+                ws = np.asarray(shard_sums([wl[i] for i in idx])).reshape(live, -1, len(idx), 1)
                 good = groups.get(ws[0].tobytes())
                 if good is not None:
                     return _decide(run, step, alive, good, differing, "rebuilt", t0)
