@@ -358,7 +358,9 @@ def test_no_directory_no_disk_log_and_a_given_one_resumes(tmp_path):
 
 
 # ------------------------------------------------------------ the transformer at every phase
-@pytest.mark.parametrize("phase", ["before_step", "mid_step", "after_step", "during_peer_copy", "during_save"])
+# before_step is the same step boundary as after_step for the state (the campaign and the
+# MLP tests draw it); left out here to keep the suite inside its 20-minute budget.
+@pytest.mark.parametrize("phase", ["mid_step", "after_step", "during_peer_copy", "during_save"])
 def test_transformer_slice_loss_at_each_phase(phase, tmp_path):
     """A transformer LM with dropout and a token-normalised loss loses slice 1 after step 2
     at each phase: rebuilt bitwise at the target step, then within 1e-4 of failure-free."""
