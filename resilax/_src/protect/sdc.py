@@ -127,7 +127,7 @@ class SdcCheck(Protection):
     def report(self) -> dict:
         out = {"mode": "auto" if self.auto else "fixed", "phase": self.phase, "every": self.every,
                "decisions": list(self.decisions)}
-        if getattr(self, "why", None) and self.phase == "fixed" and self.auto:
+        if self.why and self.phase == "fixed" and self.auto:
             out["why"] = self.why
         return out
 

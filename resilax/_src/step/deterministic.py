@@ -330,17 +330,20 @@ class DeterministicProgram(Program):
                             (self.rec_sh, rep if self.has_weight else None,
                              jax.tree.map(lambda _: rep, self.abstract_metrics)))
 
+    def _exchange_abstract(self):
+        """The stacked ``(rec, w, metrics)`` as ``[live, slots, ...]`` ShapeDtypeStructs."""
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((self.live, self.slots) + tuple(a.shape), a.dtype),
+            (self.abstract_rec, jax.ShapeDtypeStruct((), jnp.float32) if self.has_weight else None,
+             self.abstract_metrics))
+
     def _gather_exe(self):
         """The all-gather over the elastic axis (every process runs it: one collective)."""
 
         def build():
             src, dst = self._exchange_shardings(False), self._exchange_shardings(True)
-            shapes = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct((self.live, self.slots) + tuple(a.shape), a.dtype),
-                (self.abstract_rec, jax.ShapeDtypeStruct((), jnp.float32) if self.has_weight else None,
-                 self.abstract_metrics))
             j = jax.jit(lambda t: t, in_shardings=(src,), out_shardings=dst)
-            return j.lower(_sh.abstract(shapes, src)).compile()
+            return j.lower(_sh.abstract(self._exchange_abstract(), src)).compile()
 
         return self._exe(("gather", tuple(d.id for d in self.mesh.devices.flat), self.slots), build)
 
@@ -366,16 +369,18 @@ class DeterministicProgram(Program):
             out_sh = (dom.rec_sh, rep if self.has_weight else None, met_sh, rep,
                       rep if spec.anomaly_check is not None else None, guard_sh)
             j = jax.jit(fn, in_shardings=(*st_sh, guard_sh), out_shardings=out_sh)
-            shapes = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct((live, self.slots) + tuple(a.shape), a.dtype),
-                (self.abstract_rec, jax.ShapeDtypeStruct((), jnp.float32) if self.has_weight else None,
-                 self.abstract_metrics))
-            return j.lower(*_sh.abstract(shapes, st_sh), spec.abstract_guard).compile()
+            return j.lower(*_sh.abstract(self._exchange_abstract(), st_sh), spec.abstract_guard).compile()
 
         return self._exe(("combine_multi", dom.key, fault, live, self.slots), build)
 
     def _grad_multi(self, fault):
         doms, live = self.doms, self.live
+        # fixed for the program: computed once, not per step
+        src = self._exchange_shardings(False)
+        flat_src, treedef = jax.tree.flatten(src)
+        flat_shapes = [a.shape for a in jax.tree.leaves(self._exchange_abstract())]
+        dst = self._exchange_shardings(True)
+        dsh = {d.key: jax.tree.map(lambda sh: NamedSharding(d.mesh, sh.spec), dst) for d in self.mine}
 
         def run(state, guard, batches, step_no):
             outs = {}
@@ -386,7 +391,6 @@ class DeterministicProgram(Program):
                     outs[v] = self._grad_exe(d)(view, batches[v], step_no, np.uint32(v))
             self.last_replica0 = outs[0][0] if 0 in outs else None
             # each domain's results stacked, then one all-gather over the elastic axis
-            src = self._exchange_shardings(False)
             blocks = []
             for d in self.mine:
                 vs = list(range(doms.index(d), self.V, live))
@@ -394,21 +398,15 @@ class DeterministicProgram(Program):
                     [outs[v][0] for v in vs], [outs[v][1] for v in vs] if self.has_weight else None,
                     [outs[v][2] for v in vs])
                 blocks.append((rec, w, met))
-            flat_src, treedef = jax.tree.flatten(src)
-            flat_shapes = [(live, self.slots) + tuple(a.shape) for a in jax.tree.leaves(
-                (self.abstract_rec, jax.ShapeDtypeStruct((), jnp.float32) if self.has_weight else None,
-                 self.abstract_metrics))]
             flat_blocks = [jax.tree.leaves(b) for b in blocks]
             stacked = jax.tree.unflatten(treedef, [
                 jax.make_array_from_single_device_arrays(
                     flat_shapes[i], flat_src[i], [sh.data for fb in flat_blocks for sh in fb[i].addressable_shards])
                 for i in range(len(flat_src))])
             gathered = self._gather_exe()(stacked)
-            dst = self._exchange_shardings(True)
             results = []
             for d in self.mine:
-                dsh = jax.tree.map(lambda sh: NamedSharding(d.mesh, sh.spec), dst)
-                parts = _view(gathered, dsh, d.devset)
+                parts = _view(gathered, dsh[d.key], d.devset)
                 g = None if guard is None else _view(guard, jax.tree.map(lambda _: d.rep, guard), d.devset)
                 results.append(self._combine_multi_exe(d, fault)(*parts, g))
             rec, weight, metrics, ok, loss, new_guard = (
