@@ -49,9 +49,21 @@ def test_store_round_trip_mirror_and_restorable_step(tmp_path, mesh):
     assert src.endswith("host2/mirror") and meta["data_state"] == {"kind": "json", "value": {"i": 4}}
     want = jax.tree.leaves((_run(4, mesh).live, _run(4, mesh).guard))
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, want))
-    # its neighbour dies too: nothing holds process 1's shards any more
+    # its neighbour dies too. In one process every host's copy holds every element (the
+    # bit-exact mode's case under launch: one process, one domain, the whole state), so
+    # host 0's own copy serves process 1 as well
     shutil.rmtree(tmp_path / "host2")
+    assert hs.restorable_step(tmp_path, n) == 4
+    leaves, _, src = stores[1].restore(4, tmpl, [x.sharding for x in tmpl])
+    assert src.endswith("host0/own") and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, want))
+    # a copy of only the writer's shards (a layout sharded across processes) serves only it:
+    # nothing holds process 1's shards any more
+    import json
+
+    for f in (tmp_path / "host0").glob("*/step*.json"):
+        f.write_text(json.dumps(dict(json.loads(f.read_text()), whole=False)))
     assert hs.restorable_step(tmp_path, n) is None
+    assert hs.sources(tmp_path, 0, n, 4) == [tmp_path / "host0" / "own"]
 
 
 def test_a_corrupt_copy_is_not_used_and_the_mirror_is(tmp_path, mesh):
@@ -69,6 +81,10 @@ def test_a_corrupt_copy_is_not_used_and_the_mirror_is(tmp_path, mesh):
     _, _, src = stores[0].restore(7, tmpl, [x.sharding for x in tmpl])
     assert src.endswith("host1/mirror")
     (tmp_path / "host1" / "mirror" / "step7.json").unlink()  # uncommitted: not offered
+    _, _, src = stores[0].restore(7, tmpl, [x.sharding for x in tmpl])
+    assert src.endswith("host0/mirror")  # process 1's copy: whole (one process holds every element here)
+    for d in ("host0/mirror", "host1/own"):
+        (tmp_path / d / "step7.json").unlink()
     assert stores[0].restore(7, tmpl, [x.sharding for x in tmpl]) is None
 
 

@@ -107,7 +107,29 @@ def reference(tmp_path_factory):
     return np.load(out, allow_pickle=False)
 
 
-def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
+def _live_past(run_dir, gen, step, n):
+    """The ``n`` live workers of generation ``gen`` (processes.json) all completed ``step``."""
+    procs = _processes(run_dir)
+    if not procs or procs["generation"] != gen or procs.get("status") != "running" or len(procs["workers"]) != n:
+        return None
+    hbs = heartbeats(run_dir, gen)
+    live = [hbs.get(int(i)) or {} for i in procs["workers"]]  # past the step after the newest shrink:
+    return procs if all((h.get("step") or -1) >= step and h.get("epoch") == procs["epoch"] for h in live) else None
+
+
+def _live_steps(run_dir, gen) -> int:
+    procs = _processes(run_dir)
+    hbs = heartbeats(run_dir, gen)
+    return min((hbs.get(int(i)) or {}).get("step") or 0 for i in procs["workers"])
+
+
+def test_in_place_kill_random_worker_then_process_0_then_a_new_generation_then_sigstop(tmp_path, reference):
+    """``resilax launch --in-place`` with 4 processes x 2 devices in the bit-exact mode:
+    SIGKILL a random worker, then process 0: each time the others go on in place (no new
+    generation); a third SIGKILL would leave 1 < --min-in-place (2): a new generation of 4
+    (one of them the warm spare) restores from the host stores; then a SIGSTOPped worker is
+    found by its stale heartbeat, killed, and the other 3 go on in place. The final state is
+    bitwise that of the failure-free single-process run, and no step is lost."""
     from helpers import child_env
 
     rng = random.Random(int(os.environ.get("RESILAX_TEST_SEED", "0")) or None)
@@ -115,35 +137,29 @@ def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
     out = tmp_path / "final.npz"
     log = open(tmp_path / "launch.log", "wb")
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "4", "--devices-per-process", "2", "--run-dir", str(run),
-           "--heartbeat", "0.2", "--heartbeat-timeout", "2", "--min-step-deadline", "20", "--max-restarts", "4",
-           "--spares", "1", "--", *TRAIN, "--out", str(out)]
+           "--heartbeat", "0.2", "--heartbeat-timeout", "2", "--min-step-deadline", "20", "--max-restarts", "2",
+           "--spares", "1", "--in-place", "--", *TRAIN, "--out", str(out)]
     p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    done = []
+    done, reached = [], []
+
+    def kill(procs, who, sig=signal.SIGKILL, gen=0):
+        reached.append(_live_steps(run, gen))
+        os.kill(procs["workers"][str(who)], sig)
+        done.append((sig.name, who))
+
     try:
-        # generation 0: a random non-zero worker, at a random moment after the first checkpoint
-        # (once the spare, started with generation 0, is warm: it becomes a worker of generation 1)
         spare = _wait(lambda: _ready_spare(run), 180, "a warm spare", p)
-        _wait(lambda: _past(run, 0, EVERY + 2), 180, "generation 0 past step 7", p)
+        procs = _wait(lambda: _live_past(run, 0, EVERY + 2, 4), 180, "generation 0 past step 7", p)
         time.sleep(rng.uniform(0, 1.0))
-        victim = rng.randrange(1, 4)
-        reached = [min(_steps(run, 0).values())]
-        os.kill(_processes(run)["workers"][str(victim)], signal.SIGKILL)
-        done.append(("SIGKILL", victim))
-        # generation 1: process 0 (its death must not take the job down: the service is elsewhere)
-        procs = _wait(lambda: _running(run, 1), 120, "generation 1 running", p)
-        assert spare in procs["workers"].values(), (spare, procs)  # the spare took a place, the rest are fresh
-        _wait(lambda: _past(run, 1, 2 * EVERY + 2), 180, "generation 1 past step 12", p)
+        kill(procs, rng.randrange(1, 4))
+        procs = _wait(lambda: _live_past(run, 0, 2 * EVERY + 2, 3), 120, "3 workers in place past step 12", p)
         time.sleep(rng.uniform(0, 1.0))
-        reached.append(min(_steps(run, 1).values()))
-        os.kill(procs["workers"]["0"], signal.SIGKILL)
-        done.append(("SIGKILL", 0))
-        # generation 2: a hung worker (SIGSTOP) is detected by its stale heartbeat and killed
-        procs = _wait(lambda: _running(run, 2), 120, "generation 2 running", p)
-        _wait(lambda: _past(run, 2, 3 * EVERY + 2), 180, "generation 2 past step 17", p)
-        victim = rng.randrange(0, 4)
-        reached.append(min(_steps(run, 2).values()))
-        os.kill(procs["workers"][str(victim)], signal.SIGSTOP)
-        done.append(("SIGSTOP", victim))
+        kill(procs, 0)
+        procs = _wait(lambda: _live_past(run, 0, 3 * EVERY + 2, 2), 120, "2 workers in place past step 17", p)
+        kill(procs, rng.choice(sorted(int(i) for i in procs["workers"])))
+        procs = _wait(lambda: _live_past(run, 1, 4 * EVERY + 2, 4), 180, "generation 1 past step 22", p)
+        assert spare in procs["workers"].values(), (spare, procs)  # the spare took a place
+        kill(procs, rng.randrange(0, 4), signal.SIGSTOP, gen=1)
         rc = p.wait(timeout=240)
     finally:
         _kill_tree(p)
@@ -151,31 +167,33 @@ def test_kill_random_worker_then_process_0_then_sigstop(tmp_path, reference):
     text = (tmp_path / "launch.log").read_text(errors="replace")
     assert rc == 0, f"{done}\n{text[-6000:]}"
     hist = json.loads((run / "launch_history.json").read_text())["generations"]
-    assert [g["outcome"] for g in hist] == ["failed", "failed", "failed", "done"], (done, hist)
-    assert "signal SIGKILL" in hist[0]["why"] and f"process {done[0][1]} " in hist[0]["why"]
+    assert [(g["generation"], g["outcome"]) for g in hist] == [
+        (0, "shrunk"), (0, "shrunk"), (0, "failed"), (1, "shrunk"), (1, "done")], (done, hist)
+    assert f"process {done[0][1]} " in hist[0]["why"] and "signal SIGKILL" in hist[0]["why"]
     assert "process 0 " in hist[1]["why"] and "signal SIGKILL" in hist[1]["why"]
-    assert "hung: heartbeat" in hist[2]["why"] and f"process {done[2][1]} " in hist[2]["why"]
-    assert _processes(run)["status"] == "done" and _processes(run)["generation"] == 3
-    assert _processes(run)["spares"] == {} and "from warm spares [0]" in text, text[-3000:]
+    assert f"process {done[2][1]} " in hist[2]["why"] and "not going on in place: 1 worker(s) would be left" in text
+    assert f"process {done[3][1]} " in hist[3]["why"] and "hung: heartbeat" in hist[3]["why"]
+    assert _processes(run)["status"] == "done" and _processes(run)["generation"] == 1
+    membership = json.loads((run / "membership.json").read_text())
+    assert membership["generation"] == 1 and len(membership["alive"]) == 3 and membership["dead"] == [done[3][1]]
     final = np.load(out, allow_pickle=False)
-    digest = (pathlib.Path(f"{out}.sha256").read_text().split()[0])
     import hashlib
 
-    assert hashlib.sha256(out.read_bytes()).hexdigest() == digest
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == pathlib.Path(f"{out}.sha256").read_text().split()[0]
     assert sorted(final.files) == sorted(reference.files)
     assert all(np.array_equal(final[k], reference[k]) for k in final.files), (_rel_diff(final, reference), done,
                                                                                text[-3000:])
-    # zero lost steps: every worker of generations 1-3 resumed from the host stores (the
-    # dead host's shards from its ring neighbour's mirror) at least at the step every worker
-    # had reported before the failure, not at the older checkpoint
-    for g in (1, 2, 3):
-        lines = [ln for ln in text.splitlines() if ln.startswith(f"[g{g} p") and "resumed at step" in ln]
-        assert len(lines) == 4 and all("(host store: " in ln for ln in lines), (g, lines)
-        resumed = {int(ln.split("resumed at step ")[1].split()[0]) for ln in lines}
-        assert len(resumed) == 1 and resumed.pop() >= reached[g - 1], (g, lines, reached)
-        if g in (1, 2):  # the SIGKILLed host's own store was deleted: its shards came from the mirror
-            dead = done[g - 1][1]
-            assert any(ln.startswith(f"[g{g} p{dead}]") and f"host{(dead + 1) % 4}/mirror" in ln for ln in lines)
+    # no step lost: each in-place recovery went on from at least the step every live worker
+    # had reported before the kill; generation 1 resumed from the host stores likewise
+    for (g, dead, n), before in zip([(0, [done[0][1]], 3), (0, sorted([0, done[0][1]]), 2), (1, [done[3][1]], 3)],
+                                    [reached[0], reached[1], reached[3]]):
+        lines = [ln for ln in text.splitlines() if ln.startswith(f"[g{g} p") and f"went on in place without "
+                 f"process(es) {dead}: step " in ln]
+        assert len(lines) == n, (g, dead, lines, text[-3000:])
+        assert all(int(ln.split(": step ")[1].split()[0]) >= before for ln in lines), (lines, before)
+    lines = [ln for ln in text.splitlines() if ln.startswith("[g1 p") and "resumed at step" in ln]
+    assert len(lines) == 4 and all("(host store: " in ln for ln in lines), lines
+    assert all(int(ln.split("resumed at step ")[1].split()[0]) >= reached[2] for ln in lines), (lines, reached)
 
 
 # ---------------------------------------------------------------- the supervisor alone (no JAX workers)

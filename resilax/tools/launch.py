@@ -14,9 +14,18 @@ them inside `Topology`/`wrap`), keeps ``D/processes.json`` current and watches t
   (``max(--min-step-deadline, --step-deadline-factor x measured step time)``; stuck in a
   collective whose peer is gone) is hung too.
 
-On any death every other worker of the generation is SIGKILLed (their collectives are
-broken) and a new generation starts with N workers on a new service; they resume from
-durable state (the host state stores, else the newest Orbax checkpoint). At most
+On a death, with ``--in-place`` and when every other worker can (each says so in its
+heartbeat: the bit-exact mode, one failure domain per process, host store on) and at least
+``--min-in-place`` of them are left, the others **go on in place** (path A): the supervisor
+deletes the dead host's store and writes ``D/membership.json``
+(``{"generation", "epoch", "alive", "dead"}``); each survivor's broken collective fails
+(XLA's collective timeout), it reads the verdict, the survivors agree on the newest step
+they all hold, restore it from their own host store onto the mesh of the live processes'
+devices (its executables were compiled ahead, in the background) and continue, with the
+same global batch and the same maths. Otherwise (path B) every other worker of the
+generation is SIGKILLed (their collectives are broken) and a new generation starts with N
+workers on a new service; they resume from durable state (the host state stores, else the
+newest Orbax checkpoint). At most
 ``--max-restarts`` new generations; then the supervisor exits with the last failure's code.
 SIGTERM/SIGINT to the supervisor are forwarded to the workers (each saves at the next
 preemption sync point and exits); a generation whose workers all exit 0 ends the job with 0.
@@ -252,7 +261,7 @@ class Supervisor:
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, step_deadline_factor: float = 20.0,
                  min_step_deadline_s: float = 30.0, collective_timeout_s: int | None = None,
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 10, grace_s: float = 60.0,
-                 host_store_every: int = 1, spares: int = 0):
+                 host_store_every: int = 1, spares: int = 0, in_place: bool = False, min_in_place: int | None = None):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if n < 1 or devices_per_process < 1:
@@ -285,6 +294,15 @@ class Supervisor:
         self._term: int | None = None
         self._dead_process: int | None = None
         self._service = None
+        self.in_place = bool(in_place)
+        self.min_in_place = max(1, -(-n // 2)) if min_in_place is None else int(min_in_place)
+        if self.in_place and not host_store_every:
+            raise ValueError("resilax launch: --in-place needs the host state store (--host-store-every >= 1): the "
+                             "survivors restore the step they agree on from it")
+        if self.min_in_place < 1:
+            raise ValueError(f"resilax launch: --min-in-place must be >= 1, got {min_in_place}")
+        self.epoch = 0  # in-place shrinks within this generation
+        self.departed: list[_Worker] = []  # workers of this generation that died while the others went on
         self.num_spares = spares
         self.spares: list[_Spare] = []
         self._spare_count = 0  # spare indices are never reused within a job
@@ -298,6 +316,7 @@ class Supervisor:
             "generation": self.generation, "supervisor": os.getpid(),
             "workers": {str(w.process_id): w.proc.pid for w in self.workers if w.proc.poll() is None},
             "status": status, "coordinator": self.workers[0].env.coordinator if self.workers else None,
+            "epoch": self.epoch,
             "spares": {str(s.index): s.proc.pid for s in self.spares if s.proc.poll() is None},
         })
 
@@ -311,7 +330,8 @@ class Supervisor:
         self._service = jaxdist.start_service(port, self.n, heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
         (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.workers = []
+        self.workers, self.departed, self.epoch = [], [], 0
+        (self.run_dir / launched.MEMBERSHIP_JSON).unlink(missing_ok=True)
         ready = [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
         for i in range(self.n):
             env = LaunchEnv(
@@ -321,7 +341,8 @@ class Supervisor:
                 jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
                 init_timeout_s=int(min(self.startup_timeout_s, 600)),
                 host_store=str(self.store_root or ""), host_store_every=self.host_store_every,
-                host_store_step=-1 if self.store_step is None else self.store_step)
+                host_store_step=-1 if self.store_step is None else self.store_step,
+                in_place_wait_s=(self.min_deadline + self.heartbeat_timeout_s + 10.0) if self.in_place else 0.0)
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
             if ready:  # a warm spare: tell it its place (it then joins like a fresh worker)
                 s = ready.pop(0)
@@ -415,6 +436,8 @@ class Supervisor:
         self.spares = []
 
     def _stop_generation(self, why: str):
+        for w in self.departed:
+            w._pump.join(timeout=2)
         for w in self.workers:
             w.kill(why)
         for w in self.workers:
@@ -490,6 +513,8 @@ class Supervisor:
                     # past the deadline the workers waiting in a collective look hung too, and
                     # with the collective timeout below the deadline they fail first (exit 1)
                     w, why = self._culprit(w, why)
+                if why is not None and self._shrink_in_place(w, why, now):
+                    break  # the survivors go on: watch them
                 if why is not None:
                     if w.proc.poll() is None:
                         w.kill(why)
@@ -506,6 +531,60 @@ class Supervisor:
             if forwarded is not None and now - forwarded > self.grace_s:
                 return "failed", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
             time.sleep(0.05)
+
+    def _in_place_refused(self, w: _Worker) -> str | None:
+        """Why the workers other than ``w`` cannot go on in place (None: they can)."""
+        if not self.in_place:
+            return "--in-place is off"
+        if self._term is not None:
+            return "the job is being stopped"
+        if (w.rc or 0) > 0 and (w.heartbeat() or {}).get("phase") == "recover":
+            return f"process {w.process_id} failed while going on in place (exit code {w.rc})"
+        others = [x for x in self.workers if x is not w]
+        if any(x.proc.poll() is not None for x in others):
+            return "another worker has exited too"
+        if len(others) < self.min_in_place:
+            return f"{len(others)} worker(s) would be left (--min-in-place {self.min_in_place})"
+        for x in others:
+            hb = x.heartbeat() or {}
+            if not hb.get("in_place"):
+                return f"process {x.process_id} cannot go on in place (not the bit-exact mode with one failure " \
+                       f"domain per process and a host store, or not started yet)"
+            if not hb.get("first_step_t"):
+                return f"process {x.process_id} has not completed a step of this generation"
+        return None
+
+    def _shrink_in_place(self, w: _Worker, why: str, now: float) -> bool:
+        """Path A: ``w`` is dead (or killed here as hung); the others go on in place when they
+        can. Returns False when they cannot (the caller starts a new generation)."""
+        refused = self._in_place_refused(w)
+        if refused is not None:
+            if self.in_place:
+                _say(f"process {w.process_id} {why}; not going on in place: {refused}")
+            return False
+        if w.proc.poll() is None:
+            w.kill(why)
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        w.rc = w.proc.returncode
+        why = w.killed_for or why
+        self._lose_host_store(w.process_id)
+        self.workers = [x for x in self.workers if x is not w]
+        self.departed.append(w)
+        self.epoch += 1
+        alive = [x.process_id for x in self.workers]
+        write_json(self.run_dir / launched.MEMBERSHIP_JSON, {
+            "generation": self.generation, "epoch": self.epoch, "alive": alive,
+            "dead": sorted(x.process_id for x in self.departed)})
+        self.history.append({"generation": self.generation, "outcome": "shrunk", "epoch": self.epoch,
+                             "why": f"process {w.process_id} (pid {w.proc.pid}) {why}", "alive": alive,
+                             "started": self._t_gen, "ended": now})
+        self._write_processes("running")
+        _say(f"generation {self.generation}: process {w.process_id} (pid {w.proc.pid}) {why}; processes {alive} go on "
+             f"in place (epoch {self.epoch})")
+        return True
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
@@ -534,7 +613,7 @@ class Supervisor:
                     self._kill_spares()
                     self._stop_generation("generation ended")
                     self._write_processes("done" if outcome == "done" else "preempted")
-                    _say(f"generation {self.generation}: all {self.n} workers exited 0"
+                    _say(f"generation {self.generation}: all {len(self.workers)} workers exited 0"
                          + (" after SIGTERM (preempted; relaunch to resume)" if outcome == "term" else ""))
                     return 0
                 _say(f"generation {self.generation} failed: {why}; stopping the other workers")
@@ -615,6 +694,13 @@ def register_cli(sub) -> None:
     p.add_argument("--spares", type=int, default=0, metavar="S",
                    help="keep S processes of the command warm (JAX imported, waiting); a new generation takes its "
                         "workers from them first (0: every worker starts fresh)")
+    p.add_argument("--in-place", action="store_true",
+                   help="when a worker dies and every other one can (the bit-exact mode with one failure domain per "
+                        "process, host store on), the others go on in place on their own devices instead of a new "
+                        "generation restarting all of them")
+    p.add_argument("--min-in-place", type=int, default=None, metavar="M",
+                   help="go on in place only while at least M workers are left (default: half of -n, rounded up); "
+                        "below that a new generation brings the job back to -n workers")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     p.set_defaults(func=_cmd_launch)
 
@@ -629,7 +715,7 @@ def _cmd_launch(args) -> int:
                          heartbeat_timeout_s=args.heartbeat_timeout, step_deadline_factor=args.step_deadline_factor,
                          min_step_deadline_s=args.min_step_deadline, collective_timeout_s=args.collective_timeout,
                          startup_timeout_s=args.startup_timeout, host_store_every=args.host_store_every,
-                         spares=args.spares)
+                         spares=args.spares, in_place=args.in_place, min_in_place=args.min_in_place)
     except ValueError as e:
         print(f"resilax: error: {e}", file=sys.stderr)
         return 2

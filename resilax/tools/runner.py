@@ -190,8 +190,12 @@ def train(
         preempted = False
         trace: dict = {"step": [], "loss": [], "step_s": []}
         t_prev = time.perf_counter()
+        seen = len(step.events)
         while step.step < steps:
             state, metrics = step(state, next(data))
+            if len(step.events) != seen:
+                _say_in_place(step.events[seen:])
+                seen = len(step.events)
             if curve:  # reads the loss every step (a host sync): the demo's plot, not the default
                 trace["loss"].append(float(metrics["loss"]))
                 now = time.perf_counter()
@@ -208,7 +212,7 @@ def train(
                 preempted = True
                 break
         saved = bool(checkpoint_every) and step.step % checkpoint_every == 0  # the driver saved it already
-        if checkpoint_dir and not saved and not preempted:
+        if checkpoint_dir and not saved and not preempted and not step.checkpoints_paused:
             step.save(state)
         if preempted:
             print(f"preempted: every worker stopped after step {step.step}, checkpoint saved; relaunch to resume",
@@ -250,8 +254,13 @@ def write_state(out: str, state) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        flat = {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        local = [_whole_here(x) for _, x in leaves]
+        if all(v is not None for v in local):  # this process holds all of it (the bit-exact mode): no collective
+            flat = {jax.tree_util.keystr(p): v for (p, _), v in zip(leaves, local)}
+        else:
+            flat = {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                    for p, x in leaves}
     else:
         from resilax.tools.example import flat_state
 
@@ -265,6 +274,29 @@ def write_state(out: str, state) -> None:
     sums = f"{out}.sha256"
     pathlib.Path(f"{sums}.tmp").write_text(f"{digest}  {os.path.basename(out)}\n")
     os.replace(f"{sums}.tmp", sums)
+
+
+def _say_in_place(events) -> None:
+    for ev in events:
+        if ev.kind == "recovery" and ev.fields.get("in_place"):
+            f = ev.fields
+            print(f"went on in place without process(es) {f['dead_processes']}: step {f['restored_step']} from the "
+                  f"host store ({f['copy']}), {f['steps_recomputed']} step(s) recomputed, mesh {f['mesh']}, "
+                  f"{f['seconds']['total']:.1f} s after the error (detect {f['seconds']['detect']:.1f} s, compile "
+                  f"{f['seconds']['compile']:.1f} s, compiled ahead: {f['compiled_ahead']})", flush=True)
+
+
+def _whole_here(x) -> np.ndarray | None:
+    """``x`` assembled from this process's shards if they cover all of it, else None."""
+    out = np.empty(x.shape, x.dtype)
+    seen, covered = set(), 0
+    for s in x.addressable_shards:
+        key = tuple(sl.indices(n)[:2] for sl, n in zip(s.index, x.shape))
+        if key not in seen:
+            seen.add(key)
+            out[s.index] = np.asarray(s.data)
+            covered += s.data.size
+    return out if covered == x.size else None
 
 
 def _progress(total: int, start: int, enabled: bool):

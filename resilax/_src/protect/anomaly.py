@@ -195,6 +195,20 @@ class Watch(Protection):
     def adopted(self, run, state, since):
         self._pending = None  # a verdict on corrupted replicas: the rebuilt steps had their own
 
+    def shrunk(self, run, state, alive):
+        """The unread verdict of a step the run goes on from is judged (its array lives on
+        every process's devices); one of a later step, or one its failed collective left
+        unreadable, is dropped: that step is computed again."""
+        prev, self._pending = self._pending, None
+        if prev is None or prev[0] > run.step:
+            return
+        try:
+            ready = [np.asarray(x) for x in prev[1:] if x is not None]
+        except Exception:  # noqa: BLE001 (the computation that made it failed with the dead process)
+            return
+        del ready
+        self._judge(run, prev)
+
     def restart(self, run, state):
         """The unread verdict's array lost its dead devices' buffers: read a survivor's."""
         if self._pending is not None:

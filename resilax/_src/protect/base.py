@@ -95,6 +95,13 @@ class Protection:
         """After a recovery: the state is at ``run.step`` on the new mesh."""
         self.start(run, state)
 
+    def shrunk(self, run, state, alive: list[int]) -> None:
+        """Under `resilax launch`, processes outside ``alive`` died and this one goes on in
+        place: the state was restored at ``run.step`` from the host store onto the mesh of
+        the live processes' devices. What this protection held of the step that failed is
+        gone (its collectives broke)."""
+        self.start(run, state)
+
     def close(self) -> None:
         pass
 

@@ -116,6 +116,7 @@ class CheckpointStore:
         self.directory = pathlib.Path(directory).absolute()
         self._keep = keep
         self._async = async_save
+        self._abandoned = False
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -359,9 +360,21 @@ class CheckpointStore:
         self._raise_error()
         self._run_deferred()
 
+    def abandon(self) -> None:
+        """Nothing more goes through this store, and nothing waits for it: a process of the
+        job died (an in-place shrink under `resilax launch`), so a save in flight waits on
+        barriers it never reaches and never commits. `close` returns at once."""
+        self._abandoned = True
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread = None
+
     def close(self):
         """Waits for the last save, stops the persister, waits for a warm-up still compiling
         (its thread must not outlive the store: see `warm`), closes Orbax."""
+        if self._abandoned:
+            self._join_warming(every=True)  # compiling only: it ends
+            return
         try:
             self.wait()
         finally:

@@ -18,6 +18,7 @@ class Checkpoints(base.Protection):
     def __init__(self, cfg):
         self.cfg = cfg
         self.store = CheckpointStore(cfg.directory, keep=cfg.keep, async_save=cfg.async_save)
+        self.paused: str | None = None  # why no checkpoint can be saved now (an in-place shrink)
 
     def tree(self, state, guard):
         return {"state": state} if guard is None else {"state": state, "guard": guard}
@@ -40,8 +41,22 @@ class Checkpoints(base.Protection):
     def restart(self, run, state):
         self.start(run, state)
 
+    def shrunk(self, run, state, alive):
+        """Processes outside ``alive`` died and the others went on in place: checkpoints pause
+        until the next generation. Orbax's manager counts every process of the job (a save
+        in flight waits on barriers the dead never reach, and it is never committed), and one
+        over the live processes only (``MultiprocessingOptions(active_processes=...)``) was
+        measured to hang or break the step's collectives under jax 0.10.2: some of its
+        synchronisation runs as device collectives over every process. The host stores keep
+        every step meanwhile."""
+        self.store.abandon()
+        self.paused = (f"processes outside {sorted(alive)} died and the others went on in place; Orbax cannot save "
+                       f"without them, so checkpoints resume with the next generation (the host stores keep every "
+                       f"step meanwhile)")
+        run.event("checkpoints_paused", run.step, why=self.paused)
+
     def due(self, step_after: int) -> bool:
-        return bool(self.cfg.every) and step_after % self.cfg.every == 0
+        return bool(self.cfg.every) and step_after % self.cfg.every == 0 and self.paused is None
 
     def save(self, run, state, *, after_dispatch=None, copy=True) -> float:
         meta = {"seed": run.config.seed, "topology": run.topology.name}

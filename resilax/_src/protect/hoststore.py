@@ -12,6 +12,13 @@ through the coordination service's key-value store that all of them could, or al
 back to the checkpoint. The new generation has the same processes and mesh, so each
 process needs exactly the shard indices it wrote.
 
+Each commit record names the process that wrote it and whether that process held every
+element of every leaf (``whole``: the bit-exact mode, where each failure domain is one
+process holding the whole state). A whole copy serves any process, so when the ring has a
+gap (two neighbouring hosts lost, or hosts lost earlier in the job by an in-place shrink,
+after which the survivors mirror to the next *live* host: `HostStore.shrunk`) a process
+still gets its shards from any live host.
+
 Files: ``step<k>.npz`` (one array per (leaf, shard index), no pickle) committed by
 ``step<k>.json`` (written last, atomically: ``{"step", "sha256", "data_state", "leaves"}``).
 The newest ``KEEP`` steps are kept: workers step in lock-step, so a process killed while
@@ -58,33 +65,48 @@ def committed_steps(d: pathlib.Path) -> list[int]:
     return sorted(out)
 
 
-def sources(root: pathlib.Path, process: int, n: int) -> list[pathlib.Path]:
-    """Where process ``process``'s shards are: its own host first, then the mirror on the next host."""
-    out = [root / f"host{process}" / "own"]
+def _record(d: pathlib.Path, step: int) -> dict:
+    try:
+        return json.loads((d / f"step{step}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def sources(root: pathlib.Path, process: int, n: int, step: int) -> list[pathlib.Path]:
+    """The host copies of ``step`` that hold process ``process``'s shards: those it wrote
+    (its own host first, then the mirror on the next host, then any other) and those that
+    are whole (every process's shards are in them)."""
+    dirs = [root / f"host{process}" / "own"]
     if n > 1:
-        out.append(root / f"host{(process + 1) % n}" / "mirror")
+        dirs.append(root / f"host{(process + 1) % n}" / "mirror")
+    dirs += [root / f"host{j}" / kind for j in range(n) for kind in ("own", "mirror")]
+    out = []
+    for d in dict.fromkeys(dirs):
+        rec = _record(d, step)
+        if rec.get("step") == step and (rec.get("process") == process or rec.get("whole")):
+            out.append(d)
     return out
 
 
 def restorable_step(root: pathlib.Path, n: int) -> int | None:
     """The newest step every one of the ``n`` processes can read back from some host."""
-    common = None
-    for i in range(n):
-        steps = set()
-        for d in sources(root, i, n):
-            steps |= set(committed_steps(d))
-        common = steps if common is None else common & steps
-    return max(common) if common else None
+    every = set()
+    for j in range(n):
+        for kind in ("own", "mirror"):
+            every |= set(committed_steps(root / f"host{j}" / kind))
+    ok = [s for s in every if all(sources(root, i, n, s) for i in range(n))]
+    return max(ok) if ok else None
 
 
-def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int) -> None:
+def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, process: int, whole: bool) -> None:
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f".step{step}.npz.tmp"
     with open(tmp, "wb") as f:
         np.savez(f, **arrays)
     digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
     os.replace(tmp, d / f"step{step}.npz")
-    meta = {"step": step, "sha256": digest, "data_state": data_state, "leaves": leaves}
+    meta = {"step": step, "sha256": digest, "data_state": data_state, "leaves": leaves, "process": process,
+            "whole": whole}
     (d / f".step{step}.json.tmp").write_text(json.dumps(meta))
     os.replace(d / f".step{step}.json.tmp", d / f"step{step}.json")
     for old in committed_steps(d)[:-KEEP]:
@@ -118,10 +140,26 @@ class HostStore(base.Protection):
     def __init__(self, root: str, process: int, n: int, every: int = 1):
         self.root = pathlib.Path(root)
         self.process, self.n, self.every = process, n, every
+        self.alive = list(range(n))  # the ring: this process mirrors to the next live one
         self.seconds: list[float] = []
 
     def _targets(self) -> list[pathlib.Path]:
-        return sources(self.root, self.process, self.n)
+        out = [self.root / f"host{self.process}" / "own"]
+        if len(self.alive) > 1:
+            i = self.alive.index(self.process)
+            out.append(self.root / f"host{self.alive[(i + 1) % len(self.alive)]}" / "mirror")
+        return out
+
+    def newest(self) -> int | None:
+        """The newest step committed in this process's own host copy."""
+        steps = committed_steps(self._targets()[0])
+        return steps[-1] if steps else None
+
+    def shrunk(self, run, state, alive: list[int]) -> None:
+        """Processes outside ``alive`` are gone (an in-place shrink): mirror to the next live
+        host from now on, and store the restored step at once."""
+        self.alive = sorted(alive)
+        self.write(run.step, state, run.guard, run._data_pos)
 
     def after_step(self, run, rec) -> None:
         if run.step % self.every:
@@ -139,19 +177,23 @@ class HostStore(base.Protection):
         t0 = time.perf_counter()
         leaves = jax.tree.leaves((state, guard))
         arrays = {}
+        whole = True
         for i, x in enumerate(leaves):
+            held = 0
             for s in x.addressable_shards:
                 k = _key(i, s.index, x.shape)
                 if k not in arrays:  # a replicated leaf: one copy per index is enough
                     arrays[k] = np.array(s.data, copy=True)
+                    held += arrays[k].size
+            whole = whole and held == x.size  # disjoint shard indices covering the leaf
         for d in self._targets():
-            _write(d, step, arrays, data_pos, len(leaves))
+            _write(d, step, arrays, data_pos, len(leaves), self.process, whole)
         self.seconds.append(time.perf_counter() - t0)
 
     def restore(self, step: int, abstract_leaves, shardings):
         """Arrays of ``step`` for this process's shards, from its own host or the mirror;
         ``(leaves, meta, source)`` or None when no verified copy has every shard it needs."""
-        for d in self._targets():
+        for d in sources(self.root, self.process, self.n, step):
             got = read(d, step)
             if got is None:
                 continue

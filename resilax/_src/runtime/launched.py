@@ -53,6 +53,7 @@ class LaunchEnv:
     host_store: str = ""  # the supervisor's host state store root ("": none)
     host_store_step: int = -1  # the newest step every process can restore from it (-1: none)
     host_store_every: int = 1
+    in_place_wait_s: float = 0.0  # in-place shrink: how long survivors wait for the supervisor's verdict (0: off)
 
     def to_env(self) -> dict[str, str]:
         return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -130,6 +131,8 @@ class _Heartbeat:
         self.joined_t = None  # wall clock: attached to the service
         self.first_step_t = None  # wall clock: first step of this process completed
         self.started = None  # the step being computed
+        self.in_place = False  # this worker can go on in place when another dies (`offer_in_place`)
+        self.epoch = 0  # the membership (`shrunk`) its newest completed step ran under
         self._stop = threading.Event()
         os.makedirs(os.path.dirname(e.heartbeat_file), exist_ok=True)
         self.beat()
@@ -139,7 +142,8 @@ class _Heartbeat:
     def beat(self):
         rec = {"pid": os.getpid(), "generation": self.env.generation, "process_id": self.env.process_id,
                "t": time.time(), "phase": self.phase, "step": self.step, "step_t": self.step_t, "step_s": self.step_s,
-               "joined_t": self.joined_t, "first_step_t": self.first_step_t, "started": self.started}
+               "joined_t": self.joined_t, "first_step_t": self.first_step_t, "started": self.started,
+               "in_place": self.in_place, "epoch": self.epoch}
         tmp = f"{self.env.heartbeat_file}.{threading.get_ident()}.tmp"  # the main thread beats too
         with open(tmp, "w") as f:
             f.write(json.dumps(rec))
@@ -303,8 +307,24 @@ def progress(step: int, step_s: float | None) -> None:
     if hb is not None:
         now = time.time()
         hb.step, hb.step_t, hb.step_s, hb.phase = int(step), now, step_s, "step"
+        hb.epoch = epoch()  # the membership this step completed under
         if hb.first_step_t is None:
             hb.first_step_t = now
+
+
+def resumed(step: int) -> None:
+    """The job went on in place at ``step``: the step deadline counts from now (the
+    recovery was no step), the phase is ``step`` again."""
+    hb = _state.get("hb")
+    if hb is not None:
+        hb.step, hb.step_t, hb.phase = int(step), time.time(), "step"
+
+
+def say(msg: str) -> None:
+    """A line in this worker's log (stderr; the supervisor prefixes and forwards it)."""
+    import sys
+
+    print(f"resilax: {msg}", file=sys.stderr, flush=True)
 
 
 def preemption_point(step: int) -> bool:
@@ -313,7 +333,8 @@ def preemption_point(step: int) -> bool:
     step, with the same step numbers on all workers. Records the phase ``preempted`` for
     the supervisor when True. Always False outside `resilax launch`."""
     hb = _state.get("hb")
-    if hb is None:
+    if hb is None or _state.get("membership") is not None:
+        # after an in-place shrink JAX's preemption sync would wait for the dead process
         return False
     from jax.experimental import multihost_utils
 
@@ -324,23 +345,118 @@ def preemption_point(step: int) -> bool:
     return True
 
 
-def agree(ok: bool, what: str) -> bool:
-    """True when every worker of this generation passed ``ok=True`` for ``what`` (through
-    the coordination service's key-value store; waits up to the init timeout)."""
+# ------------------------------------------------------------------ membership (in-place shrink)
+MEMBERSHIP_JSON = "membership.json"
+
+
+def read_membership() -> dict | None:
+    """The supervisor's newest verdict for this generation after a worker died while the
+    others could go on in place: ``{"generation", "epoch", "alive", "dead"}``; None before
+    any (or outside a launch)."""
     e = _state.get("env")
     if e is None:
-        return ok
+        return None
+    try:
+        with open(os.path.join(e.run_dir, MEMBERSHIP_JSON)) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("generation") == e.generation else None
+
+
+def wait_membership(after_epoch: int, timeout_s: float, poll_s: float = 0.02) -> dict | None:
+    """Waits for a verdict newer than ``after_epoch``; None when none comes within ``timeout_s``."""
+    t0 = time.time()
+    while True:
+        m = read_membership()
+        if m is not None and m.get("epoch", 0) > after_epoch:
+            return m
+        if time.time() - t0 > timeout_s:
+            return None
+        time.sleep(poll_s)
+
+
+def offer_in_place(ok: bool) -> None:
+    """Tells the supervisor whether this worker can go on in place when another dies (its
+    heartbeat carries it); the supervisor shrinks in place only when every survivor can."""
+    hb = _state.get("hb")
+    e = _state.get("env")
+    if hb is not None:
+        hb.in_place = bool(ok) and e is not None and e.in_place_wait_s > 0
+
+
+def shrunk(m: dict) -> None:
+    """From now on this worker's job is the processes ``m["alive"]``: the key-value votes,
+    barriers and the primary process count only those."""
+    _state["membership"] = m
+
+
+def alive() -> list[int]:
+    """The processes of this worker's job (all of the generation until an in-place shrink)."""
+    e = _state.get("env")
+    if e is None:
+        return [0]
+    m = _state.get("membership")
+    return sorted(m["alive"]) if m is not None else list(range(e.num_processes))
+
+
+def epoch() -> int:
+    m = _state.get("membership")
+    return 0 if m is None else int(m["epoch"])
+
+
+class MembershipChanged(Exception):
+    """The supervisor named another dead process while the live ones were agreeing."""
+
+    def __init__(self, membership: dict):
+        super().__init__(f"membership changed: epoch {membership.get('epoch')}, alive {membership.get('alive')}")
+        self.membership = membership
+
+
+def _votes(value: str, what: str) -> list[str]:
+    """Publishes ``value`` for ``what`` and reads every live worker's. Waits up to the init
+    timeout; after an in-place shrink, a newer verdict from the supervisor meanwhile (another
+    worker died) raises `MembershipChanged` instead of waiting for a vote that never comes."""
+    e = _state["env"]
     from resilax._src.runtime import jaxdist
 
     c = jaxdist.client()
-    prefix = f"resilax/agree/g{e.generation}/{what}"
-    c.key_value_set(f"{prefix}/{e.process_id}", "1" if ok else "0")
-    votes = [c.blocking_key_value_get(f"{prefix}/{i}", e.init_timeout_s * 1000) for i in range(e.num_processes)]
-    return all(v == "1" for v in votes)
+    prefix = f"resilax/agree/g{e.generation}/e{epoch()}/{what}"
+    c.key_value_set(f"{prefix}/{e.process_id}", value)
+    if _state.get("membership") is None:
+        return [c.blocking_key_value_get(f"{prefix}/{i}", e.init_timeout_s * 1000) for i in alive()]
+    out, deadline = [], time.time() + e.init_timeout_s
+    for i in alive():
+        while True:
+            try:
+                out.append(c.blocking_key_value_get(f"{prefix}/{i}", 500))
+                break
+            except Exception:  # noqa: BLE001 (a timeout: the vote is not there yet)
+                m = read_membership()
+                if m is not None and m.get("epoch", 0) > epoch():
+                    raise MembershipChanged(m) from None
+                if time.time() > deadline:
+                    raise
+    return out
+
+
+def agree(ok: bool, what: str) -> bool:
+    """True when every worker of this job passed ``ok=True`` for ``what`` (through the
+    coordination service's key-value store; waits up to the init timeout)."""
+    if _state.get("env") is None:
+        return ok
+    return all(v == "1" for v in _votes("1" if ok else "0", what))
+
+
+def agree_min(value: int, what: str) -> int:
+    """The smallest ``value`` any worker of this job passed for ``what``."""
+    if _state.get("env") is None:
+        return value
+    return min(int(v) for v in _votes(str(int(value)), what))
 
 
 def barrier(name: str) -> None:
-    """Every worker of this generation waits here (a coordination-service barrier, not an XLA
+    """Every worker of this job waits here (a coordination-service barrier, not an XLA
     collective: its timeout is the init timeout, not the short collective timeout). Used
     before the first step: a worker still compiling must not make the others' first
     collective time out."""
@@ -349,10 +465,14 @@ def barrier(name: str) -> None:
         return
     from resilax._src.runtime import jaxdist
 
+    if _state.get("membership") is not None:  # after an in-place shrink: votes (they notice a further death)
+        _votes("1", f"barrier/{name}")
+        return
     jaxdist.client().wait_at_barrier(f"resilax/g{e.generation}/{name}", e.init_timeout_s * 1000)
 
 
 def is_primary() -> bool:
-    """True in the process that writes job-wide outputs (process 0), or outside a launch."""
+    """True in the process that writes job-wide outputs (the lowest live process id), or
+    outside a launch."""
     e = _state.get("env") or env()
-    return e is None or e.process_id == 0
+    return e is None or e.process_id == (alive()[0] if "env" in _state else 0)

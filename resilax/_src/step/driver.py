@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilax._src.config import Config
-from resilax._src.errors import Preempted, ReplayLogError, ResilaxError, StateLostError, WrapError
+from resilax._src.errors import Preempted, ReplayLogError, ResilaxError, StateLostError, StorageError, WrapError
 from resilax._src.events import Event, event
 from resilax._src.protect import anomaly as _anomaly
 from resilax._src.protect import base as _base
@@ -172,6 +172,7 @@ class ResilientStep:
         self._step_s = None
         self._copy_in_flight = False
         self._keep_input = False  # the next step does not donate the live state (a save reads it)
+        self._store = None  # the host state store (under `resilax launch`)
         self.goodput_recorder = GoodputRecorder()
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
@@ -239,6 +240,7 @@ class ResilientStep:
                  if job is not None and job.host_store else None)
         sdc = SdcCheck(cfg.health) if cfg.health is not None else None
         self._protections = [p for p in (check, sdc, self._log, peers, self._watch, store, self._ckpt) if p is not None]
+        self._store = store
         self._sdc = sdc
         self._peers = peers
         if self._liveness is not None:
@@ -368,7 +370,7 @@ class ResilientStep:
         never a buffer, so it cannot touch a dead device's memory. When all are built, an
         event ``compile_ahead`` says which meshes and how long it took."""
         pc = self.config.peers
-        if pc is None or not pc.compile_ahead or len(self._alive) < 2:
+        if not ((pc is not None and pc.compile_ahead) or self._in_place) or len(self._alive) < 2:
             return
         keys = [tuple(j for j in self._alive if j != i) for i in self._alive]
         keys = [k for k in keys if k not in self._programs and k not in self._ahead]
@@ -472,10 +474,19 @@ class ResilientStep:
             self._loop_span.close()
             self._loop_span.enter_context(self.goodput_recorder.span("productive"))
             self._loop_open = True
+        entry = self.step
         try:
             return self._call(batch)
-        except ResilaxError:
+        except (ResilaxError, jax.errors.JaxRuntimeError) as e:
+            if self._in_place and isinstance(e, (jax.errors.JaxRuntimeError, StorageError)):
+                # under `resilax launch --in-place`: a collective broke; if a process died, go on without it
+                return self._go_on_in_place(e, entry, batch)
             self._broken_if_lost()
+            if isinstance(e, ResilaxError):
+                raise
+            if self._broken:
+                raise ResilaxError(f"resilax.ResilientStep: the step failed after the state was donated ({e!r}); "
+                                   f"step.state holds nothing usable") from e
             raise
         except BaseException as e:
             self._broken_if_lost()
@@ -483,6 +494,116 @@ class ResilientStep:
                 raise ResilaxError(f"resilax.ResilientStep: the step failed after the state was donated ({e!r}); "
                                    f"step.state holds nothing usable") from e
             raise
+
+    # ================================================================ in place (`resilax launch --in-place`)
+    @property
+    def _in_place(self) -> bool:
+        """Whether this worker can go on in place when another process of the job dies: under
+        `resilax launch --in-place`, in the bit-exact mode (every process holds the whole state:
+        nothing of it lives only on the dead one), each failure domain within one process,
+        with the host store (the step the survivors agree on is read back from it) and no
+        protection that holds device copies across processes (record log, peers, replica
+        checks)."""
+        e = launched.env()
+        return (e is not None and e.in_place_wait_s > 0 and self.config.deterministic is not None
+                and self._store is not None and self._log is None and self._peers is None and self._sdc is None
+                and bool(self._domains)
+                and all(len({d.process_index for d in dom}) == 1 for dom in self._domains))
+
+    def _go_on_in_place(self, err: BaseException, entry: int, batch):
+        """A step failed under `resilax launch --in-place` (``err``: a collective or a save
+        broke). Waits for the supervisor's verdict; if it names dead processes, the others
+        (this one among them) agree on the newest step all of them hold in their own host
+        store, restore it onto the mesh of the live domains, redo the steps after it up to
+        ``entry`` from the data iterator, and run this call's step. Without a verdict the
+        error is raised: the supervisor then restarts the job (a new generation)."""
+        e = launched.env()
+        t_err = time.perf_counter()
+        launched.set_phase("recover")  # not a step: the supervisor's step deadline does not apply
+        launched.say(f"step {entry + 1} failed ({type(err).__name__}: {str(err)[:160]}); waiting up to "
+                     f"{e.in_place_wait_s:.0f} s for the supervisor's verdict (--in-place)")
+        m = launched.wait_membership(launched.epoch(), e.in_place_wait_s)
+        if m is None or jax.process_index() not in m["alive"]:
+            launched.say("no process was declared dead (or this one was): the error stands")
+            self._broken_if_lost()
+            raise err
+        with self.goodput_recorder.span("recovery"):
+            while True:
+                try:
+                    fields = self._shrink(m, entry, t_err)
+                    break
+                except launched.MembershipChanged as changed:  # another died meanwhile: agree again without it
+                    m = changed.membership
+                    if jax.process_index() not in m["alive"]:
+                        raise err from changed
+        self.event("recovery", self.step, **fields)
+        redo = fields["steps_recomputed"]
+        if redo:  # steps some survivor had not completed: recomputed from their batches
+            with self.goodput_recorder.span("replay"):
+                if self.data is None:
+                    self._broken = "in-place shrink without a data iterator"
+                    raise StateLostError(
+                        f"resilax: going on in place after processes {m['dead']} died needs steps "
+                        f"{self.step + 1}..{entry} again, but step.init(state) got no data iterator (data=...) to "
+                        f"read their batches from; the supervisor restarts the job instead")
+                here = self.data.get_state()
+                self.data.set_state(decode_data_state(self._data_pos))
+                for _ in range(redo):
+                    self._call(next(self.data))
+                self.data.set_state(here)
+        self._compile_ahead()
+        return self._call(batch)
+
+    def _shrink(self, m: dict, entry: int, t_err: float) -> dict:
+        t0 = time.perf_counter()
+        alive_p = set(m["alive"])
+        launched.shrunk(m)
+        failed = [i for i in self._alive if any(d.process_index not in alive_p for d in self._domains[i])]
+        for i in failed:
+            self._dead |= set(self._domains[i])
+        survivors = [i for i in self._alive if i not in failed]
+        if not survivors:
+            self._broken = "every failure domain is lost"
+            raise StateLostError(f"resilax: processes {m['dead']} died and no failure domain is left")
+        own = self._store.newest()
+        target = launched.agree_min(min(entry, -1 if own is None else own), "in_place/step")
+        t_agree = time.perf_counter()
+        for k in [k for k in self._ahead if not set(k) <= set(survivors)]:
+            self._ahead.pop(k).cancel()
+        prog, ahead = self._program_for(survivors)
+        prog.grad(False)
+        prog.update(None)
+        t_compile = time.perf_counter()
+        tree = (prog.abstract_state(), self._abstract_guard(prog.mesh))
+        abstract, treedef = jax.tree.flatten(tree)
+        got = None if target < 0 else self._store.restore(target, abstract, [a.sharding for a in abstract])
+        if not launched.agree(got is not None, f"in_place/restore/{target}"):
+            self._broken = "in-place shrink: no host copy"
+            raise StateLostError(
+                f"resilax: processes {m['dead']} died; going on in place needs step {target} from every live "
+                f"process's own host store, and some process could not read a verified copy; {self._newest_ckpt()} "
+                f"(the supervisor restarts the job from there)")
+        leaves, meta, source = got
+        import jax.numpy as jnp
+
+        # fresh buffers: arrays built from host memory may alias it, and the state is donated
+        leaves = jax.jit(lambda t: [jnp.copy(x) for x in t], out_shardings=[a.sharding for a in abstract])(leaves)
+        state, guard = jax.tree.unflatten(treedef, leaves)
+        t_restore = time.perf_counter()
+        self.program, self.mesh, self._alive = prog, prog.mesh, survivors
+        self._programs = {k: v for k, v in self._programs.items() if set(k) <= set(survivors)}
+        self.live, self.guard, self.step, self._data_pos = state, guard, target, meta.get("data_state")
+        self._keep_input = False
+        for p in self._protections:
+            p.shrunk(self, state, sorted(alive_p))
+        launched.barrier("in_place")  # nobody enters the new mesh's first collective alone
+        launched.resumed(target)
+        return {"in_place": True, "failed_domains": failed, "dead_processes": m["dead"], "epoch": m["epoch"],
+                "source": "host_store", "copy": source, "restored_step": target, "target_step": entry,
+                "steps_recomputed": entry - target, "lost_steps": entry - target, "mesh": dict(prog.mesh.shape),
+                "compiled_ahead": ahead,
+                "seconds": {"detect": t0 - t_err, "agree": t_agree - t0, "compile": t_compile - t_agree,
+                            "restore": t_restore - t_compile, "total": time.perf_counter() - t_err}}
 
     def _broken_if_lost(self):
         leaves = [x for x in jax.tree.leaves(self.live) if isinstance(x, jax.Array)]
@@ -495,6 +616,7 @@ class ResilientStep:
             self.program = self._first_program(abstract_batch)
             self._start_protections(self.live)
             self._compile_ahead()
+            launched.offer_in_place(self._in_place)
             launched.barrier("compiled")  # no worker enters the first collective while another still compiles
         elif jax.tree.structure(abstract_batch) != jax.tree.structure(self.program.spec.abstract_batch) or any(
                 a.shape != b.shape or a.dtype != b.dtype for a, b in
@@ -1121,6 +1243,8 @@ class ResilientStep:
         """Checkpoints the live state as step ``self.step`` (async); returns seconds blocked."""
         if self._ckpt is None:
             raise WrapError("resilax.ResilientStep.save: Config.checkpoint is None (no checkpoint directory)")
+        if self._ckpt.paused:
+            raise StorageError(f"resilax.ResilientStep.save: checkpoints are paused: {self._ckpt.paused}")
         state = self.live if state is None else state
         if self._liveness is not None and state is self.live and self._health_boundary():
             state = self.live  # a hung domain was failed first: the same step, from the others
@@ -1158,6 +1282,12 @@ class ResilientStep:
         if self._log is not None:  # uncopied: the buffers stay valid, the log's writer checksums them
             self._log.anchor(self.step, state, self.guard, defer=self._keep_input or not self.config.donate_state)
         return dt
+
+    @property
+    def checkpoints_paused(self) -> str | None:
+        """Why `save` cannot checkpoint now (under `resilax launch --in-place`, after processes
+        died and the others went on), or None."""
+        return None if self._ckpt is None else self._ckpt.paused
 
     @property
     def checkpoints(self):
