@@ -210,6 +210,30 @@ def test_save_blocks_only_for_a_snapshot_that_is_a_real_copy(tmp_path):
         store.close()
 
 
+def test_an_uncopied_save_builds_the_shard_lists_before_the_persister_reads_them(tmp_path):
+    """An uncopied save hands the live state to the persister (Orbax reads
+    ``addressable_shards`` there) while the loop reads it too. jaxlib 0.10.2 builds an array's
+    per-device list lazily and two threads building it at once cache a part-built one
+    (campaign trial 12 of seed 7: the cross-check's device_put after a rejoin saw 5 of 8
+    shards). The lists must be built on the caller's thread, before the persister runs: it
+    is held here on the Orbax lock, so nothing else has read the arrays."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from resilax._src.protect import checkpoint as ck
+
+    mesh = TOPO.mesh([list(d) for d in TOPO.domains()])
+    fresh = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), out_shardings=NamedSharding(mesh, P()))
+    live = fresh({"a": np.zeros(8, np.float32), "b": np.zeros((2, 3), np.int32)})  # shard lists not built yet
+    store = ck.CheckpointStore(tmp_path / "ckpt")
+    try:
+        with ck._ORBAX_LOCK:
+            store.save(1, live, {}, copy=False)
+            built = [len(x.__dict__.get("addressable_shards", ())) for x in jax.tree.leaves(live)]
+        assert built == [8, 8]
+        store.wait()
+    finally:
+        store.close()
+
+
 def test_a_failed_background_save_is_a_storage_error_at_the_next_call(tmp_path):
     """The persister's error is not lost: the next save()/wait() raises it as StorageError."""
     from jax.sharding import NamedSharding, PartitionSpec as P

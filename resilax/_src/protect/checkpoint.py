@@ -54,6 +54,24 @@ def state_signature(tree) -> list[list]:
     return out
 
 
+def _shards_built(tree):
+    """``tree``, with every array's list of per-device shards built on this thread.
+
+    jaxlib 0.10.2 builds an array's per-device buffers (``Array._arrays``, which
+    ``addressable_shards`` reads) lazily, on first use; two threads doing that at once can
+    see a part-built list, and ``addressable_shards`` then caches it for good. Orbax reads
+    ``addressable_shards`` on the persister thread, and an uncopied save hands it the live
+    state, which the loop reads at the same time (after a rejoin the cross-check's
+    ``device_put`` of a fresh state raised "safe_zip() argument 1 has length 8 but argument
+    0 has length 5": 5 of 8 shards cached). Built here, before the hand-off, both threads
+    only read the finished lists. Costs one shard object per device and leaf, once.
+    """
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            x.addressable_shards  # noqa: B018  built and cached on the array
+    return tree
+
+
 def encode_data_state(s):
     """Iterator states are JSON dicts (grain datasets) or bytes (grain DataLoader)."""
     if s is None or isinstance(s, (dict, list, int, float, str)):
@@ -220,7 +238,7 @@ class CheckpointStore:
         # one save behind".
         self.settle()
         self._raise_error()
-        snap = self._snapshot(state) if copy else state
+        snap = self._snapshot(state) if copy else _shards_built(state)  # uncopied: the loop reads it too
         meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
         self._start_thread()
         self._handed.clear()
