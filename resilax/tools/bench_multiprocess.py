@@ -19,7 +19,11 @@ every shard from the hosts' stores, the dead host's from its neighbour's mirror)
 ``--host-store-every 0`` (relaunch + the newest Orbax checkpoint: ``restart_*``); with
 ``--spares S`` a third time with the host state store and S warm spares (``spares_*``: the
 new generation's first S workers are processes that already imported JAX and resilax; the
-kill waits until they are warm).
+kill waits until they are warm); and with ``--in-place`` (``in_place_*``: the survivors go
+on in place on their own devices, no new generation; kill -> every live worker back at the
+step it had reached, phases from the survivors' ``recovery`` event: ``agree`` is from the
+kill to the agreement on the step, mostly XLA's collective timeout on the survivors that
+were not connected to the dead one).
 ``final_max_rel_diff`` compares the final state with a failure-free single-process run
 of the same topology.
 """
@@ -51,6 +55,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
     p.add_argument("--spares", type=int, default=0, metavar="S",
                    help="also measure the host-store run with `resilax launch --spares S` (0: not measured)")
+    p.add_argument("--collective-timeout", type=int, default=5, metavar="S",
+                   help="resilax launch --collective-timeout for every run: in place, the survivors that were not "
+                        "connected to the dead worker notice it only when their collective times out")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory)")
 
@@ -91,15 +98,29 @@ def _warm_spares(run: pathlib.Path) -> int:
                for k, pid in (procs.get("spares") or {}).items())
 
 
+def _live(run: pathlib.Path, epoch: int, step: int) -> bool:
+    """Every live worker of generation 0 completed ``step`` under membership ``epoch``."""
+    try:
+        procs = json.loads((run / "processes.json").read_text())
+    except (OSError, ValueError):
+        return False
+    hbs = heartbeats(run, 0)
+    live = [hbs.get(int(i)) or {} for i in procs["workers"]]
+    return bool(live) and procs.get("epoch") == epoch and all(
+        h.get("epoch") == epoch and (h.get("step") or 0) >= step for h in live)
+
+
 def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, kill_after, rng, store_every,
-                   ref, spares=0) -> dict:
+                   ref, collective_timeout, spares=0, in_place=False) -> dict:
     """One launch; SIGKILL one random worker once every worker is past ``kill_after`` (and
     ``spares`` spares are warm)."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", str(n), "--devices-per-process", str(devices_per_process),
            "--run-dir", str(run), "--heartbeat", "0.1", "--heartbeat-timeout", "3", "--max-restarts", "2",
-           "--host-store-every", str(store_every), "--spares", str(spares), "--", *train, "--out", str(out),
+           "--collective-timeout", str(collective_timeout),
+           "--host-store-every", str(store_every), "--spares", str(spares), *(["--in-place"] if in_place else []),
+           "--", *train, "--out", str(out),
            "--summary", str(summ)]
     log = open(work / "launch.log", "wb")
     p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -115,6 +136,11 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
         t_kill = time.time()
         os.kill(procs["workers"][str(victim)], signal.SIGKILL)
         print(f"      killed process {victim} (pid {procs['workers'][str(victim)]}) at step {kill_step}", flush=True)
+        if in_place:
+            _wait(lambda: _live(run, 1, kill_step), 600, f"the survivors back at step {kill_step} in place", p)
+            t_resume = time.time()
+            rc = p.wait(timeout=600)
+            return _in_place_result(work, rc, t_kill, t_resume, kill_step, victim, ref)
         first = _wait(lambda: (h := heartbeats(run, 1)) and len(h) == n and all(x.get("first_step_t") for x in h.values())
                       and h, 600, "the new generation's first step", p)
         joined_t = max(x["joined_t"] for x in first.values())
@@ -144,7 +170,7 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
         "kill_to_resume_s": t_resume - t_kill,
         "phases": {"detect": noticed - t_kill, "agree": joined_t - noticed, "restore": restore_s,
                    "compile": max(0.0, first_t - joined_t - restore_s), "replay": t_resume - first_t},
-        "lost_steps": kill_step - restored_step,
+        "lost_steps": max(0, kill_step - restored_step),  # a step may complete between reading it and the kill
         "final_max_rel_diff": _rel_diff(np.load(out, allow_pickle=False), ref),
         "killed_process": victim, "kill_step": kill_step, "restored_step": restored_step,
         "restored_from": [e["source"] for e in restore], "detected_as": hist[0]["why"],
@@ -152,14 +178,41 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
     }
 
 
+def _in_place_result(work, rc, t_kill, t_resume, kill_step, victim, ref) -> dict:
+    import numpy as np
+
+    if rc:
+        raise RuntimeError(f"resilax bench multiprocess: the launcher exited with {rc}; see {work / 'launch.log'}")
+    hist = json.loads((work / "run" / "launch_history.json").read_text())["generations"]
+    if [h["outcome"] for h in hist] != ["shrunk", "done"]:
+        raise RuntimeError(f"resilax bench multiprocess: --in-place did not go on in place: {hist}")
+    ev = [e for e in json.loads((work / "summary.json").read_text())["events"]
+          if e["kind"] == "recovery" and e.get("in_place")][-1]
+    sec = ev["seconds"]
+    detect = hist[0]["ended"] - t_kill
+    total = t_resume - t_kill
+    agree = max(0.0, total - detect - sec["compile"] - sec["restore"])
+    replay_etc = total - detect - agree - sec["compile"] - sec["restore"]
+    return {
+        "kill_to_resume_s": total,
+        "phases": {"detect": detect, "agree": agree, "restore": sec["restore"], "compile": sec["compile"],
+                   "replay": max(0.0, replay_etc)},
+        "lost_steps": max(0, kill_step - ev["restored_step"]),
+        "final_max_rel_diff": _rel_diff(np.load(work / "final.npz", allow_pickle=False), ref),
+        "killed_process": victim, "kill_step": kill_step, "restored_step": ev["restored_step"],
+        "restored_from": ["host_store (own, in place)"], "detected_as": hist[0]["why"], "spares": 0,
+        "survivor_event_seconds": sec, "compiled_ahead": ev["compiled_ahead"], "mesh_after": ev["mesh"],
+    }
+
+
 def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=40, checkpoint_every=5,
-                       kill_after=12, seed=None, workdir=None, spares=0) -> dict:
+                       kill_after=12, seed=None, workdir=None, spares=0, collective_timeout=5) -> dict:
     import numpy as np
 
     if spares < 0:
         raise ValueError(f"resilax bench multiprocess: --spares must be >= 0, got {spares}")
     rng = random.Random(seed)
-    runs = 4 if spares else 3
+    runs = 5 if spares else 4
     own = workdir is None
     work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mp-"))
     shutil.rmtree(work, ignore_errors=True)
@@ -173,7 +226,8 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
     if r.returncode:
         raise RuntimeError(f"resilax bench multiprocess: the reference run failed:\n{r.stderr[-3000:]}")
     ref = np.load(work / "ref.npz", allow_pickle=False)
-    common = dict(n=n, devices_per_process=devices_per_process, kill_after=kill_after, ref=ref)
+    common = dict(n=n, devices_per_process=devices_per_process, kill_after=kill_after, ref=ref,
+                  collective_timeout=collective_timeout)
     print(f"[2/{runs}] resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every "
           f"step): SIGKILL a random worker past step {kill_after}", flush=True)
     (work / "store").mkdir()
@@ -188,6 +242,11 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         (work / "spares").mkdir()
         c = _kill_and_time(work / "spares", train, rng=random.Random(rng.random()), store_every=1, spares=spares,
                            **common)
+    print(f"[{runs}/{runs}] the host-store run with --in-place: the survivors go on without the dead worker",
+          flush=True)
+    (work / "in_place").mkdir()
+    d = _kill_and_time(work / "in_place", train, rng=random.Random(rng.random()), store_every=1, in_place=True,
+                       **common)
     result = {
         "kill_to_resume_s": a["kill_to_resume_s"], "phases": a["phases"], "lost_steps": a["lost_steps"],
         "final_max_rel_diff": a["final_max_rel_diff"],
@@ -198,8 +257,12 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
                          "stores off (newest Orbax checkpoint)",
         "host_store_run": a, "restart_run": b,
         "setup": {"processes": n, "devices_per_process": devices_per_process, "topology": topology, "steps": steps,
-                  "checkpoint_every": checkpoint_every, "cpu_count": os.cpu_count(), "spares": spares},
+                  "checkpoint_every": checkpoint_every, "cpu_count": os.cpu_count(), "spares": spares,
+                  "collective_timeout_s": collective_timeout},
     }
+    result.update({"in_place_kill_to_resume_s": d["kill_to_resume_s"], "in_place_phases": d["phases"],
+                   "in_place_lost_steps": d["lost_steps"], "in_place_final_max_rel_diff": d["final_max_rel_diff"],
+                   "in_place_run": d})
     if c is not None:
         result.update({"spares_kill_to_resume_s": c["kill_to_resume_s"], "spares_phases": c["phases"],
                        "spares_lost_steps": c["lost_steps"], "spares_final_max_rel_diff": c["final_max_rel_diff"],
@@ -212,9 +275,11 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
 def run(args) -> int:
     r = bench_multiprocess(n=args.n, devices_per_process=args.devices_per_process, topology=args.topology,
                            steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
-                           seed=args.seed, workdir=args.workdir, spares=args.spares)
-    runs = [r["host_store_run"], r["restart_run"]] + ([r["spares_run"]] if "spares_run" in r else [])
-    heads = ["host store", "restart"] + ([f"+{args.spares} spares"] if "spares_run" in r else [])
+                           seed=args.seed, workdir=args.workdir, spares=args.spares,
+                           collective_timeout=args.collective_timeout)
+    runs = [r["host_store_run"], r["restart_run"]] + ([r["spares_run"]] if "spares_run" in r else []) + \
+        [r["in_place_run"]]
+    heads = ["host store", "restart"] + ([f"+{args.spares} spares"] if "spares_run" in r else []) + ["in place"]
 
     def row(label, vals, fmt):
         print(f"{label:<28}" + "".join(format(v, fmt) for v in vals))

@@ -538,8 +538,11 @@ class Supervisor:
             return "--in-place is off"
         if self._term is not None:
             return "the job is being stopped"
-        if (w.rc or 0) > 0 and (w.heartbeat() or {}).get("phase") == "recover":
-            return f"process {w.process_id} failed while going on in place (exit code {w.rc})"
+        hb = w.heartbeat() or {}
+        if (w.rc or 0) > 0 and (hb.get("phase") == "recover" or (hb.get("epoch") or 0) != self.epoch):
+            # an error (not a death) while going on in place, or before a step under the new
+            # membership: going on without it again could repeat it; a new generation starts clean
+            return f"process {w.process_id} failed (exit code {w.rc}) while or right after going on in place"
         others = [x for x in self.workers if x is not w]
         if any(x.proc.poll() is not None for x in others):
             return "another worker has exited too"

@@ -241,7 +241,14 @@ class DeterministicProgram(Program):
         if ("grad", fault) not in self._ready:  # once per program: the per-step path builds nothing
             combine = (lambda d: self._combine_multi_exe(d, fault)) if self.multi else (
                 lambda d: self._combine_exe(d, fault))
-            self._compile([functools.partial(f, d) for d in self.mine for f in (self._grad_exe, combine)])
+            builders = [functools.partial(f, d) for d in self.mine for f in (self._grad_exe, combine)]
+            if self.multi:
+                # the exchange's executables too: built lazily in the first step, a worker still
+                # compiling them made the others' all-gather time out (the first step after an
+                # in-place shrink; ``--in-place`` in docs/multiprocess.md)
+                builders += [functools.partial(self._pack_exe, d, len(range(doms.index(d), self.V, self.live)))
+                             for d in self.mine] + [self._gather_exe]
+            self._compile(builders)
             self._ready.add(("grad", fault))
 
         if self.multi:

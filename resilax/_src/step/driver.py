@@ -173,6 +173,7 @@ class ResilientStep:
         self._copy_in_flight = False
         self._keep_input = False  # the next step does not donate the live state (a save reads it)
         self._store = None  # the host state store (under `resilax launch`)
+        self._finished = None  # (step, metrics) of the current call once its step completed
         self.goodput_recorder = GoodputRecorder()
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
@@ -475,6 +476,7 @@ class ResilientStep:
             self._loop_span.enter_context(self.goodput_recorder.span("productive"))
             self._loop_open = True
         entry = self.step
+        self._finished = None  # (step, metrics) once this call's step completed (a save may still fail)
         try:
             return self._call(batch)
         except (ResilaxError, jax.errors.JaxRuntimeError) as e:
@@ -527,10 +529,11 @@ class ResilientStep:
             launched.say("no process was declared dead (or this one was): the error stands")
             self._broken_if_lost()
             raise err
+        finished = self._finished if self._finished is not None and self._finished[0] == entry + 1 else None
         with self.goodput_recorder.span("recovery"):
             while True:
-                try:
-                    fields = self._shrink(m, entry, t_err)
+                try:  # a step this call completed before the error (in its save) is not redone
+                    fields = self._shrink(m, entry, entry + (finished is not None), t_err)
                     break
                 except launched.MembershipChanged as changed:  # another died meanwhile: agree again without it
                     m = changed.membership
@@ -552,9 +555,11 @@ class ResilientStep:
                     self._call(next(self.data))
                 self.data.set_state(here)
         self._compile_ahead()
+        if self.step == entry + 1:  # every survivor completed this call's step: its metrics stand
+            return self.live, finished[1]
         return self._call(batch)
 
-    def _shrink(self, m: dict, entry: int, t_err: float) -> dict:
+    def _shrink(self, m: dict, entry: int, upto: int, t_err: float) -> dict:
         t0 = time.perf_counter()
         alive_p = set(m["alive"])
         launched.shrunk(m)
@@ -566,7 +571,7 @@ class ResilientStep:
             self._broken = "every failure domain is lost"
             raise StateLostError(f"resilax: processes {m['dead']} died and no failure domain is left")
         own = self._store.newest()
-        target = launched.agree_min(min(entry, -1 if own is None else own), "in_place/step")
+        target = launched.agree_min(min(upto, -1 if own is None else own), "in_place/step")
         t_agree = time.perf_counter()
         for k in [k for k in self._ahead if not set(k) <= set(survivors)]:
             self._ahead.pop(k).cancel()
@@ -599,8 +604,9 @@ class ResilientStep:
         launched.barrier("in_place")  # nobody enters the new mesh's first collective alone
         launched.resumed(target)
         return {"in_place": True, "failed_domains": failed, "dead_processes": m["dead"], "epoch": m["epoch"],
-                "source": "host_store", "copy": source, "restored_step": target, "target_step": entry,
-                "steps_recomputed": entry - target, "lost_steps": entry - target, "mesh": dict(prog.mesh.shape),
+                "source": "host_store", "copy": source, "restored_step": target, "target_step": upto,
+                "steps_recomputed": max(0, entry - target), "lost_steps": max(0, entry - target),
+                "mesh": dict(prog.mesh.shape),
                 "compiled_ahead": ahead,
                 "seconds": {"detect": t0 - t_err, "agree": t_agree - t0, "compile": t_compile - t_agree,
                             "restore": t_restore - t_compile, "total": time.perf_counter() - t_err}}
@@ -665,6 +671,7 @@ class ResilientStep:
         self._copy_in_flight = False
         self.step_seconds(time.perf_counter() - t0)
         launched.progress(self.step, self._step_s)  # the supervisor's step deadline (no-op outside a launch)
+        self._finished = (self.step, gout.metrics)
         self._fire("after_step")
         saved = self._ckpt is not None and self._ckpt.due(self.step)
         if saved:
