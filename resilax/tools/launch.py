@@ -237,6 +237,17 @@ class _Worker:
             self.killed_for = why
         _kill_group(self.proc)
 
+    def reap(self, why: str) -> str:
+        """Kills it if it still runs (hung), waits for it; returns why it counts as dead."""
+        if self.proc.poll() is None:
+            self.kill(why)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.rc = self.proc.returncode
+        return self.killed_for or why
+
 
 class Supervisor:
     """Runs generations of workers until one ends cleanly or the restart budget is spent.
@@ -516,14 +527,7 @@ class Supervisor:
                 if why is not None and self._shrink_in_place(w, why, now):
                     break  # the survivors go on: watch them
                 if why is not None:
-                    if w.proc.poll() is None:
-                        w.kill(why)
-                        try:
-                            w.proc.wait(timeout=10)
-                        except subprocess.TimeoutExpired:
-                            pass
-                        w.rc = w.proc.returncode
-                    why = w.killed_for or why
+                    why = w.reap(why)
                     self._dead_process = w.process_id
                     return "failed", (w.rc if w.rc and w.rc > 0 else 1), f"process {w.process_id} (pid {w.proc.pid}) {why}"
             if all(w.proc.poll() == 0 for w in self.workers):
@@ -565,14 +569,7 @@ class Supervisor:
             if self.in_place:
                 _say(f"process {w.process_id} {why}; not going on in place: {refused}")
             return False
-        if w.proc.poll() is None:
-            w.kill(why)
-            try:
-                w.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        w.rc = w.proc.returncode
-        why = w.killed_for or why
+        why = w.reap(why)
         self._lose_host_store(w.process_id)
         self.workers = [x for x in self.workers if x is not w]
         self.departed.append(w)
