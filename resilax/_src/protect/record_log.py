@@ -136,7 +136,9 @@ class RecordLog(base.Protection):
         if budget is None or run.data is None:
             self.grads_entries += 1
             return True
-        step_s = run._step_s or 0.0
+        # the last step's own time: a smoothed one still held the first step's compile many
+        # steps later, and at 1% of a compile-inflated step every entry seemed paid for
+        step_s = run._steady_dt or 0.0
         self._step_time += step_s
         cost = self.disk.grads_cost_s
         take = False

@@ -174,6 +174,8 @@ class ResilientStep:
         self._keep_input = False  # the next step does not donate the live state (a save reads it)
         self._store = None  # the host state store (under `resilax launch`)
         self._finished = None  # (step, metrics) of the current call once its step completed
+        self._timed_prog = None  # the program the last step_seconds sample ran on
+        self._steady_dt = None  # the last step's seconds, None after a program's first step
         self.goodput_recorder = GoodputRecorder()
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
@@ -696,6 +698,10 @@ class ResilientStep:
 
     def step_seconds(self, dt):
         self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
+        # the step's own time, except a program's first step (it compiled, or waited for a
+        # compile): budgets paid per step must not be paid by a compile
+        first, self._timed_prog = self._timed_prog is not self.program, self.program
+        self._steady_dt = None if first else dt
 
     def _health_boundary(self) -> bool:
         """Before anything is dispatched to the live domains: waits for them to answer (a
