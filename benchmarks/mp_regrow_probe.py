@@ -20,21 +20,12 @@ Prints a table and writes JSON. Not a test: it measures what the runtime does.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def _allreduce():
@@ -95,9 +86,11 @@ def main():
     if a.worker is not None:
         return worker(a.worker, a)
     from resilax._src.runtime import jaxdist
+    from resilax.tools.bench import write_result
+    from resilax.tools.launch import free_port
 
     go = os.path.join(tempfile.mkdtemp(prefix="resilax-regrow-"), "go")
-    pa, pb = _port(), _port()
+    pa, pb = free_port(), free_port()
     services = [jaxdist.start_service(pa, 2, heartbeat_timeout_s=5)]  # kept alive until the end
     base = [sys.executable, __file__, "--d", str(a.d), "--port-a", str(pa), "--port-b", str(pb), "--go", go]
     procs = [subprocess.Popen(base + ["--worker", str(i), "--original", "1"], stdout=subprocess.PIPE,
@@ -134,9 +127,7 @@ def main():
            "expected_sum_b": want, "go_to_all_done_s": wall, "workers": rows, "jax": __import__("jax").__version__}
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-        print(f"wrote {a.json}")
+    write_result(a.json, res)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,9 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-
-
-def _port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def worker(i, port, a):
@@ -94,8 +85,10 @@ def main():
     if a.worker is not None:
         return worker(a.worker, a.port, a)
     from resilax._src.runtime import jaxdist
+    from resilax.tools.bench import write_result
+    from resilax.tools.launch import free_port
 
-    port = _port()
+    port = free_port()
     svc = jaxdist.start_service(port, a.n, heartbeat_timeout_s=a.heartbeat_timeout)  # noqa: F841 (kept alive)
     args = ["--n", str(a.n), "--d", str(a.d), "--collective-timeout", str(a.collective_timeout),
             "--heartbeat-timeout", str(a.heartbeat_timeout), "--survive", str(a.survive),
@@ -143,9 +136,7 @@ def main():
            "jax": __import__("jax").__version__}
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-        print(f"wrote {a.json}")
+    write_result(a.json, res)
 
 
 if __name__ == "__main__":

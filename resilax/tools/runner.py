@@ -288,15 +288,15 @@ def _say_in_place(events) -> None:
 
 def _whole_here(x) -> np.ndarray | None:
     """``x`` assembled from this process's shards if they cover all of it, else None."""
+    from resilax._src.step.sharding import local_shards
+
+    shards, covered = local_shards(x)
+    if not covered:
+        return None
     out = np.empty(x.shape, x.dtype)
-    seen, covered = set(), 0
-    for s in x.addressable_shards:
-        key = tuple(sl.indices(n)[:2] for sl, n in zip(s.index, x.shape))
-        if key not in seen:
-            seen.add(key)
-            out[s.index] = np.asarray(s.data)
-            covered += s.data.size
-    return out if covered == x.size else None
+    for s in shards:
+        out[s.index] = np.asarray(s.data)
+    return out
 
 
 def _progress(total: int, start: int, enabled: bool):

@@ -37,9 +37,11 @@ import pathlib
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from resilax._src.protect import base
+from resilax._src.step.sharding import local_shards
 
 KEEP = 3
 
@@ -179,13 +181,10 @@ class HostStore(base.Protection):
         arrays = {}
         whole = True
         for i, x in enumerate(leaves):
-            held = 0
-            for s in x.addressable_shards:
-                k = _key(i, s.index, x.shape)
-                if k not in arrays:  # a replicated leaf: one copy per index is enough
-                    arrays[k] = np.array(s.data, copy=True)
-                    held += arrays[k].size
-            whole = whole and held == x.size  # disjoint shard indices covering the leaf
+            shards, covered = local_shards(x)  # a replicated leaf: one copy per index is enough
+            whole = whole and covered
+            for s in shards:
+                arrays[_key(i, s.index, x.shape)] = np.array(s.data, copy=True)
         for d in self._targets():
             _write(d, step, arrays, data_pos, len(leaves), self.process, whole)
         self.seconds.append(time.perf_counter() - t0)
@@ -203,6 +202,8 @@ class HostStore(base.Protection):
                        for i, (a, sh) in enumerate(zip(abstract_leaves, shardings))]
             except KeyError:
                 continue
+            # fresh buffers: arrays built from host memory may alias it, and the state is donated
+            out = jax.jit(lambda t: [jnp.copy(x) for x in t], out_shardings=list(shardings))(out)
             return out, meta, str(d)
         return None
 
@@ -218,8 +219,6 @@ def resume(run, store: HostStore, state, step: int | None, agree):
     if step is None or step <= run.step:
         return state
     t0 = time.perf_counter()
-    import jax.numpy as jnp
-
     tree = (state, run.guard)
     leaves, treedef = jax.tree.flatten(tree)
     got = store.restore(step, leaves, [x.sharding for x in leaves])
@@ -228,8 +227,6 @@ def resume(run, store: HostStore, state, step: int | None, agree):
                   reason="some process could not read back a verified copy of its shards; using the checkpoint")
         return state
     new_leaves, meta, source = got
-    # fresh buffers: arrays built from host memory may alias it, and the state is donated
-    new_leaves = jax.jit(lambda t: [jnp.copy(x) for x in t], out_shardings=[x.sharding for x in leaves])(new_leaves)
     state, guard = jax.tree.unflatten(treedef, new_leaves)
     from resilax._src.protect.checkpoint import decode_data_state
 

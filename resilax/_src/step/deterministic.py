@@ -132,6 +132,10 @@ class DeterministicProgram(Program):
         self.slots = -(-self.V // self.live)  # replicas per domain (v -> domain v % live, slot v // live)
 
     # ----------------------------------------------------------------- executables
+    def _replicas(self, dom: _Domain) -> range:
+        """The virtual replicas domain ``dom`` computes (replica v -> domain v % live)."""
+        return range(self.doms.index(dom), self.V, self.live)
+
     def _exe(self, key, build):
         if key not in self.cache:
             self.cache[key] = build()
@@ -246,7 +250,7 @@ class DeterministicProgram(Program):
                 # the exchange's executables too: built lazily in the first step, a worker still
                 # compiling them made the others' all-gather time out (the first step after an
                 # in-place shrink; ``--in-place`` in docs/multiprocess.md)
-                builders += [functools.partial(self._pack_exe, d, len(range(doms.index(d), self.V, self.live)))
+                builders += [functools.partial(self._pack_exe, d, len(self._replicas(d)))
                              for d in self.mine] + [self._gather_exe]
             self._compile(builders)
             self._ready.add(("grad", fault))
@@ -381,8 +385,8 @@ class DeterministicProgram(Program):
         return self._exe(("combine_multi", dom.key, fault, live, self.slots), build)
 
     def _grad_multi(self, fault):
-        doms, live = self.doms, self.live
         # fixed for the program: computed once, not per step
+        reps = {d.key: list(self._replicas(d)) for d in self.mine}
         src = self._exchange_shardings(False)
         flat_src, treedef = jax.tree.flatten(src)
         flat_shapes = [a.shape for a in jax.tree.leaves(self._exchange_abstract())]
@@ -393,14 +397,13 @@ class DeterministicProgram(Program):
             outs = {}
             for d in self.mine:
                 view = _view(state, d.state_sh, d.devset)
-                j = doms.index(d)
-                for v in range(j, self.V, live):
+                for v in reps[d.key]:
                     outs[v] = self._grad_exe(d)(view, batches[v], step_no, np.uint32(v))
             self.last_replica0 = outs[0][0] if 0 in outs else None
             # each domain's results stacked, then one all-gather over the elastic axis
             blocks = []
             for d in self.mine:
-                vs = list(range(doms.index(d), self.V, live))
+                vs = reps[d.key]
                 rec, w, met = self._pack_exe(d, len(vs))(
                     [outs[v][0] for v in vs], [outs[v][1] for v in vs] if self.has_weight else None,
                     [outs[v][2] for v in vs])

@@ -591,10 +591,6 @@ class ResilientStep:
                 f"process's own host store, and some process could not read a verified copy; {self._newest_ckpt()} "
                 f"(the supervisor restarts the job from there)")
         leaves, meta, source = got
-        import jax.numpy as jnp
-
-        # fresh buffers: arrays built from host memory may alias it, and the state is donated
-        leaves = jax.jit(lambda t: [jnp.copy(x) for x in t], out_shardings=[a.sharding for a in abstract])(leaves)
         state, guard = jax.tree.unflatten(treedef, leaves)
         t_restore = time.perf_counter()
         self.program, self.mesh, self._alive = prog, prog.mesh, survivors

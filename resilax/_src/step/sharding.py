@@ -181,6 +181,18 @@ def put(tree, shardings):
     return jax.tree.unflatten(treedef, [one(x, s) for x, s in zip(leaves, shs, strict=True)])
 
 
+def local_shards(x) -> tuple[list, bool]:
+    """This process's shards of the array ``x``, one per distinct index (a leaf replicated over
+    local devices has several copies of each), and whether they cover every element."""
+    out, covered = {}, 0
+    for s in x.addressable_shards:
+        key = tuple(sl.indices(n)[:2] for sl, n in zip(s.index, x.shape))
+        if key not in out:
+            out[key] = s
+            covered += s.data.size
+    return list(out.values()), covered == x.size
+
+
 def as_array(x):
     """Host values get the dtype JAX will give them (int64 -> int32 unless x64 is on)."""
     if isinstance(x, jax.Array):
