@@ -7,22 +7,31 @@ import sys
 
 
 def _cmd_train(args) -> int:
+    from resilax._src.runtime import launched
     from resilax.tools.runner import train
 
-    summary = train(
-        steps=args.steps, topology=args.topology, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, faults=tuple(args.fault), out=args.out,
-        log_every=args.log_every, progress=not args.quiet, log=not args.no_log, log_mode=args.log_mode,
-        peers=not args.no_peers, peers_every=args.peers_every, anomaly=not args.no_anomaly, layout=args.layout,
-        deterministic=not args.no_deterministic, health=not args.no_health, curve=args.curve,
-    )
-    from resilax._src.runtime import launched
+    while True:
+        try:
+            summary = train(
+                steps=args.steps, topology=args.topology, checkpoint_dir=args.checkpoint_dir,
+                checkpoint_every=args.checkpoint_every, faults=tuple(args.fault), out=args.out,
+                log_every=args.log_every, progress=not args.quiet, log=not args.no_log, log_mode=args.log_mode,
+                peers=not args.no_peers, peers_every=args.peers_every, anomaly=not args.no_anomaly,
+                layout=args.layout, deterministic=not args.no_deterministic, health=not args.no_health,
+                curve=args.curve,
+            )
+            break
+        except launched.Reform:  # under `resilax launch --in-place`: the job grows back; join it in this process
+            e = launched.reattach()
+            print(f"re-attached as process {e.process_id} of {e.num_processes} (generation {e.generation})",
+                  flush=True)
 
     if args.summary and launched.is_primary():  # one summary per job, from process 0
         from resilax._src.io import write_json
 
         write_json(args.summary, summary)
     print(f"done: {summary['steps']} steps, loss {summary['final_loss']:.4f}, {summary['wall_s']:.1f} s", flush=True)
+    launched.exit_if_shrunk(0)
     return 0
 
 

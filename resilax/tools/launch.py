@@ -22,7 +22,14 @@ deletes the dead host's store and writes ``D/membership.json``
 (XLA's collective timeout), it reads the verdict, the survivors agree on the newest step
 they all hold, restore it from their own host store onto the mesh of the live processes'
 devices (its executables were compiled ahead, in the background) and continue, with the
-same global batch and the same maths. Otherwise (path B) every other worker of the
+same global batch and the same maths. A job that shrank **grows back** once enough warm
+spares are ready for the dead places: the supervisor adds ``"reform"`` to the membership
+file, the live workers leave at a step boundary they agree on, detach from the service and
+drop their JAX backend (their state is in their host stores), and the next generation
+starts on a new service with them in their own processes (same pids, same process ids) and
+the spares in the dead places; the worker command runs its set-up again
+(`resilax.launched.Reform`, `reattach`; `resilax train` does) and resumes at that boundary
+from the host stores. Otherwise (path B) every other worker of the
 generation is SIGKILLed (their collectives are broken) and a new generation starts with N
 workers on a new service; they resume from durable state (the host state stores, else the
 newest Orbax checkpoint). At most
@@ -313,6 +320,7 @@ class Supervisor:
         if self.min_in_place < 1:
             raise ValueError(f"resilax launch: --min-in-place must be >= 1, got {min_in_place}")
         self.epoch = 0  # in-place shrinks within this generation
+        self._restarts = 0  # generations started after a failure (a job grown back is not one)
         self.departed: list[_Worker] = []  # workers of this generation that died while the others went on
         self.num_spares = spares
         self.spares: list[_Spare] = []
@@ -332,7 +340,10 @@ class Supervisor:
         })
 
     # ------------------------------------------------------------------ one generation
-    def _start_generation(self):
+    def _start_generation(self, carry: list | None = None):
+        """Starts the next generation: a new service, and for each process id a carried-over
+        worker that re-forms in its own process (``carry``: the survivors of a job grown back),
+        else a ready warm spare, else a new process."""
         from resilax._src.runtime import jaxdist
 
         self.generation += 1
@@ -344,6 +355,7 @@ class Supervisor:
         self.workers, self.departed, self.epoch = [], [], 0
         (self.run_dir / launched.MEMBERSHIP_JSON).unlink(missing_ok=True)
         ready = [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
+        carried = {w.process_id: w for w in carry or ()}
         for i in range(self.n):
             env = LaunchEnv(
                 coordinator=f"127.0.0.1:{port}", process_id=i, num_processes=self.n, generation=g,
@@ -355,6 +367,12 @@ class Supervisor:
                 host_store_step=-1 if self.store_step is None else self.store_step,
                 in_place_wait_s=(self.min_deadline + self.heartbeat_timeout_s + 10.0) if self.in_place else 0.0)
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
+            if i in carried:  # a survivor of the shrunk job: it re-attaches without restarting
+                w = carried[i]
+                write_json(launched.reform_assignment(self.run_dir, g, i), env.to_dict())
+                w._pump.relabel(prefix, log)
+                self.workers.append(_Worker(i, env, w.proc, w._pump))
+                continue
             if ready:  # a warm spare: tell it its place (it then joins like a fresh worker)
                 s = ready.pop(0)
                 self.spares.remove(s)
@@ -370,7 +388,8 @@ class Supervisor:
         _say(f"generation {g}: {self.n} workers x {self.k} devices, coordinator 127.0.0.1:{port}, pids "
              f"{[w.proc.pid for w in self.workers]}"
              + (f"; processes {from_spares} from warm spares "
-                f"{[w.spare for w in self.workers if w.spare is not None]}" if from_spares else ""))
+                f"{[w.spare for w in self.workers if w.spare is not None]}" if from_spares else "")
+             + (f"; processes {sorted(carried)} re-attached without restarting" if carried else ""))
 
     def _popen(self, env: dict) -> subprocess.Popen:
         # From the main thread only: PR_SET_PDEATHSIG fires when the *thread* that forked the
@@ -532,6 +551,9 @@ class Supervisor:
                     return "failed", (w.rc if w.rc and w.rc > 0 else 1), f"process {w.process_id} (pid {w.proc.pid}) {why}"
             if all(w.proc.poll() == 0 for w in self.workers):
                 return ("term" if forwarded else "done"), 0, ""
+            grow = self._grow_ready()
+            if grow is not None:
+                return "regrow", 0, grow
             if forwarded is not None and now - forwarded > self.grace_s:
                 return "failed", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
             time.sleep(0.05)
@@ -586,6 +608,48 @@ class Supervisor:
              f"in place (epoch {self.epoch})")
         return True
 
+    def _grow_ready(self) -> str | None:
+        """Why the job, shrunk in place, grows back to ``-n`` now (None: not now): enough warm
+        spares are ready for the dead places and every live worker has completed a step since
+        the newest shrink (none is recovering)."""
+        if not self.in_place or self.epoch == 0 or self._term is not None or len(self.workers) >= self.n:
+            return None
+        missing = self.n - len(self.workers)
+        ready = [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
+        if len(ready) < missing:
+            return None
+        for w in self.workers:
+            hb = w.heartbeat() or {}
+            if w.proc.poll() is not None or hb.get("phase") != "step" or hb.get("epoch") != self.epoch:
+                return None
+        return (f"{len(ready)} warm spare(s) ready for the {missing} place(s) of process(es) "
+                f"{sorted(x.process_id for x in self.departed)}: growing back to {self.n}")
+
+    def _leave_for_regrow(self) -> list | None:
+        """Asks the live workers to leave at a step boundary they agree on (``"reform"`` in
+        the membership file; `launched.reform_due`) and waits until each has detached from
+        the service. Returns them, or None if one exited, hung or did not detach in time."""
+        membership = _read_json(self.run_dir / launched.MEMBERSHIP_JSON) or {}
+        write_json(self.run_dir / launched.MEMBERSHIP_JSON, {**membership, "reform": self.generation + 1})
+        limit = time.time() + self.collective_timeout_s + self.min_deadline
+        while True:
+            now = time.time()
+            states = []
+            for w in self.workers:
+                hb = w.heartbeat() or {}
+                if w.proc.poll() is not None or now - hb.get("t", 0) > self.heartbeat_timeout_s:
+                    how = _exit_reason(w.proc.returncode) if w.proc.poll() is not None else "stale heartbeat"
+                    _say(f"process {w.process_id} did not re-form ({how})")
+                    return None
+                states.append(hb.get("phase"))
+            if all(p == "detached" for p in states):
+                return list(self.workers)
+            if now > limit:
+                _say(f"the workers did not all detach within {self.collective_timeout_s + self.min_deadline:g} s "
+                     f"(phases {states})")
+                return None
+            time.sleep(0.05)
+
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -598,14 +662,30 @@ class Supervisor:
             self._make_store()
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         rc = 1
+        carry = None
         try:
             while True:
                 t_gen = time.time()
-                self._start_generation()
+                self._start_generation(carry)
+                carry = None
                 outcome, rc, why = self._watch()
                 t_end = time.time()
                 self.history.append({"generation": self.generation, "outcome": outcome, "why": why,
                                      "started": t_gen, "ended": t_end})
+                if outcome == "regrow":
+                    _say(f"generation {self.generation}: {why}; the live workers leave at the next step boundary")
+                    carry = self._leave_for_regrow()
+                    if carry is not None:
+                        for w in self.departed:
+                            w._pump.join(timeout=2)
+                        self._service.shutdown()
+                        self._service = None
+                        if self.store_root is not None:
+                            self.store_step = hoststore.restorable_step(self.store_root, self.n)
+                        self.history[-1]["ended"] = time.time()
+                        continue
+                    outcome, rc, why = "failed", 1, "growing back failed: " + why
+                    self.history[-1].update(outcome=outcome, why=why)
                 if outcome == "done" and any((w.heartbeat() or {}).get("phase") == "preempted" for w in self.workers):
                     outcome = "term"  # SIGTERM reached a worker directly (not through this supervisor)
                     self.history[-1]["outcome"] = outcome
@@ -632,10 +712,11 @@ class Supervisor:
                     self._kill_spares()
                     self._write_processes("failed")
                     return rc
-                if self.generation >= self.max_restarts:
+                self._restarts += 1
+                if self._restarts > self.max_restarts:
                     self._kill_spares()
                     self._write_processes("failed")
-                    _say(f"giving up: {self.generation} restarts (--max-restarts {self.max_restarts}); exit {rc}")
+                    _say(f"giving up: {self.max_restarts} restarts (--max-restarts {self.max_restarts}); exit {rc}")
                     return rc
                 self._write_processes("restarting")
         finally:
@@ -697,7 +778,8 @@ def register_cli(sub) -> None:
     p.add_argument("--in-place", action="store_true",
                    help="when a worker dies and every other one can (the bit-exact mode with one failure domain per "
                         "process, host store on), the others go on in place on their own devices instead of a new "
-                        "generation restarting all of them")
+                        "generation restarting all of them; once enough warm spares (--spares) are ready for the "
+                        "dead places, the job grows back to -n without restarting the survivors")
     p.add_argument("--min-in-place", type=int, default=None, metavar="M",
                    help="go on in place only while at least M workers are left (default: half of -n, rounded up); "
                         "below that a new generation brings the job back to -n workers")

@@ -258,6 +258,7 @@ def wait_for_assignment(prefetch: bool = True, poll_s: float = 0.01) -> LaunchEn
 
 _state: dict = {}
 _lock = threading.Lock()
+_went_on_in_place = False  # this process went on in place at least once (`exit_if_shrunk`)
 
 
 def initialize() -> LaunchEnv | None:
@@ -324,7 +325,9 @@ def say(msg: str) -> None:
     """A line in this worker's log (stderr; the supervisor prefixes and forwards it)."""
     import sys
 
-    print(f"resilax: {msg}", file=sys.stderr, flush=True)
+    t = time.time()
+    print(f"resilax {time.strftime('%H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d}: {msg}", file=sys.stderr,
+          flush=True)
 
 
 def preemption_point(step: int) -> bool:
@@ -388,7 +391,9 @@ def offer_in_place(ok: bool) -> None:
 def shrunk(m: dict) -> None:
     """From now on this worker's job is the processes ``m["alive"]``: the key-value votes,
     barriers and the primary process count only those."""
+    global _went_on_in_place
     _state["membership"] = m
+    _went_on_in_place = True  # for good: threads left waiting on the dead outlive a re-form too
 
 
 def alive() -> list[int]:
@@ -469,6 +474,127 @@ def barrier(name: str) -> None:
         _votes("1", f"barrier/{name}")
         return
     jaxdist.client().wait_at_barrier(f"resilax/g{e.generation}/{name}", e.init_timeout_s * 1000)
+
+
+# ------------------------------------------------------------------ re-forming (growing back)
+class Reform(Exception):
+    """Raised by `ResilientStep` at the step boundary the job agreed on after the supervisor
+    asked the job, shrunk in place, to grow back to ``-n`` with warm spares. Every step
+    up to that boundary is in this process's host store. The worker command catches it,
+    calls `reattach` (this process joins the next generation without restarting) and runs
+    its set-up again; `resilax train` does."""
+
+    def __init__(self, generation: int, step: int):
+        super().__init__(f"the job re-forms as generation {generation} after step {step}")
+        self.generation, self.step = generation, step
+
+
+def reform_assignment(run_dir, generation: int, process_id: int) -> str:
+    """Where the supervisor writes a re-forming worker's place in ``generation``."""
+    return os.path.join(run_dir, "spares", f"reform-g{generation}-p{process_id}.json")
+
+
+def reform_due(step: int) -> bool:
+    """Whether this worker leaves the job now, at the boundary after ``step`` completed
+    steps, to re-form (call it before every step, with the same step numbers on all
+    workers; False at once unless the job went on in place).
+
+    The supervisor asks by adding ``"reform"`` to the membership file; the lowest live
+    process reads it here and publishes ``step + 1`` as the boundary in the key-value
+    store before it dispatches step ``step + 1``. Any other worker completes that step only
+    after the lowest one dispatched it, so each finds the boundary before it passes it."""
+    m = _state.get("membership")
+    e = _state.get("env")
+    if m is None or e is None:
+        return False
+    from resilax._src.runtime import jaxdist
+
+    key = f"resilax/reform/g{e.generation}"
+    if "reform_at" not in _state:
+        c = jaxdist.client()
+        if is_primary():
+            cur = read_membership() or {}
+            if cur.get("reform"):
+                c.key_value_set(key, str(int(step) + 1))
+                _state["reform_at"] = int(step) + 1
+        else:
+            try:
+                _state["reform_at"] = int(c.key_value_try_get(key))
+            except Exception:  # noqa: BLE001 (not published yet)
+                pass
+    return _state.get("reform_at") == int(step)
+
+
+def reattach() -> LaunchEnv:
+    """Leaves this generation and joins the next one in this process: says ``detached`` in
+    the heartbeat, detaches from the coordination service, drops JAX's backend (every array
+    and executable of it is gone: the state is in the host store), waits for the
+    supervisor's assignment and makes it this worker's place. The next `initialize` (the
+    command's set-up, run again) attaches to the new service. Measured on jax 0.10.2:
+    detaching takes milliseconds, also with a dead process still registered
+    (benchmarks/results/mp_regrow_after_death.json).
+
+    Raises:
+      ResilaxError: no assignment within the init timeout, or a malformed one.
+    """
+    from jax.extend.backend import clear_backends
+
+    from resilax._src.errors import ResilaxError
+    from resilax._src.runtime import jaxdist
+
+    e, hb = _state["env"], _state["hb"]
+    hb.phase = "detached"
+    hb.beat()
+    hb.stop()
+    jaxdist.shutdown()
+    clear_backends()
+    # Orbax keeps the coordination client it first saw (an lru_cache): it would signal the
+    # old service. Checked against orbax-checkpoint 0.12.8; without the name nothing caches.
+    import sys
+
+    sc = sys.modules.get("orbax.checkpoint._src.futures.signaling_client")
+    if sc is not None and hasattr(getattr(sc, "get_signaling_client", None), "cache_clear"):
+        sc.get_signaling_client.cache_clear()
+    path = reform_assignment(e.run_dir, e.generation + 1, e.process_id)
+    deadline = time.time() + e.init_timeout_s
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            raise ResilaxError(f"resilax: re-forming, no place in generation {e.generation + 1} came within "
+                               f"{e.init_timeout_s} s ({path})")
+        hb.beat()  # the supervisor tells a waiting worker from a dead one
+        time.sleep(0.02)
+    try:
+        with open(path) as f:
+            new = LaunchEnv.from_dict(json.load(f), f"the re-form assignment {path}")
+    except ValueError as err:
+        raise ResilaxError(f"resilax: the re-form assignment {path} is not JSON: {err}") from err
+    os.environ.update(new.to_env())
+    with _lock:
+        _state.clear()
+        _state["assigned"] = new
+    return new
+
+
+def exit_if_shrunk(code: int) -> None:
+    """Ends this process now (``os._exit``) if it ever went on in place after another died
+    (also if the job re-formed since); else returns. Call it when the work is done and every output is written. A worker that had
+    gone on in place once printed its last line and never exited (1 of 13 soak runs,
+    benchmarks/mp_in_place_soak.py; the job never ended): at exit the interpreter joins
+    every non-daemon thread and runs JAX's exit handler, and a thread waiting on the dead
+    process when it died (an Orbax commit waits at a barrier of every process) or the
+    coordination client's shutdown barrier can wait for good. Which of them it was is not
+    known; this skips both, and names any such thread left."""
+    if not _went_on_in_place:
+        return
+    stuck = [t.name for t in threading.enumerate()
+             if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if stuck:
+        say(f"exiting without waiting for thread(s) {stuck}: they may wait on the dead process(es)")
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def is_primary() -> bool:

@@ -154,6 +154,7 @@ class ResilientStep:
         self._data_pos = None
         self._closed = False
         self._broken: str | None = None
+        self._reforming = False  # leaving for the next generation (`_leave_for_reform`)
         self.preempted = False  # set by the call whose step was the agreed preemption point (`resilax launch`)
         self._protections: list = []
         self._ckpt: Checkpoints | None = None
@@ -473,6 +474,8 @@ class ResilientStep:
                             f"Start a new ResilientStep and init() it (it restores the newest checkpoint)")
         if state is not self.live:
             self.live = state  # the caller's state is the one to use (e.g. after init)
+        if launched.reform_due(self.step):  # the job, shrunk in place, grows back now
+            self._leave_for_reform()
         if not self._loop_open:
             self._loop_span.close()
             self._loop_span.enter_context(self.goodput_recorder.span("productive"))
@@ -527,6 +530,7 @@ class ResilientStep:
         launched.say(f"step {entry + 1} failed ({type(err).__name__}: {str(err)[:160]}); waiting up to "
                      f"{e.in_place_wait_s:.0f} s for the supervisor's verdict (--in-place)")
         m = launched.wait_membership(launched.epoch(), e.in_place_wait_s)
+        launched.say(f"verdict: {m}")
         if m is None or jax.process_index() not in m["alive"]:
             launched.say("no process was declared dead (or this one was): the error stands")
             self._broken_if_lost()
@@ -560,6 +564,20 @@ class ResilientStep:
         if self.step == entry + 1:  # every survivor completed this call's step: its metrics stand
             return self.live, finished[1]
         return self._call(batch)
+
+    def _leave_for_reform(self):
+        """Every worker stops before step ``self.step + 1`` (`launched.reform_due`): this
+        step is in the host store (written now if the store's cadence skipped it); raises
+        `launched.Reform` for the worker command to rejoin as the next generation."""
+        if self._store is not None and self._store.newest() != self.step:
+            self._store.write(self.step, self.live, self.guard, self._data_pos)
+        self._broken = "left to re-form as the next generation"
+        self._reforming = True
+        e = launched.env()
+        launched.say(f"leaving after step {self.step}: the job grows back to {e.num_processes} processes as "
+                     f"generation {e.generation + 1} (this process re-attaches without restarting)")
+        self.event("reform", self.step, generation=e.generation + 1)
+        raise launched.Reform(e.generation + 1, self.step)
 
     def _shrink(self, m: dict, entry: int, upto: int, t_err: float) -> dict:
         t0 = time.perf_counter()
@@ -599,7 +617,9 @@ class ResilientStep:
         self._keep_input = False
         for p in self._protections:
             p.shrunk(self, state, sorted(alive_p))
+        launched.say(f"agreed on step {target} (own newest {own}, at most {upto}); restored it; at the barrier")
         launched.barrier("in_place")  # nobody enters the new mesh's first collective alone
+        launched.say(f"past the barrier; mesh {dict(prog.mesh.shape)}")
         launched.resumed(target)
         return {"in_place": True, "failed_domains": failed, "dead_processes": m["dead"], "epoch": m["epoch"],
                 "source": "host_store", "copy": source, "restored_step": target, "target_step": upto,
@@ -1342,8 +1362,8 @@ class ResilientStep:
                 finally:
                     if self._liveness is not None:
                         self._liveness.close()
-                    if self._ahead_pool is not None:
-                        self._ahead_pool.shutdown(wait=False, cancel_futures=True)
+                    if self._ahead_pool is not None:  # re-forming drops the backend: no compile may run then
+                        self._ahead_pool.shutdown(wait=self._reforming, cancel_futures=True)
                     self._loop_span.close()
                     self._save_goodput()
 

@@ -1,0 +1,190 @@
+"""Soak test of `resilax launch --in-place`: the same failure schedule, many times.
+
+Not a test in the suite (each run is about a minute of 5 real processes on 2 cores): it
+counts how often going on in place fails, which one run cannot show. Each run starts
+`resilax launch -n 4 --devices-per-process 2 --in-place --min-in-place 3 --spares 1` on
+`resilax train --topology cpu-4x2 --layout sharded` (the bit-exact mode) and, at random
+moments chosen by the run's seed:
+
+1. SIGKILLs a random worker (process 0 included) once every worker is past step 7: the
+   3 others go on in place;
+2. SIGKILLs another once those 3 are past step 12: 2 would be left (< 3), so a new
+   generation of 4 (the warm spare one of them) restores from the host stores;
+3. SIGSTOPs a random worker of generation 1 once it is 3 steps in: found by its stale
+   heartbeat, killed, and the 3 others go on in place (a generation restored from the host
+   stores with the warm spare: where going on in place had failed most often).
+
+Each run is one of: ``clean`` (the launch history is exactly shrunk, failed, shrunk, done,
+and the final state is bitwise the failure-free single-process run's), ``fell back`` (an
+in-place attempt failed and the job took a new generation instead; it still ended, bitwise),
+``hung`` (the launch did not end: the workers' Python stacks are dumped with py-spy) or
+``wrong`` (the final state differs, or none). Logs of the runs that are not clean are kept.
+
+    python benchmarks/mp_in_place_soak.py --runs 8 --json benchmarks/results/mp_in_place_soak.json
+"""
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+STEPS, EVERY = 40, 5
+TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
+         "--checkpoint-every", str(EVERY), "--log-every", "10"]
+EXPECTED = [(0, "shrunk"), (0, "failed"), (1, "shrunk"), (1, "done")]
+
+
+def _env():
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _live_past(run, gen, step, n):
+    from resilax.tools.launch import PROCESSES_JSON, heartbeats
+
+    procs = _json(os.path.join(run, PROCESSES_JSON))
+    if not procs or procs["generation"] != gen or procs.get("status") != "running" or len(procs["workers"]) != n:
+        return None
+    hbs = heartbeats(run, gen)
+    live = [hbs.get(int(i)) or {} for i in procs["workers"]]
+    return procs if all((h.get("step") or -1) >= step and h.get("epoch") == procs.get("epoch", 0)
+                        for h in live) else None
+
+
+def _wait(pred, timeout, proc):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def _dump_stacks(run, path):
+    """The Python stacks of a launch that did not end (py-spy, when installed), for the log."""
+    from resilax.tools.launch import PROCESSES_JSON
+
+    procs = _json(os.path.join(run, PROCESSES_JSON)) or {}
+    here = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    spy = here if os.path.exists(here) else "py-spy"
+    with open(path, "w") as f:
+        for k, pid in sorted((procs.get("workers") or {}).items()):
+            r = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+            f.write(f"== process {k} (pid {pid})\n{r.stdout}{r.stderr}\n")
+
+
+def one_run(seed: int, where: str, reference) -> dict:
+    rng = random.Random(seed)
+    run, out = os.path.join(where, "run"), os.path.join(where, "final.npz")
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "4", "--devices-per-process", "2", "--run-dir", run,
+           "--heartbeat", "0.2", "--heartbeat-timeout", "2", "--min-step-deadline", "20", "--max-restarts", "3",
+           "--spares", "1", "--in-place", "--min-in-place", "3", "--", *TRAIN, "--out", out]
+    os.makedirs(where, exist_ok=True)
+    log_path = os.path.join(where, "launch.log")
+    t0 = time.time()
+    done = []
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            plan = [(0, EVERY + 2, 4, signal.SIGKILL, range(0, 4)), (0, 12, 3, signal.SIGKILL, None),
+                    (1, None, 4, signal.SIGSTOP, range(0, 4))]
+            for gen, step, n, sig, who in plan:
+                if step is None:  # 3 steps into generation 1 (it resumed where generation 0 stopped)
+                    procs = _wait(lambda: _live_past(run, gen, 0, n), 180, p)
+                    if procs is None:
+                        break
+                    from resilax.tools.launch import heartbeats
+
+                    base = min((h.get("step") or 0) for h in heartbeats(run, gen).values())
+                    procs = _wait(lambda: _live_past(run, gen, base + 3, n), 120, p)
+                else:
+                    procs = _wait(lambda: _live_past(run, gen, step, n), 180, p)
+                if procs is None:
+                    break
+                time.sleep(rng.uniform(0, 1.0))
+                k = rng.choice(sorted(int(i) for i in procs["workers"])) if who is None else rng.choice(list(who))
+                os.kill(procs["workers"][str(k)], sig)
+                done.append((gen, sig.name, k))
+            try:
+                rc = p.wait(timeout=150)
+            except subprocess.TimeoutExpired:
+                rc = None
+                _dump_stacks(run, os.path.join(where, "stacks.txt"))
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    text = open(log_path, errors="replace").read()
+    hist = (_json(os.path.join(run, "launch_history.json")) or {}).get("generations", [])
+    outcomes = [(g["generation"], g["outcome"]) for g in hist]
+    whys = [g.get("why", "")[:160] for g in hist]
+    bitwise = None
+    if os.path.exists(out):
+        final = np.load(out, allow_pickle=False)
+        bitwise = sorted(final.files) == sorted(reference.files) and all(
+            np.array_equal(final[k], reference[k]) for k in final.files)
+    fails = [ln.split("] ", 1)[1][:200] for ln in text.splitlines()
+             if "Gloo" in ln and "jax.errors.JaxRuntimeError" in ln]
+    clean = rc == 0 and outcomes == EXPECTED and bitwise is True
+    kind = "clean" if clean else "hung" if rc is None else "fell back" if rc == 0 and bitwise else "wrong"
+    return {"seed": seed, "rc": rc, "kills": done, "history": outcomes, "bitwise": bitwise, "clean": clean, "kind": kind,
+            "errors": fails[:6], "whys": whys, "wall_s": time.time() - t0, "log": log_path,
+            "hung": rc is None}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    from resilax.tools.bench import write_result
+
+    root = tempfile.mkdtemp(prefix="resilax-soak-")
+    ref = os.path.join(root, "ref.npz")
+    r = subprocess.run([sys.executable, "-m", *TRAIN, "--no-log", "--no-peers", "--checkpoint-dir",
+                        os.path.join(root, "ck"), "--out", ref, "--quiet"], env=_env(), capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        sys.exit(f"the reference run failed:\n{r.stderr[-3000:]}")
+    reference = np.load(ref, allow_pickle=False)
+    rows = []
+    for i in range(a.runs):
+        row = one_run(a.seed + i, os.path.join(root, f"run{i}"), reference)
+        rows.append(row)
+        print(f"run {i + 1}/{a.runs} seed {row['seed']}: {row['kind']}; kills "
+              f"{row['kills']}; history {row['history']}; bitwise {row['bitwise']}; "
+              f"{row['wall_s']:.0f} s" + (f"; why {row['whys']}; errors {row['errors'][:2]}; log {row['log']}" if not row['clean']
+                                         else ""), flush=True)
+    kinds = {k: sum(r["kind"] == k for r in rows) for k in ("clean", "fell back", "hung", "wrong")}
+    print(f"\n{len(rows)} runs: {kinds} (clean: history {EXPECTED}, final state bitwise)")
+    write_result(a.json, {"benchmark": "mp_in_place_soak", "runs": len(rows), "kinds": kinds,
+                          "clean": kinds["clean"], "expected_history": EXPECTED, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
