@@ -37,6 +37,7 @@ from resilax._src.runtime.faults import Fault as Fault, FaultPlan as FaultPlan
 from resilax._src.step.record import record as record
 from resilax._src.runtime.topology import Topology as Topology
 from resilax._src.step.driver import ResilientStep as ResilientStep, wrap as wrap
+from resilax import launched as launched  # the worker side of `resilax launch`
 
 __version__ = "0.1.0"
 
@@ -66,6 +67,7 @@ __all__ = [
     "Topology",
     "TopologyError",
     "WrapError",
+    "launched",
     "record",
     "wrap",
 ]

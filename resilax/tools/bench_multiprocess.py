@@ -23,7 +23,9 @@ kill waits until they are warm); and with ``--in-place`` (``in_place_*``: the su
 on in place on their own devices, no new generation; kill -> every live worker back at the
 step it had reached, phases from the survivors' ``recovery`` event: ``agree`` is from the
 kill to the agreement on the step, mostly XLA's collective timeout on the survivors that
-were not connected to the dead one).
+were not connected to the dead one); and with ``--in-place`` and one warm spare
+(``reform_*``: the survivors leave their broken step, detach and rejoin the next generation
+in their own processes with the spare in the dead place; phases as for a new generation).
 ``final_max_rel_diff`` compares the final state with a failure-free single-process run
 of the same topology.
 """
@@ -136,7 +138,7 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
         t_kill = time.time()
         os.kill(procs["workers"][str(victim)], signal.SIGKILL)
         print(f"      killed process {victim} (pid {procs['workers'][str(victim)]}) at step {kill_step}", flush=True)
-        if in_place:
+        if in_place and not spares:
             _wait(lambda: _live(run, 1, kill_step), 600, f"the survivors back at step {kill_step} in place", p)
             t_resume = time.time()
             rc = p.wait(timeout=600)
@@ -212,7 +214,7 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
     if spares < 0:
         raise ValueError(f"resilax bench multiprocess: --spares must be >= 0, got {spares}")
     rng = random.Random(seed)
-    runs = 5 if spares else 4
+    runs = 6 if spares else 5
     own = workdir is None
     work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mp-"))
     shutil.rmtree(work, ignore_errors=True)
@@ -242,11 +244,16 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         (work / "spares").mkdir()
         c = _kill_and_time(work / "spares", train, rng=random.Random(rng.random()), store_every=1, spares=spares,
                            **common)
-    print(f"[{runs}/{runs}] the host-store run with --in-place: the survivors go on without the dead worker",
+    print(f"[{runs - 1}/{runs}] the host-store run with --in-place: the survivors go on without the dead worker",
           flush=True)
     (work / "in_place").mkdir()
     d = _kill_and_time(work / "in_place", train, rng=random.Random(rng.random()), store_every=1, in_place=True,
                        **common)
+    print(f"[{runs}/{runs}] --in-place with 1 warm spare: the survivors re-form with it as the next generation "
+          f"without restarting", flush=True)
+    (work / "reform").mkdir()
+    e = _kill_and_time(work / "reform", train, rng=random.Random(rng.random()), store_every=1, in_place=True,
+                       spares=1, **common)
     result = {
         "kill_to_resume_s": a["kill_to_resume_s"], "phases": a["phases"], "lost_steps": a["lost_steps"],
         "final_max_rel_diff": a["final_max_rel_diff"],
@@ -262,7 +269,10 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
     }
     result.update({"in_place_kill_to_resume_s": d["kill_to_resume_s"], "in_place_phases": d["phases"],
                    "in_place_lost_steps": d["lost_steps"], "in_place_final_max_rel_diff": d["final_max_rel_diff"],
-                   "in_place_run": d})
+                   "in_place_run": d,
+                   "reform_kill_to_resume_s": e["kill_to_resume_s"], "reform_phases": e["phases"],
+                   "reform_lost_steps": e["lost_steps"], "reform_final_max_rel_diff": e["final_max_rel_diff"],
+                   "reform_run": e})
     if c is not None:
         result.update({"spares_kill_to_resume_s": c["kill_to_resume_s"], "spares_phases": c["phases"],
                        "spares_lost_steps": c["lost_steps"], "spares_final_max_rel_diff": c["final_max_rel_diff"],
@@ -278,8 +288,9 @@ def run(args) -> int:
                            seed=args.seed, workdir=args.workdir, spares=args.spares,
                            collective_timeout=args.collective_timeout)
     runs = [r["host_store_run"], r["restart_run"]] + ([r["spares_run"]] if "spares_run" in r else []) + \
-        [r["in_place_run"]]
-    heads = ["host store", "restart"] + ([f"+{args.spares} spares"] if "spares_run" in r else []) + ["in place"]
+        [r["in_place_run"], r["reform_run"]]
+    heads = ["host store", "restart"] + ([f"+{args.spares} spares"] if "spares_run" in r else []) + \
+        ["in place", "re-form"]
 
     def row(label, vals, fmt):
         print(f"{label:<28}" + "".join(format(v, fmt) for v in vals))

@@ -21,10 +21,10 @@ def _cmd_train(args) -> int:
                 curve=args.curve,
             )
             break
-        except launched.Reform:  # under `resilax launch --in-place`: the job grows back; join it in this process
-            e = launched.reattach()
-            print(f"re-attached as process {e.process_id} of {e.num_processes} (generation {e.generation})",
-                  flush=True)
+        except launched.Reform:  # under `resilax launch --in-place`: the job re-forms; join it in this process
+            pass  # (outside the handler: the traceback would keep the old backend's arrays alive)
+        e = launched.reattach()
+        print(f"re-attached as process {e.process_id} of {e.num_processes} (generation {e.generation})", flush=True)
 
     if args.summary and launched.is_primary():  # one summary per job, from process 0
         from resilax._src.io import write_json

@@ -321,6 +321,7 @@ class Supervisor:
             raise ValueError(f"resilax launch: --min-in-place must be >= 1, got {min_in_place}")
         self.epoch = 0  # in-place shrinks within this generation
         self._restarts = 0  # generations started after a failure (a job grown back is not one)
+        self._reform_now: str | None = None  # why the job re-forms now (`_shrink_in_place`)
         self.departed: list[_Worker] = []  # workers of this generation that died while the others went on
         self.num_spares = spares
         self.spares: list[_Spare] = []
@@ -522,6 +523,9 @@ class Supervisor:
         self._dead_process = None
         while True:
             now = time.time()
+            if self._reform_now is not None:  # a death with warm spares for every dead place
+                why, self._reform_now = self._reform_now, None
+                return "reform", 0, why
             if self._term is not None and forwarded is None:
                 forwarded = now
                 _say(f"{signal.Signals(self._term).name}: forwarding SIGTERM to the workers (they save at the next "
@@ -597,15 +601,21 @@ class Supervisor:
         self.departed.append(w)
         self.epoch += 1
         alive = [x.process_id for x in self.workers]
+        ready = [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
+        reform = len(ready) >= self.n - len(alive)  # warm spares for every dead place: re-form at once
         write_json(self.run_dir / launched.MEMBERSHIP_JSON, {
             "generation": self.generation, "epoch": self.epoch, "alive": alive,
-            "dead": sorted(x.process_id for x in self.departed)})
-        self.history.append({"generation": self.generation, "outcome": "shrunk", "epoch": self.epoch,
-                             "why": f"process {w.process_id} (pid {w.proc.pid}) {why}", "alive": alive,
-                             "started": self._t_gen, "ended": now})
+            "dead": sorted(x.process_id for x in self.departed), **({"reform": self.generation + 1} if reform else {})})
+        died = f"process {w.process_id} (pid {w.proc.pid}) {why}"
         self._write_processes("running")
-        _say(f"generation {self.generation}: process {w.process_id} (pid {w.proc.pid}) {why}; processes {alive} go on "
-             f"in place (epoch {self.epoch})")
+        if reform:  # the survivors leave their broken step, detach and rejoin with the spares (`_watch` returns)
+            self._reform_now = f"{died}; warm spare(s) ready for every dead place: re-forming"
+            _say(f"generation {self.generation}: {died}; processes {alive} re-form with warm spare(s) as generation "
+                 f"{self.generation + 1} without restarting")
+            return True
+        self.history.append({"generation": self.generation, "outcome": "shrunk", "epoch": self.epoch,
+                             "why": died, "alive": alive, "started": self._t_gen, "ended": now})
+        _say(f"generation {self.generation}: {died}; processes {alive} go on in place (epoch {self.epoch})")
         return True
 
     def _grow_ready(self) -> str | None:
@@ -672,8 +682,9 @@ class Supervisor:
                 t_end = time.time()
                 self.history.append({"generation": self.generation, "outcome": outcome, "why": why,
                                      "started": t_gen, "ended": t_end})
-                if outcome == "regrow":
-                    _say(f"generation {self.generation}: {why}; the live workers leave at the next step boundary")
+                if outcome in ("regrow", "reform"):
+                    if outcome == "regrow":
+                        _say(f"generation {self.generation}: {why}; the live workers leave at the next step boundary")
                     carry = self._leave_for_regrow()
                     if carry is not None:
                         for w in self.departed:
@@ -684,7 +695,7 @@ class Supervisor:
                             self.store_step = hoststore.restorable_step(self.store_root, self.n)
                         self.history[-1]["ended"] = time.time()
                         continue
-                    outcome, rc, why = "failed", 1, "growing back failed: " + why
+                    outcome, rc, why = "failed", 1, f"{outcome} failed: {why}"
                     self.history[-1].update(outcome=outcome, why=why)
                 if outcome == "done" and any((w.heartbeat() or {}).get("phase") == "preempted" for w in self.workers):
                     outcome = "term"  # SIGTERM reached a worker directly (not through this supervisor)

@@ -278,6 +278,10 @@ def initialize() -> LaunchEnv | None:
         from resilax._src.runtime import jaxdist
 
         hb = _Heartbeat(e)  # before connecting: joining the service can take a while
+        if _state.get("reattached") and jaxdist.backends_initialized():
+            from jax.extend.backend import clear_backends
+
+            clear_backends()  # a thread of the old generation touched JAX after `reattach` dropped it
         jaxdist.initialize_worker(coordinator=e.coordinator, process_id=e.process_id, num_processes=e.num_processes,
                                   local_devices=e.devices_per_process,
                                   heartbeat_timeout_s=e.jax_heartbeat_timeout_s, init_timeout_s=e.init_timeout_s,
@@ -547,14 +551,13 @@ def reattach() -> LaunchEnv:
     hb.beat()
     hb.stop()
     jaxdist.shutdown()
-    clear_backends()
-    # Orbax keeps the coordination client it first saw (an lru_cache): it would signal the
-    # old service. Checked against orbax-checkpoint 0.12.8; without the name nothing caches.
-    import sys
+    _join_orbax_threads(10.0)
+    import gc
 
-    sc = sys.modules.get("orbax.checkpoint._src.futures.signaling_client")
-    if sc is not None and hasattr(getattr(sc, "get_signaling_client", None), "cache_clear"):
-        sc.get_signaling_client.cache_clear()
+    gc.collect()  # what still holds the old backend's buffers, so that its memory can go
+    clear_backends()
+    gc.collect()
+    _reset_orbax_process_state()
     path = reform_assignment(e.run_dir, e.generation + 1, e.process_id)
     deadline = time.time() + e.init_timeout_s
     while not os.path.exists(path):
@@ -572,7 +575,61 @@ def reattach() -> LaunchEnv:
     with _lock:
         _state.clear()
         _state["assigned"] = new
+        _state["reattached"] = True
     return new
+
+
+def _join_orbax_threads(limit_s: float) -> None:
+    """Waits (up to ``limit_s``) for Orbax's threads of the old generation to end. A save's
+    commit thread waiting at a barrier of the old service fails once this process detached
+    from it, and its error handling asks JAX for the process index: after `clear_backends`
+    that would start a new, unattached backend (seen in a soak run: the re-attached process
+    then refused to join, "JAX's backends already exist")."""
+    deadline = time.time() + limit_s
+    for t in threading.enumerate():
+        target = getattr(t, "_target", None)
+        mod = getattr(target, "__module__", None) or type(t).__module__
+        if t is not threading.current_thread() and t.is_alive() and str(mod).startswith("orbax"):
+            try:
+                t.join(max(0.0, deadline - time.time()))
+            except Exception:  # noqa: BLE001 (Orbax's finalize thread re-raises its failure on join: expected)
+                pass
+
+
+def _reset_orbax_process_state() -> None:
+    """Makes this process's Orbax state that of a fresh process, as a spare joining the same
+    generation has it. Orbax 0.12.8 keeps two things per process: the coordination client it
+    first saw (``get_signaling_client``, an lru_cache: it would signal the old service) and a
+    counter of operations (``OperationIdGenerator``) whose value names the key-value signals
+    of each save, which every process must agree on (a survivor's count differs from a
+    spare's: in a soak run process 0's final save then failed with FileExistsError on its
+    temporary directory and its commit waited for good). The new service's key-value store
+    is empty, so counting from 0 again collides with nothing.
+
+    Raises:
+      ResilaxError: Orbax is loaded but lacks one of these names (another version): this
+        process cannot rejoin safely (the supervisor then restarts the job).
+    """
+    import itertools
+    import sys
+
+    from resilax._src.errors import ResilaxError
+
+    if "orbax.checkpoint" not in sys.modules:
+        return
+    sc = sys.modules.get("orbax.checkpoint._src.futures.signaling_client")
+    sync = sys.modules.get("orbax.checkpoint._src.futures.synchronization")
+    gen = getattr(sync, "OperationIdGenerator", None)
+    if not hasattr(getattr(sc, "get_signaling_client", None), "cache_clear") or \
+            not hasattr(gen, "_operation_id_counter"):
+        raise ResilaxError(
+            "resilax: re-forming in this process needs Orbax's per-process state reset "
+            "(orbax.checkpoint._src.futures.signaling_client.get_signaling_client.cache_clear and "
+            "synchronization.OperationIdGenerator._operation_id_counter, as in orbax-checkpoint 0.12.8), and this "
+            "Orbax lacks one; see resilax/_src/runtime/launched.py")
+    sc.get_signaling_client.cache_clear()
+    gen._operation_id_counter = itertools.count()
+    gen._operation_id = next(gen._operation_id_counter)
 
 
 def exit_if_shrunk(code: int) -> None:

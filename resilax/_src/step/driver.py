@@ -535,6 +535,16 @@ class ResilientStep:
             launched.say("no process was declared dead (or this one was): the error stands")
             self._broken_if_lost()
             raise err
+        if m.get("reform"):  # warm spares for every dead place: rejoin the next generation instead
+            launched.shrunk(m)  # (threads may wait on the dead for good: see launched.exit_if_shrunk)
+            if self._ckpt is not None:
+                self._ckpt.store.abandon()  # a save in flight waits on the dead: nothing waits for it
+            self._broken = "left to re-form as the next generation"
+            self._reforming = True
+            launched.say(f"leaving: processes {m['dead']} died and warm spares take their places; this process "
+                         f"rejoins generation {m['reform']} without restarting (its steps are in its host store)")
+            self.event("reform", self.step, generation=m["reform"], dead_processes=m["dead"], after_error=True)
+            raise launched.Reform(m["reform"], self.step) from err
         finished = self._finished if self._finished is not None and self._finished[0] == entry + 1 else None
         with self.goodput_recorder.span("recovery"):
             while True:
