@@ -25,7 +25,6 @@ differs, or none). Logs of the runs that are not clean are kept.
 """
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -37,6 +36,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+
+from resilax.tools.launch import _read_json  # noqa: E402
 
 STEPS, EVERY = 40, 5
 TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
@@ -52,18 +53,10 @@ def _env():
     return env
 
 
-def _json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def _live_past(run, gen, step, n):
     from resilax.tools.launch import PROCESSES_JSON, heartbeats
 
-    procs = _json(os.path.join(run, PROCESSES_JSON))
+    procs = _read_json(os.path.join(run, PROCESSES_JSON))
     if not procs or procs["generation"] != gen or procs.get("status") != "running" or len(procs["workers"]) != n:
         return None
     hbs = heartbeats(run, gen)
@@ -72,12 +65,20 @@ def _live_past(run, gen, step, n):
                         for h in live) else None
 
 
+def _handled(run, gen: int) -> bool:
+    """The supervisor acted on the kill: a newer generation, or fewer than 4 live workers."""
+    from resilax.tools.launch import PROCESSES_JSON
+
+    procs = _read_json(os.path.join(run, PROCESSES_JSON)) or {}
+    return procs.get("generation") != gen or len(procs.get("workers", {})) < 4
+
+
 def _running(run, at_least: int = 0, spare: bool = False):
     """processes.json when the newest generation runs 4 workers that each completed a step
     (at least step ``at_least``), with a warm spare if ``spare``; else None."""
     from resilax.tools.launch import PROCESSES_JSON, heartbeats, spare_heartbeats
 
-    procs = _json(os.path.join(run, PROCESSES_JSON))
+    procs = _read_json(os.path.join(run, PROCESSES_JSON))
     if not procs or procs.get("status") != "running" or len(procs["workers"]) != 4:
         return None
     hbs = heartbeats(run, procs["generation"])
@@ -104,7 +105,7 @@ def _dump_stacks(run, path):
     """The Python stacks of a launch that did not end (py-spy, when installed), for the log."""
     from resilax.tools.launch import PROCESSES_JSON
 
-    procs = _json(os.path.join(run, PROCESSES_JSON)) or {}
+    procs = _read_json(os.path.join(run, PROCESSES_JSON)) or {}
     here = os.path.join(os.path.dirname(sys.executable), "py-spy")
     spy = here if os.path.exists(here) else "py-spy"
     with open(path, "w") as f:
@@ -141,8 +142,7 @@ def one_run(seed: int, where: str, reference) -> dict:
                 k = rng.choice(sorted(int(i) for i in procs["workers"]))
                 os.kill(procs["workers"][str(k)], sig)
                 done.append((procs["generation"], sig.name, k))
-                _wait(lambda: (_json(os.path.join(run, "processes.json")) or {}).get("generation") != procs["generation"]
-                      or len((_json(os.path.join(run, "processes.json")) or {}).get("workers", {})) < 4, 60, p)
+                _wait(lambda: _handled(run, procs["generation"]), 60, p)
             try:
                 rc = p.wait(timeout=150)
             except subprocess.TimeoutExpired:
@@ -153,7 +153,7 @@ def one_run(seed: int, where: str, reference) -> dict:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     text = open(log_path, errors="replace").read()
-    hist = (_json(os.path.join(run, "launch_history.json")) or {}).get("generations", [])
+    hist = (_read_json(os.path.join(run, "launch_history.json")) or {}).get("generations", [])
     outcomes = [(g["generation"], g["outcome"]) for g in hist]
     whys = [g.get("why", "")[:160] for g in hist]
     bitwise = None

@@ -355,7 +355,7 @@ class Supervisor:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.workers, self.departed, self.epoch = [], [], 0
         (self.run_dir / launched.MEMBERSHIP_JSON).unlink(missing_ok=True)
-        ready = [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
+        ready = self._ready_spares()
         carried = {w.process_id: w for w in carry or ()}
         for i in range(self.n):
             env = LaunchEnv(
@@ -459,6 +459,10 @@ class Supervisor:
         if changed:
             self._write_processes("running")
 
+    def _ready_spares(self) -> list:
+        """The spares that are warm and waiting now (a fresh heartbeat, phase ``spare``)."""
+        return [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
+
     def _kill_spares(self):
         for s in self.spares:
             s.kill()
@@ -466,9 +470,13 @@ class Supervisor:
             s.out.join(timeout=2)
         self.spares = []
 
-    def _stop_generation(self, why: str):
+    def _join_departed(self):
+        """Lets the output threads of the workers that died in this generation finish."""
         for w in self.departed:
             w._pump.join(timeout=2)
+
+    def _stop_generation(self, why: str):
+        self._join_departed()
         for w in self.workers:
             w.kill(why)
         for w in self.workers:
@@ -589,7 +597,9 @@ class Supervisor:
 
     def _shrink_in_place(self, w: _Worker, why: str, now: float) -> bool:
         """Path A: ``w`` is dead (or killed here as hung); the others go on in place when they
-        can. Returns False when they cannot (the caller starts a new generation)."""
+        can, or re-form at once when warm spares are ready for every dead place (`_watch`
+        then returns "reform"). Returns False when they cannot (the caller starts a new
+        generation)."""
         refused = self._in_place_refused(w)
         if refused is not None:
             if self.in_place:
@@ -601,7 +611,7 @@ class Supervisor:
         self.departed.append(w)
         self.epoch += 1
         alive = [x.process_id for x in self.workers]
-        ready = [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
+        ready = self._ready_spares()
         reform = len(ready) >= self.n - len(alive)  # warm spares for every dead place: re-form at once
         write_json(self.run_dir / launched.MEMBERSHIP_JSON, {
             "generation": self.generation, "epoch": self.epoch, "alive": alive,
@@ -625,7 +635,7 @@ class Supervisor:
         if not self.in_place or self.epoch == 0 or self._term is not None or len(self.workers) >= self.n:
             return None
         missing = self.n - len(self.workers)
-        ready = [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
+        ready = self._ready_spares()
         if len(ready) < missing:
             return None
         for w in self.workers:
@@ -635,10 +645,11 @@ class Supervisor:
         return (f"{len(ready)} warm spare(s) ready for the {missing} place(s) of process(es) "
                 f"{sorted(x.process_id for x in self.departed)}: growing back to {self.n}")
 
-    def _leave_for_regrow(self) -> list | None:
-        """Asks the live workers to leave at a step boundary they agree on (``"reform"`` in
-        the membership file; `launched.reform_due`) and waits until each has detached from
-        the service. Returns them, or None if one exited, hung or did not detach in time."""
+    def _detach_live_workers(self) -> list | None:
+        """The job re-forms: ``"reform"`` in the membership file tells the live workers to
+        leave (after a death, from their failed step; to grow back, at a step boundary they
+        agree on, `launched.reform_due`). Waits until each has detached from the service;
+        returns them, or None if one exited, hung or did not detach in time."""
         membership = _read_json(self.run_dir / launched.MEMBERSHIP_JSON) or {}
         write_json(self.run_dir / launched.MEMBERSHIP_JSON, {**membership, "reform": self.generation + 1})
         limit = time.time() + self.collective_timeout_s + self.min_deadline
@@ -685,10 +696,9 @@ class Supervisor:
                 if outcome in ("regrow", "reform"):
                     if outcome == "regrow":
                         _say(f"generation {self.generation}: {why}; the live workers leave at the next step boundary")
-                    carry = self._leave_for_regrow()
+                    carry = self._detach_live_workers()
                     if carry is not None:
-                        for w in self.departed:
-                            w._pump.join(timeout=2)
+                        self._join_departed()
                         self._service.shutdown()
                         self._service = None
                         if self.store_root is not None:

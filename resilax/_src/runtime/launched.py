@@ -232,20 +232,7 @@ def wait_for_assignment(prefetch: bool = True, poll_s: float = 0.01) -> LaunchEn
             _prefetch()
         hb.phase = "spare"
         hb.beat()
-        while True:
-            try:
-                with open(path) as f:  # the supervisor writes it whole (temporary file + rename)
-                    raw = f.read()
-                break
-            except FileNotFoundError:
-                time.sleep(poll_s)
-        try:
-            d = json.loads(raw)
-        except ValueError as e:
-            from resilax._src.errors import ResilaxError
-
-            raise ResilaxError(f"resilax launch spare: the assignment {path} is not JSON: {e}") from e
-        e = LaunchEnv.from_dict(d, f"the assignment {path}")
+        e = _await_assignment(path, "the assignment", poll_s=poll_s)
         hb.phase = "assigned"
         hb.beat()
     finally:
@@ -254,6 +241,35 @@ def wait_for_assignment(prefetch: bool = True, poll_s: float = 0.01) -> LaunchEn
     os.environ.pop(SPARE_ENV, None)
     _state["assigned"] = e
     return e
+
+
+def _await_assignment(path: str, what: str, *, poll_s: float = 0.01, timeout_s: float | None = None,
+                      beat=None) -> LaunchEnv:
+    """Waits for the supervisor to write ``path`` (whole: temporary file + rename) and reads
+    the `LaunchEnv` in it; ``beat()`` is called while waiting.
+
+    Raises:
+      ResilaxError: nothing within ``timeout_s`` (None: no limit), or not a LaunchEnv's JSON.
+    """
+    from resilax._src.errors import ResilaxError
+
+    deadline = None if timeout_s is None else time.time() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                raw = f.read()
+            break
+        except FileNotFoundError:
+            if deadline is not None and time.time() > deadline:
+                raise ResilaxError(f"resilax launch: {what} {path} did not come within {timeout_s:g} s") from None
+            if beat is not None:
+                beat()
+            time.sleep(poll_s)
+    try:
+        d = json.loads(raw)
+    except ValueError as err:
+        raise ResilaxError(f"resilax launch: {what} {path} is not JSON: {err}") from err
+    return LaunchEnv.from_dict(d, f"{what} {path}")
 
 
 _state: dict = {}
@@ -482,11 +498,12 @@ def barrier(name: str) -> None:
 
 # ------------------------------------------------------------------ re-forming (growing back)
 class Reform(Exception):
-    """Raised by `ResilientStep` at the step boundary the job agreed on after the supervisor
-    asked the job, shrunk in place, to grow back to ``-n`` with warm spares. Every step
-    up to that boundary is in this process's host store. The worker command catches it,
-    calls `reattach` (this process joins the next generation without restarting) and runs
-    its set-up again; `resilax train` does."""
+    """Raised by `ResilientStep` when the job re-forms with warm spares: after a step failed
+    because a process died (the spares take the dead places), or at the step boundary the
+    job agreed on to grow back to ``-n`` after it shrank in place. Every step this process
+    completed is in its host store. The worker command catches it, calls `reattach` (this
+    process joins the next generation without restarting) and runs its set-up again;
+    `resilax train` does."""
 
     def __init__(self, generation: int, step: int):
         super().__init__(f"the job re-forms as generation {generation} after step {step}")
@@ -543,7 +560,6 @@ def reattach() -> LaunchEnv:
     """
     from jax.extend.backend import clear_backends
 
-    from resilax._src.errors import ResilaxError
     from resilax._src.runtime import jaxdist
 
     e, hb = _state["env"], _state["hb"]
@@ -558,19 +574,10 @@ def reattach() -> LaunchEnv:
     clear_backends()
     gc.collect()
     _reset_orbax_process_state()
-    path = reform_assignment(e.run_dir, e.generation + 1, e.process_id)
-    deadline = time.time() + e.init_timeout_s
-    while not os.path.exists(path):
-        if time.time() > deadline:
-            raise ResilaxError(f"resilax: re-forming, no place in generation {e.generation + 1} came within "
-                               f"{e.init_timeout_s} s ({path})")
-        hb.beat()  # the supervisor tells a waiting worker from a dead one
-        time.sleep(0.02)
-    try:
-        with open(path) as f:
-            new = LaunchEnv.from_dict(json.load(f), f"the re-form assignment {path}")
-    except ValueError as err:
-        raise ResilaxError(f"resilax: the re-form assignment {path} is not JSON: {err}") from err
+    # beating while it waits: the supervisor tells a waiting worker from a dead one
+    new = _await_assignment(reform_assignment(e.run_dir, e.generation + 1, e.process_id),
+                            f"the re-form assignment for generation {e.generation + 1}", poll_s=0.02,
+                            timeout_s=e.init_timeout_s, beat=hb.beat)
     os.environ.update(new.to_env())
     with _lock:
         _state.clear()
@@ -634,13 +641,13 @@ def _reset_orbax_process_state() -> None:
 
 def exit_if_shrunk(code: int) -> None:
     """Ends this process now (``os._exit``) if it ever went on in place after another died
-    (also if the job re-formed since); else returns. Call it when the work is done and every output is written. A worker that had
-    gone on in place once printed its last line and never exited (1 of 13 soak runs,
-    benchmarks/mp_in_place_soak.py; the job never ended): at exit the interpreter joins
-    every non-daemon thread and runs JAX's exit handler, and a thread waiting on the dead
-    process when it died (an Orbax commit waits at a barrier of every process) or the
-    coordination client's shutdown barrier can wait for good. Which of them it was is not
-    known; this skips both, and names any such thread left."""
+    (also if the job re-formed since); else returns. Call it when the work is done and every
+    output is written. At exit the interpreter joins every non-daemon thread, and Orbax's
+    commit thread of a save in flight when the other process died (``async_save``, not a
+    daemon) waits at a barrier the dead never reach: a worker that had gone on in place
+    printed its last line and never exited (py-spy stacks; 2 of 15 soak runs of
+    benchmarks/mp_in_place_soak.py before this, the job never ended). This skips the wait,
+    and names any such thread left."""
     if not _went_on_in_place:
         return
     stuck = [t.name for t in threading.enumerate()

@@ -475,7 +475,10 @@ class ResilientStep:
         if state is not self.live:
             self.live = state  # the caller's state is the one to use (e.g. after init)
         if launched.reform_due(self.step):  # the job, shrunk in place, grows back now
-            self._leave_for_reform()
+            e = launched.env()
+            if self._store is not None and self._store.newest() != self.step:  # the store's cadence skipped it
+                self._store.write(self.step, self.live, self.guard, self._data_pos)
+            self._leave_for_reform(e.generation + 1, f"the job grows back to {e.num_processes} processes")
         if not self._loop_open:
             self._loop_span.close()
             self._loop_span.enter_context(self.goodput_recorder.span("productive"))
@@ -539,12 +542,8 @@ class ResilientStep:
             launched.shrunk(m)  # (threads may wait on the dead for good: see launched.exit_if_shrunk)
             if self._ckpt is not None:
                 self._ckpt.store.abandon()  # a save in flight waits on the dead: nothing waits for it
-            self._broken = "left to re-form as the next generation"
-            self._reforming = True
-            launched.say(f"leaving: processes {m['dead']} died and warm spares take their places; this process "
-                         f"rejoins generation {m['reform']} without restarting (its steps are in its host store)")
-            self.event("reform", self.step, generation=m["reform"], dead_processes=m["dead"], after_error=True)
-            raise launched.Reform(m["reform"], self.step) from err
+            self._leave_for_reform(m["reform"], f"processes {m['dead']} died and warm spares take their places",
+                                   cause=err, dead_processes=m["dead"], after_error=True)
         finished = self._finished if self._finished is not None and self._finished[0] == entry + 1 else None
         with self.goodput_recorder.span("recovery"):
             while True:
@@ -575,19 +574,16 @@ class ResilientStep:
             return self.live, finished[1]
         return self._call(batch)
 
-    def _leave_for_reform(self):
-        """Every worker stops before step ``self.step + 1`` (`launched.reform_due`): this
-        step is in the host store (written now if the store's cadence skipped it); raises
-        `launched.Reform` for the worker command to rejoin as the next generation."""
-        if self._store is not None and self._store.newest() != self.step:
-            self._store.write(self.step, self.live, self.guard, self._data_pos)
+    def _leave_for_reform(self, generation: int, why: str, cause: BaseException | None = None, **fields):
+        """This step object is done: the job re-forms as ``generation`` (``why``), with every
+        step this process completed in its host store. Raises `launched.Reform` for the
+        worker command to rejoin in this process (`launched.reattach`)."""
         self._broken = "left to re-form as the next generation"
         self._reforming = True
-        e = launched.env()
-        launched.say(f"leaving after step {self.step}: the job grows back to {e.num_processes} processes as "
-                     f"generation {e.generation + 1} (this process re-attaches without restarting)")
-        self.event("reform", self.step, generation=e.generation + 1)
-        raise launched.Reform(e.generation + 1, self.step)
+        launched.say(f"leaving after step {self.step}: {why}; this process rejoins generation {generation} without "
+                     f"restarting (its steps are in its host store)")
+        self.event("reform", self.step, generation=generation, **fields)
+        raise launched.Reform(generation, self.step) from cause
 
     def _shrink(self, m: dict, entry: int, upto: int, t_err: float) -> dict:
         t0 = time.perf_counter()
