@@ -167,3 +167,35 @@ def test_checksums_of_sharded_leaves_follow_their_definition():
     flipped[5, 3] ^= np.uint32(1 << 31)
     one = jax.device_put(flipped.view(np.float32), tree[0].sharding)
     assert int(np.asarray(jax.jit(replica_sums)([one]))[0, 0]) != got[0][0]
+
+
+def test_a_replica_check_program_is_never_reused_for_another_mesh_under_a_dead_ones_id():
+    """The replica check compiles one executable per program, cached by ``id(prog)``: when a
+    program dies (a mesh shrank or grew) CPython may give its id to the next one, which must
+    not get the dead one's executable, compiled for another mesh (a campaign trial once failed
+    after a rejoin with 'safe_zip() argument 1 has length 8 but argument 0 has length 5')."""
+    import gc
+    import weakref
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from resilax._src.protect.sdc import SdcCheck
+
+    class Prog:  # what `_fn` reads of a program: its mesh
+        def __init__(self, devices):
+            self.mesh = Mesh(np.array(devices).reshape(len(devices), 1), ("slice", "fsdp"))
+
+    check = SdcCheck(resilax.HealthConfig())
+    old = Prog(jax.devices()[:5])
+    stale = check._fn(old, [0], [jax.device_put(np.ones(4, np.float32), NamedSharding(old.mesh, P()))])
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None
+    new = Prog(jax.devices()[:8])
+    check._fns[(id(new), (0,))] = (gone, stale)  # what a reused id finds in the cache
+    x = jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(new.mesh, P()))
+    sums = np.asarray(check._fn(new, [0], [x])([x]))
+    assert check._fns[(id(new), (0,))][0]() is new and sums.shape[0] == 8 and len(set(sums.reshape(8, -1)[:, 0])) == 1

@@ -27,6 +27,7 @@ step was given is untouched: `ResilientStep.state` still holds it.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -41,27 +42,29 @@ class CrossCheck(Protection):
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self._done: set = set()  # ids of programs already checked (or skipped for good)
+        # programs already checked (or skipped for good): weak, never by id(), since a dead
+        # program's id can be reused by the next mesh's, which would then go unchecked
+        self._done = weakref.WeakSet()
         self._single = None  # the jitted single-device grad part, shared by every mesh
 
     def before_update(self, run, state, batch, step_no: int, gout, prog) -> None:
-        if id(prog) in self._done:
+        if prog in self._done:
             return
         mesh = dict(prog.mesh.shape)
         if jax.process_count() > 1:  # one device cannot read the other processes' shards
-            self._done.add(id(prog))
+            self._done.add(prog)
             run.event("crosscheck", step_no, mesh=mesh, checked=False,
                       reason="multi-process run: the single-device reference is not built for it yet")
             return
         if prog.m != 1:
-            self._done.add(id(prog))
+            self._done.add(prog)
             run.event("crosscheck", step_no, mesh=mesh, checked=False,
                       reason=f"{prog.m} microbatches: their random streams differ from the full batch's by design")
             return
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes")) + sum(
             np.asarray(x).nbytes for x in jax.tree.leaves(batch))
         if self.cfg.max_bytes is not None and nbytes > self.cfg.max_bytes:
-            self._done.add(id(prog))
+            self._done.add(prog)
             run.event("crosscheck", step_no, mesh=mesh, checked=False,
                       reason=f"state + batch {nbytes} bytes > VerifyConfig.max_bytes {self.cfg.max_bytes}")
             return
@@ -84,7 +87,7 @@ class CrossCheck(Protection):
         one = jax.device_put((state, batch, key), dev)
         want = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(self._single(one[0], one[1], jnp.uint32(step_no), one[2])))]
         del one
-        self._done.add(id(prog))
+        self._done.add(prog)
         bad = _differing(got, want, self.cfg.rtol,
                          [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(gout.rec)[0]])
         run.event("crosscheck", step_no, mesh=mesh, checked=True, differing=[b[0] for b in bad])

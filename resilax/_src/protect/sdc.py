@@ -67,7 +67,7 @@ class SdcCheck(Protection):
         self._checked_at = None
         self._checked_refs = None
         self._good_at = None  # the newest step whose replicas were found equal
-        self._told = set()
+        self._told = weakref.WeakSet()  # programs whose coverage event was recorded
         self._fns: dict = {}
         self.seconds: list[float] = []
         self.decisions: list[dict] = []
@@ -175,7 +175,7 @@ class SdcCheck(Protection):
         domain the shards are laid out alike in every domain, so equal replicas give equal
         rows, domain by domain."""
         key = (id(prog), tuple(idx))
-        if key not in self._fns:
+        if key not in self._fns or self._fns[key][0]() is not prog:  # (a dead program's id, reused)
             from jax.sharding import PartitionSpec as P
 
             mesh = prog.mesh
@@ -213,8 +213,8 @@ class SdcCheck(Protection):
         idx = [i for i, p in enumerate(places) if p == _ring.REPLICATED]
         live = mesh.shape[prog.spec.elastic_axis]
         multi = jax.process_count() > 1  # another process's domain cannot be read here
-        if id(prog) not in self._told:
-            self._told.add(id(prog))
+        if prog not in self._told:
+            self._told.add(prog)
             run.event("sdc_coverage", step, leaves_checked=0 if multi else len(idx), leaves=len(leaves), domains=live,
                       **({"reason": "multi-process run: not built yet"} if multi else {}))
         if live < 2 or not idx or multi:
