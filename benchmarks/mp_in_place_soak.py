@@ -10,8 +10,10 @@ moments chosen by the run's seed, in whatever generation runs then with 4 worker
    spare is ready for its place, so the others **re-form** with it (they leave their broken
    step and rejoin the next generation in their own processes);
 2. as soon as that generation has completed a step (the new spare is still importing),
-   SIGKILLs a random worker: no spare is ready, so the others **go on in place** (shrink),
-   and **grow back** once the new spare is warm;
+   SIGKILLs a random worker: no spare is ready, so the others **re-form alone** as a
+   smaller job (``--shrink reform``, the default; the spare takes the place if it is warm
+   by the time they have detached) or **go on in place** on their backend (``--shrink
+   backend``), and **grow back** once the new spare is warm;
 3. 3 steps into the newest generation of 4, SIGSTOPs a random worker: found by its stale
    heartbeat and killed; re-form or shrink, depending on the spare.
 
@@ -21,7 +23,7 @@ failed and a new generation restarted every worker; still bitwise), ``hung`` (th
 did not end: the workers' Python stacks are dumped with py-spy) or ``wrong`` (the final state
 differs, or none). Logs of the runs that are not clean are kept.
 
-    python benchmarks/mp_in_place_soak.py --runs 10 --seed 301 --json benchmarks/results/mp_in_place_soak.json
+    python benchmarks/mp_in_place_soak.py --runs 10 --seed 301 [--shrink backend] --json benchmarks/results/mp_in_place_soak.json
 """
 
 import argparse
@@ -114,12 +116,12 @@ def _dump_stacks(run, path):
             f.write(f"== process {k} (pid {pid})\n{r.stdout}{r.stderr}\n")
 
 
-def one_run(seed: int, where: str, reference) -> dict:
+def one_run(seed: int, where: str, reference, shrink: str = "reform") -> dict:
     rng = random.Random(seed)
     run, out = os.path.join(where, "run"), os.path.join(where, "final.npz")
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "4", "--devices-per-process", "2", "--run-dir", run,
            "--heartbeat", "0.2", "--heartbeat-timeout", "2", "--min-step-deadline", "20", "--max-restarts", "3",
-           "--spares", "1", "--in-place", "--", *TRAIN, "--out", out]
+           "--spares", "1", "--in-place", "--shrink", shrink, "--", *TRAIN, "--out", out]
     os.makedirs(where, exist_ok=True)
     log_path = os.path.join(where, "launch.log")
     t0 = time.time()
@@ -155,6 +157,7 @@ def one_run(seed: int, where: str, reference) -> dict:
     text = open(log_path, errors="replace").read()
     hist = (_read_json(os.path.join(run, "launch_history.json")) or {}).get("generations", [])
     outcomes = [(g["generation"], g["outcome"]) for g in hist]
+    smaller = sum(len(g.get("processes") or [0] * 4) < 4 for g in hist)  # generations re-formed without a spare
     whys = [g.get("why", "")[:160] for g in hist]
     bitwise = None
     if os.path.exists(out):
@@ -166,7 +169,7 @@ def one_run(seed: int, where: str, reference) -> dict:
     clean = rc == 0 and bitwise is True and outcomes and outcomes[-1][1] == "done" and \
         not any(o == "failed" for _, o in outcomes)
     kind = "clean" if clean else "hung" if rc is None else "fell back" if rc == 0 and bitwise else "wrong"
-    return {"seed": seed, "rc": rc, "kills": done, "history": outcomes, "bitwise": bitwise, "clean": clean, "kind": kind,
+    return {"seed": seed, "rc": rc, "kills": done, "history": outcomes, "smaller_generations": smaller, "bitwise": bitwise, "clean": clean, "kind": kind,
             "errors": fails[:6], "whys": whys, "wall_s": time.time() - t0, "log": log_path,
             "hung": rc is None}
 
@@ -176,6 +179,7 @@ def main():
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shrink", choices=("reform", "backend"), default="reform", help="resilax launch --shrink")
     a = ap.parse_args()
     from resilax.tools.bench import write_result
 
@@ -189,7 +193,7 @@ def main():
     reference = np.load(ref, allow_pickle=False)
     rows = []
     for i in range(a.runs):
-        row = one_run(a.seed + i, os.path.join(root, f"run{i}"), reference)
+        row = one_run(a.seed + i, os.path.join(root, f"run{i}"), reference, a.shrink)
         rows.append(row)
         print(f"run {i + 1}/{a.runs} seed {row['seed']}: {row['kind']}; kills "
               f"{row['kills']}; history {row['history']}; bitwise {row['bitwise']}; "
@@ -197,8 +201,9 @@ def main():
                                          else ""), flush=True)
     kinds = {k: sum(r["kind"] == k for r in rows) for k in ("clean", "fell back", "hung", "wrong")}
     paths = {k: sum(o == k for r in rows for _, o in r["history"]) for k in ("reform", "shrunk", "regrow", "failed")}
+    paths["smaller_generations"] = sum(r["smaller_generations"] for r in rows)
     print(f"\n{len(rows)} runs: {kinds}; transitions over all runs: {paths}")
-    write_result(a.json, {"benchmark": "mp_in_place_soak", "runs": len(rows), "kinds": kinds,
+    write_result(a.json, {"benchmark": "mp_in_place_soak", "shrink": a.shrink, "runs": len(rows), "kinds": kinds,
                           "clean": kinds["clean"], "transitions": paths, "rows": rows})
 
 

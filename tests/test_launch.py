@@ -141,14 +141,17 @@ def _gen_running(run_dir, gen, n=4):
     return procs if all((hbs.get(int(i)) or {}).get("first_step_t") for i in procs["workers"]) else None
 
 
-def test_in_place_sigstop_then_process_0_each_re_forms_with_a_warm_spare_without_restarting(tmp_path, reference):
-    """``resilax launch --in-place --spares 2``, 4 processes x 2 devices, the bit-exact mode:
-    a SIGSTOPped worker is found by its stale heartbeat and killed; a warm spare is ready for
-    its place, so the 3 others leave their broken step, detach, drop their JAX backend and
-    rejoin as generation 1 in their own processes (same pids) with the spare, restoring from
-    their host stores. Once they run, SIGKILL process 0: the same again with the other
-    spare (generation 2). The final state is bitwise that of the failure-free single-process run,
-    no step is lost, and every process that was not killed ran the whole job."""
+def test_in_place_re_forms_with_a_spare_then_without_one_and_grows_back_without_restarting(tmp_path, reference):
+    """``resilax launch --in-place --spares 1``, 4 processes x 2 devices, the bit-exact mode.
+    A SIGSTOPped worker is found by its stale heartbeat and killed; the warm spare is ready
+    for its place, so the 3 others leave their broken step, detach, drop their JAX backend
+    and rejoin as generation 1 in their own processes (same pids) with the spare, restoring
+    from their host stores. Right after generation 1's first step, SIGKILL process 0: no
+    spare is ready (the next one only starts now), so the 3 others re-form alone as
+    generation 2, 3 of the job's 4 processes (its failure domain 0 dead from the start),
+    and checkpoints go on; once the new spare is warm, the job grows back to 4 (generation 3)
+    at a step boundary. The final state is bitwise that of the failure-free single-process
+    run, no step is lost, and every process that was not killed ran the whole job."""
     from helpers import child_env
 
     rng = random.Random(int(os.environ.get("RESILAX_TEST_SEED", "0")) or None)
@@ -157,7 +160,7 @@ def test_in_place_sigstop_then_process_0_each_re_forms_with_a_warm_spare_without
     log = open(tmp_path / "launch.log", "wb")
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "4", "--devices-per-process", "2", "--run-dir", str(run),
            "--heartbeat", "0.2", "--heartbeat-timeout", "2", "--min-step-deadline", "20", "--max-restarts", "2",
-           "--collective-timeout", "5", "--spares", "2", "--in-place", "--", *TRAIN, "--out", str(out)]
+           "--collective-timeout", "5", "--spares", "1", "--in-place", "--", *TRAIN, "--out", str(out)]
     p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     done, reached, pids = [], [], []
 
@@ -173,28 +176,42 @@ def test_in_place_sigstop_then_process_0_each_re_forms_with_a_warm_spare_without
         time.sleep(rng.uniform(0, 1.0))
         kill(procs, rng.randrange(1, 4), signal.SIGSTOP, 0)
         procs = _wait(lambda: _gen_running(run, 1), 120, "generation 1 running", p)
-        time.sleep(rng.uniform(0, 1.0))
         kill(procs, 0, signal.SIGKILL, 1)
-        rc = p.wait(timeout=240)
+        # the spare started now must not be warm before the survivors detach (it could take
+        # the dead place, as it should): hold it (a spare slow to start) until the smaller
+        # generation has run past a checkpoint
+        spare = _wait(lambda: (_processes(run) or {}).get("spares", {}).get("1"), 60, "the next spare", p)
+        os.kill(spare, signal.SIGSTOP)
+        small = _wait(lambda: _gen_running(run, 2, n=3), 120, "generation 2 running with 3 workers", p)
+        base = _live_steps(run, 2)
+        _wait(lambda: _live_steps(run, 2) >= (base // EVERY + 1) * EVERY + 1, 120, "generation 2 past a checkpoint", p)
+        os.kill(spare, signal.SIGCONT)
+        rc = p.wait(timeout=300)
     finally:
         _kill_tree(p)
         log.close()
     text = (tmp_path / "launch.log").read_text(errors="replace")
     assert rc == 0, f"{done}\n{text[-6000:]}"
     hist = json.loads((run / "launch_history.json").read_text())["generations"]
-    assert [(g["generation"], g["outcome"]) for g in hist] == [(0, "reform"), (1, "reform"), (2, "done")], \
+    assert [(g["generation"], g["outcome"], g["processes"]) for g in hist] == [
+        (0, "reform", [0, 1, 2, 3]), (1, "reform", [0, 1, 2, 3]), (2, "regrow", [1, 2, 3]), (3, "done", [0, 1, 2, 3])], \
         (done, hist, text[-3000:])
     assert f"process {done[0][1]} " in hist[0]["why"] and "hung: heartbeat" in hist[0]["why"]
     assert "process 0 " in hist[1]["why"] and "signal SIGKILL" in hist[1]["why"]
-    for g, (sig, who) in enumerate(done):  # the others re-attached in their own processes
-        left = sorted(int(i) for i in pids[g] if int(i) != who)
-        assert f"processes {left} re-attached without restarting" in text, text[-3000:]
-        line = [ln for ln in text.splitlines() if f"generation {g + 1}: 4 workers" in ln][0]
-        assert all(str(pids[g][str(i)]) in line for i in left), (line, pids[g])
-        for i in left:
-            assert f"[g{g + 1} p{i}] re-attached as process {i} of 4 (generation {g + 1})" in text
+    assert "growing back to 4" in hist[2]["why"]
+    left0 = sorted(int(i) for i in pids[0] if int(i) != done[0][1])
+    assert f"processes {left0} re-attached without restarting" in text, text[-3000:]
+    line = [ln for ln in text.splitlines() if "generation 1: 4 workers" in ln][0]
+    assert all(str(pids[0][str(i)]) in line for i in left0), (line, pids[0])
+    # generation 2: the job's processes 1-3 as process ids 0-2, in their own pids
+    line = [ln for ln in text.splitlines() if "generation 2: 3 workers" in ln][0]
+    assert "(processes [1, 2, 3] of the job's 4" in line and all(str(pids[1][str(i)]) in line for i in (1, 2, 3)), line
+    assert small["slots"] == {"0": 1, "1": 2, "2": 3}, small
+    for i in (1, 2, 3):
+        assert f"[g2 p{i - 1}] re-attached as process {i - 1} of 3 (generation 2)" in text
+        assert f"[g3 p{i}] re-attached as process {i} of 4 (generation 3)" in text
     procs = _processes(run)
-    assert procs["status"] == "done" and procs["generation"] == 2
+    assert procs["status"] == "done" and procs["generation"] == 3
     final = np.load(out, allow_pickle=False)
     import hashlib
 
@@ -202,12 +219,21 @@ def test_in_place_sigstop_then_process_0_each_re_forms_with_a_warm_spare_without
     assert sorted(final.files) == sorted(reference.files)
     assert all(np.array_equal(final[k], reference[k]) for k in final.files), (_rel_diff(final, reference), done,
                                                                                text[-3000:])
-    # no step lost: each generation resumed (from the host stores) at least at the step every
-    # live worker had completed before the kill
-    for g in (1, 2):
+    # no step lost: each generation after a kill resumed (from the host stores) at least at
+    # the step every live worker had completed before it
+    for g, n in ((1, 4), (2, 3)):
         lines = [ln for ln in text.splitlines() if ln.startswith(f"[g{g} p") and "resumed at step" in ln]
-        assert len(lines) == 4 and all("(host store: " in ln for ln in lines), lines
+        assert len(lines) == n and all("(host store: " in ln for ln in lines), lines
         assert all(int(ln.split("resumed at step ")[1].split()[0]) >= reached[g - 1] for ln in lines), (lines, reached)
+    # the smaller generation saved its checkpoints (Orbax on its 3 processes): generation 3
+    # resumed with the newest one that generation 2 was due to save
+    def resumed(g):
+        ln = [ln for ln in text.splitlines() if ln.startswith(f"[g{g} p0]") and "resumed at step" in ln][0]
+        return int(ln.split("resumed at step ")[1].split()[0]), int(ln.split("newest checkpoint: ")[1].split(")")[0])
+
+    (r2, _), (r3, ck3) = resumed(2), resumed(3)
+    due = [s for s in range(r2 + 1, r3 + 1) if s % EVERY == 0]
+    assert not due or ck3 >= due[-1], (r2, r3, ck3)
     assert max(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit()) == STEPS
 
 

@@ -19,11 +19,14 @@ every shard from the hosts' stores, the dead host's from its neighbour's mirror)
 ``--host-store-every 0`` (relaunch + the newest Orbax checkpoint: ``restart_*``); with
 ``--spares S`` a third time with the host state store and S warm spares (``spares_*``: the
 new generation's first S workers are processes that already imported JAX and resilax; the
-kill waits until they are warm); and with ``--in-place`` (``in_place_*``: the survivors go
+kill waits until they are warm); with ``--in-place --shrink backend`` (``in_place_*``: the survivors go
 on in place on their own devices, no new generation; kill -> every live worker back at the
 step it had reached, phases from the survivors' ``recovery`` event: ``agree`` is from the
 kill to the agreement on the step, mostly XLA's collective timeout on the survivors that
-were not connected to the dead one); and with ``--in-place`` and one warm spare
+were not connected to the dead one); with ``--in-place`` and no spare (``shrink_reform_*``:
+the survivors leave their broken step, detach and re-form alone, as a generation of N - 1
+processes in their own processes, the dead one's failure domain empty; phases as for a new
+generation); and with ``--in-place`` and one warm spare
 (``reform_*``: the survivors leave their broken step, detach and rejoin the next generation
 in their own processes with the spare in the dead place; phases as for a new generation).
 ``final_max_rel_diff`` compares the final state with a failure-free single-process run
@@ -113,7 +116,7 @@ def _live(run: pathlib.Path, epoch: int, step: int) -> bool:
 
 
 def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, kill_after, rng, store_every,
-                   ref, collective_timeout, spares=0, in_place=False) -> dict:
+                   ref, collective_timeout, spares=0, in_place=False, shrink=None) -> dict:
     """One launch; SIGKILL one random worker once every worker is past ``kill_after`` (and
     ``spares`` spares are warm)."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
@@ -122,6 +125,7 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
            "--run-dir", str(run), "--heartbeat", "0.1", "--heartbeat-timeout", "3", "--max-restarts", "2",
            "--collective-timeout", str(collective_timeout),
            "--host-store-every", str(store_every), "--spares", str(spares), *(["--in-place"] if in_place else []),
+           *(["--shrink", shrink] if shrink else []),
            "--", *train, "--out", str(out),
            "--summary", str(summ)]
     log = open(work / "launch.log", "wb")
@@ -138,16 +142,17 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
         t_kill = time.time()
         os.kill(procs["workers"][str(victim)], signal.SIGKILL)
         print(f"      killed process {victim} (pid {procs['workers'][str(victim)]}) at step {kill_step}", flush=True)
-        if in_place and not spares:
+        if in_place and not spares and shrink == "backend":
             _wait(lambda: _live(run, 1, kill_step), 600, f"the survivors back at step {kill_step} in place", p)
             t_resume = time.time()
             rc = p.wait(timeout=600)
             return _in_place_result(work, rc, t_kill, t_resume, kill_step, victim, ref)
-        first = _wait(lambda: (h := heartbeats(run, 1)) and len(h) == n and all(x.get("first_step_t") for x in h.values())
+        n1 = n - 1 if in_place and not spares else n  # re-formed without a spare: the survivors alone
+        first = _wait(lambda: (h := heartbeats(run, 1)) and len(h) == n1 and all(x.get("first_step_t") for x in h.values())
                       and h, 600, "the new generation's first step", p)
         joined_t = max(x["joined_t"] for x in first.values())
         first_t = max(x["first_step_t"] for x in first.values())
-        _wait(lambda: len(h := heartbeats(run, 1)) == n and all((x.get("step") or 0) >= kill_step for x in h.values()),
+        _wait(lambda: len(h := heartbeats(run, 1)) == n1 and all((x.get("step") or 0) >= kill_step for x in h.values()),
               600, f"the new generation back at step {kill_step}", p)
         t_resume = time.time()
         rc = p.wait(timeout=600)
@@ -214,7 +219,7 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
     if spares < 0:
         raise ValueError(f"resilax bench multiprocess: --spares must be >= 0, got {spares}")
     rng = random.Random(seed)
-    runs = 6 if spares else 5
+    runs = 7 if spares else 6
     own = workdir is None
     work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mp-"))
     shutil.rmtree(work, ignore_errors=True)
@@ -244,10 +249,15 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         (work / "spares").mkdir()
         c = _kill_and_time(work / "spares", train, rng=random.Random(rng.random()), store_every=1, spares=spares,
                            **common)
-    print(f"[{runs - 1}/{runs}] the host-store run with --in-place: the survivors go on without the dead worker",
-          flush=True)
+    print(f"[{runs - 2}/{runs}] the host-store run with --in-place --shrink backend: the survivors go on without the "
+          f"dead worker on their backend", flush=True)
     (work / "in_place").mkdir()
     d = _kill_and_time(work / "in_place", train, rng=random.Random(rng.random()), store_every=1, in_place=True,
+                       shrink="backend", **common)
+    print(f"[{runs - 1}/{runs}] --in-place, no spare: the survivors re-form alone as a smaller job without "
+          f"restarting", flush=True)
+    (work / "shrink").mkdir()
+    f = _kill_and_time(work / "shrink", train, rng=random.Random(rng.random()), store_every=1, in_place=True,
                        **common)
     print(f"[{runs}/{runs}] --in-place with 1 warm spare: the survivors re-form with it as the next generation "
           f"without restarting", flush=True)
@@ -272,7 +282,10 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
                    "in_place_run": d,
                    "reform_kill_to_resume_s": e["kill_to_resume_s"], "reform_phases": e["phases"],
                    "reform_lost_steps": e["lost_steps"], "reform_final_max_rel_diff": e["final_max_rel_diff"],
-                   "reform_run": e})
+                   "reform_run": e,
+                   "shrink_reform_kill_to_resume_s": f["kill_to_resume_s"], "shrink_reform_phases": f["phases"],
+                   "shrink_reform_lost_steps": f["lost_steps"],
+                   "shrink_reform_final_max_rel_diff": f["final_max_rel_diff"], "shrink_reform_run": f})
     if c is not None:
         result.update({"spares_kill_to_resume_s": c["kill_to_resume_s"], "spares_phases": c["phases"],
                        "spares_lost_steps": c["lost_steps"], "spares_final_max_rel_diff": c["final_max_rel_diff"],
@@ -288,9 +301,9 @@ def run(args) -> int:
                            seed=args.seed, workdir=args.workdir, spares=args.spares,
                            collective_timeout=args.collective_timeout)
     runs = [r["host_store_run"], r["restart_run"]] + ([r["spares_run"]] if "spares_run" in r else []) + \
-        [r["in_place_run"], r["reform_run"]]
+        [r["in_place_run"], r["shrink_reform_run"], r["reform_run"]]
     heads = ["host store", "restart"] + ([f"+{args.spares} spares"] if "spares_run" in r else []) + \
-        ["in place", "re-form"]
+        ["in place", "re-form -1", "re-form"]
 
     def row(label, vals, fmt):
         print(f"{label:<28}" + "".join(format(v, fmt) for v in vals))

@@ -80,6 +80,11 @@ PROCESSES_JSON = "processes.json"
 HEARTBEATS = "heartbeats"  # D/heartbeats/g<generation>.p<process id>.json; spares: spare<k>.json
 SPARES = "spares"  # D/spares/spare<k>.json: a spare's assignment
 _STOPPED = "another worker of its generation died"
+# --in-place, a death with no warm spare for every dead place: "reform": the survivors re-form
+# as a smaller generation on a new backend (checkpoints and preemption go on); "backend":
+# they go on in the same processes on the backend the failure broke (faster here, but XLA's
+# CPU runtime keeps broken communicators cached: docs/multiprocess.md)
+SHRINK_MODES = ("reform", "backend")
 
 
 def _die_with_parent():  # runs in the child between fork and exec
@@ -226,6 +231,7 @@ class _Spare:
 class _Worker:
     def __init__(self, pid_: int, env: LaunchEnv, proc: subprocess.Popen, out: _Output, spare: int | None = None):
         self.process_id = pid_
+        self.slot = env.slot  # the job's process index (== process_id unless the generation is smaller)
         self.env = env
         self.proc = proc
         self._pump = out
@@ -279,7 +285,8 @@ class Supervisor:
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, step_deadline_factor: float = 20.0,
                  min_step_deadline_s: float = 30.0, collective_timeout_s: int | None = None,
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 10, grace_s: float = 60.0,
-                 host_store_every: int = 1, spares: int = 0, in_place: bool = False, min_in_place: int | None = None):
+                 host_store_every: int = 1, spares: int = 0, in_place: bool = False, min_in_place: int | None = None,
+                 shrink: str = "reform"):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if n < 1 or devices_per_process < 1:
@@ -319,6 +326,10 @@ class Supervisor:
                              "survivors restore the step they agree on from it")
         if self.min_in_place < 1:
             raise ValueError(f"resilax launch: --min-in-place must be >= 1, got {min_in_place}")
+        if shrink not in SHRINK_MODES:
+            raise ValueError(f"resilax launch: --shrink must be one of {SHRINK_MODES}, got {shrink!r}")
+        self.shrink = shrink
+        self.slots = list(range(n))  # the job's process index of each process id of this generation
         self.epoch = 0  # in-place shrinks within this generation
         self._restarts = 0  # generations started after a failure (a job grown back is not one)
         self._reform_now: str | None = None  # why the job re-forms now (`_shrink_in_place`)
@@ -337,40 +348,47 @@ class Supervisor:
             "workers": {str(w.process_id): w.proc.pid for w in self.workers if w.proc.poll() is None},
             "status": status, "coordinator": self.workers[0].env.coordinator if self.workers else None,
             "epoch": self.epoch,
+            "slots": {str(w.process_id): w.slot for w in self.workers},
             "spares": {str(s.index): s.proc.pid for s in self.spares if s.proc.poll() is None},
         })
 
     # ------------------------------------------------------------------ one generation
-    def _start_generation(self, carry: list | None = None):
-        """Starts the next generation: a new service, and for each process id a carried-over
-        worker that re-forms in its own process (``carry``: the survivors of a job grown back),
-        else a ready warm spare, else a new process."""
+    def _start_generation(self, carry: list | None = None, slots: list | None = None):
+        """Starts the next generation: a new service, and for each of the job's process
+        indices in ``slots`` (default: all ``-n``; fewer when survivors re-form without
+        replacements for every dead one) a carried-over worker that re-forms in its own
+        process (``carry``: the live workers of the generation that re-formed), else a ready
+        warm spare, else a new process. Process ids are numbered 0.. in slot order."""
         from resilax._src.runtime import jaxdist
 
         self.generation += 1
         g = self.generation
+        self.slots = list(range(self.n)) if slots is None else sorted(slots)
+        m = len(self.slots)
         port = free_port()
-        self._service = jaxdist.start_service(port, self.n, heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
+        self._service = jaxdist.start_service(port, m, heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
         (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.workers, self.departed, self.epoch = [], [], 0
         (self.run_dir / launched.MEMBERSHIP_JSON).unlink(missing_ok=True)
         ready = self._ready_spares()
-        carried = {w.process_id: w for w in carry or ()}
-        for i in range(self.n):
+        carried = {w.slot: w for w in carry or ()}
+        smaller = m < self.n
+        for i, slot in enumerate(self.slots):
             env = LaunchEnv(
-                coordinator=f"127.0.0.1:{port}", process_id=i, num_processes=self.n, generation=g,
+                coordinator=f"127.0.0.1:{port}", process_id=i, num_processes=m, generation=g,
                 devices_per_process=self.k, run_dir=str(self.run_dir),
                 heartbeat_file=str(heartbeat_file(self.run_dir, g, i)), heartbeat_s=self.heartbeat_s,
                 jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
                 init_timeout_s=int(min(self.startup_timeout_s, 600)),
                 host_store=str(self.store_root or ""), host_store_every=self.host_store_every,
                 host_store_step=-1 if self.store_step is None else self.store_step,
-                in_place_wait_s=(self.min_deadline + self.heartbeat_timeout_s + 10.0) if self.in_place else 0.0)
+                in_place_wait_s=(self.min_deadline + self.heartbeat_timeout_s + 10.0) if self.in_place else 0.0,
+                slots=",".join(map(str, self.slots)) if smaller else "", num_slots=self.n if smaller else 0)
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
-            if i in carried:  # a survivor of the shrunk job: it re-attaches without restarting
-                w = carried[i]
-                write_json(launched.reform_assignment(self.run_dir, g, i), env.to_dict())
+            if slot in carried:  # a live worker of the generation that re-formed: it re-attaches without restarting
+                w = carried[slot]  # (its assignment is named by its process id in that generation)
+                write_json(launched.reform_assignment(self.run_dir, g, w.process_id), env.to_dict())
                 w._pump.relabel(prefix, log)
                 self.workers.append(_Worker(i, env, w.proc, w._pump))
                 continue
@@ -386,7 +404,9 @@ class Supervisor:
         self._t_gen = time.time()
         self._write_processes("running")
         from_spares = [w.process_id for w in self.workers if w.spare is not None]
-        _say(f"generation {g}: {self.n} workers x {self.k} devices, coordinator 127.0.0.1:{port}, pids "
+        _say(f"generation {g}: {m} workers x {self.k} devices"
+             + (f" (processes {self.slots} of the job's {self.n}: no replacement for the others yet)" if smaller else "")
+             + f", coordinator 127.0.0.1:{port}, pids "
              f"{[w.proc.pid for w in self.workers]}"
              + (f"; processes {from_spares} from warm spares "
                 f"{[w.spare for w in self.workers if w.spare is not None]}" if from_spares else "")
@@ -559,7 +579,7 @@ class Supervisor:
                     break  # the survivors go on: watch them
                 if why is not None:
                     why = w.reap(why)
-                    self._dead_process = w.process_id
+                    self._dead_process = w.slot
                     return "failed", (w.rc if w.rc and w.rc > 0 else 1), f"process {w.process_id} (pid {w.proc.pid}) {why}"
             if all(w.proc.poll() == 0 for w in self.workers):
                 return ("term" if forwarded else "done"), 0, ""
@@ -606,21 +626,26 @@ class Supervisor:
                 _say(f"process {w.process_id} {why}; not going on in place: {refused}")
             return False
         why = w.reap(why)
-        self._lose_host_store(w.process_id)
+        self._lose_host_store(w.slot)
         self.workers = [x for x in self.workers if x is not w]
         self.departed.append(w)
         self.epoch += 1
         alive = [x.process_id for x in self.workers]
         ready = self._ready_spares()
-        reform = len(ready) >= self.n - len(alive)  # warm spares for every dead place: re-form at once
+        missing = self.n - len(alive)
+        # warm spares for every dead place, or --shrink reform: re-form at once
+        reform = self.shrink == "reform" or len(ready) >= missing
         write_json(self.run_dir / launched.MEMBERSHIP_JSON, {
             "generation": self.generation, "epoch": self.epoch, "alive": alive,
             "dead": sorted(x.process_id for x in self.departed), **({"reform": self.generation + 1} if reform else {})})
         died = f"process {w.process_id} (pid {w.proc.pid}) {why}"
         self._write_processes("running")
-        if reform:  # the survivors leave their broken step, detach and rejoin with the spares (`_watch` returns)
-            self._reform_now = f"{died}; warm spare(s) ready for every dead place: re-forming"
-            _say(f"generation {self.generation}: {died}; processes {alive} re-form with warm spare(s) as generation "
+        if reform:  # the survivors leave their broken step, detach and rejoin (`_watch` returns)
+            how = ("with warm spare(s) for every dead place" if len(ready) >= missing else
+                   f"as {len(alive) + len(ready)} of the job's {self.n} processes ({len(ready)} warm spare(s) ready; "
+                   f"it grows back when more are)")
+            self._reform_now = f"{died}; re-forming {how}"
+            _say(f"generation {self.generation}: {died}; processes {alive} re-form {how} as generation "
                  f"{self.generation + 1} without restarting")
             return True
         self.history.append({"generation": self.generation, "outcome": "shrunk", "epoch": self.epoch,
@@ -632,8 +657,8 @@ class Supervisor:
         """Why the job, shrunk in place, grows back to ``-n`` now (None: not now): enough warm
         spares are ready for the dead places and every live worker has completed a step since
         the newest shrink (none is recovering)."""
-        if not self.in_place or self.epoch == 0 or self._term is not None or len(self.workers) >= self.n:
-            return None
+        if not self.in_place or self._term is not None or len(self.workers) >= self.n:
+            return None  # (fewer than -n: shrunk in place, or a generation re-formed without replacements)
         missing = self.n - len(self.workers)
         ready = self._ready_spares()
         if len(ready) < missing:
@@ -642,8 +667,9 @@ class Supervisor:
             hb = w.heartbeat() or {}
             if w.proc.poll() is not None or hb.get("phase") != "step" or hb.get("epoch") != self.epoch:
                 return None
-        return (f"{len(ready)} warm spare(s) ready for the {missing} place(s) of process(es) "
-                f"{sorted(x.process_id for x in self.departed)}: growing back to {self.n}")
+        gone = sorted(set(range(self.n)) - {w.slot for w in self.workers})
+        return (f"{len(ready)} warm spare(s) ready for the {missing} place(s) of the job's process(es) {gone}: "
+                f"growing back to {self.n}")
 
     def _detach_live_workers(self) -> list | None:
         """The job re-forms: ``"reform"`` in the membership file tells the live workers to
@@ -651,7 +677,8 @@ class Supervisor:
         agree on, `launched.reform_due`). Waits until each has detached from the service;
         returns them, or None if one exited, hung or did not detach in time."""
         membership = _read_json(self.run_dir / launched.MEMBERSHIP_JSON) or {}
-        write_json(self.run_dir / launched.MEMBERSHIP_JSON, {**membership, "reform": self.generation + 1})
+        write_json(self.run_dir / launched.MEMBERSHIP_JSON, {
+            "generation": self.generation, "epoch": self.epoch, **membership, "reform": self.generation + 1})
         limit = time.time() + self.collective_timeout_s + self.min_deadline
         while True:
             now = time.time()
@@ -683,16 +710,16 @@ class Supervisor:
             self._make_store()
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         rc = 1
-        carry = None
+        carry = slots = None
         try:
             while True:
                 t_gen = time.time()
-                self._start_generation(carry)
-                carry = None
+                self._start_generation(carry, slots)
+                carry = slots = None
                 outcome, rc, why = self._watch()
                 t_end = time.time()
                 self.history.append({"generation": self.generation, "outcome": outcome, "why": why,
-                                     "started": t_gen, "ended": t_end})
+                                     "processes": list(self.slots), "started": t_gen, "ended": t_end})
                 if outcome in ("regrow", "reform"):
                     if outcome == "regrow":
                         _say(f"generation {self.generation}: {why}; the live workers leave at the next step boundary")
@@ -701,8 +728,11 @@ class Supervisor:
                         self._join_departed()
                         self._service.shutdown()
                         self._service = None
+                        # the dead places a warm spare can take now; the others wait for a grow-back
+                        gone = sorted(set(range(self.n)) - {w.slot for w in carry})
+                        slots = sorted({w.slot for w in carry} | set(gone[:len(self._ready_spares())]))
                         if self.store_root is not None:
-                            self.store_step = hoststore.restorable_step(self.store_root, self.n)
+                            self.store_step = hoststore.restorable_step(self.store_root, self.n, slots)
                         self.history[-1]["ended"] = time.time()
                         continue
                     outcome, rc, why = "failed", 1, f"{outcome} failed: {why}"
@@ -723,8 +753,8 @@ class Supervisor:
                 # at once: both), or killed as hung, lost its host; one that exited with an
                 # error (a collective timed out) or that this supervisor stopped did not
                 for w in self.workers:
-                    if w.process_id == self._dead_process or ((w.proc.returncode or 0) < 0 and w.killed_for is None):
-                        self._lose_host_store(w.process_id)
+                    if w.slot == self._dead_process or ((w.proc.returncode or 0) < 0 and w.killed_for is None):
+                        self._lose_host_store(w.slot)
                 if self.store_root is not None:
                     self.store_step = hoststore.restorable_step(self.store_root, self.n)
                     _say(f"host stores hold every process's shards up to step {self.store_step}"
@@ -801,6 +831,12 @@ def register_cli(sub) -> None:
                         "process, host store on), the others go on in place on their own devices instead of a new "
                         "generation restarting all of them; once enough warm spares (--spares) are ready for the "
                         "dead places, the job grows back to -n without restarting the survivors")
+    p.add_argument("--shrink", choices=SHRINK_MODES, default="reform",
+                   help="--in-place, a death with no warm spare ready for every dead place: 'reform' (default): the "
+                        "survivors re-form as a smaller job on a new backend in their own processes (checkpoints and "
+                        "preemption keep working; it grows back when spares are ready); 'backend': they go on at once "
+                        "on the backend the failure broke (faster; falls back to a restart when a broken "
+                        "communicator is reused; checkpoints pause until the job grows back)")
     p.add_argument("--min-in-place", type=int, default=None, metavar="M",
                    help="go on in place only while at least M workers are left (default: half of -n, rounded up); "
                         "below that a new generation brings the job back to -n workers")
@@ -818,7 +854,8 @@ def _cmd_launch(args) -> int:
                          heartbeat_timeout_s=args.heartbeat_timeout, step_deadline_factor=args.step_deadline_factor,
                          min_step_deadline_s=args.min_step_deadline, collective_timeout_s=args.collective_timeout,
                          startup_timeout_s=args.startup_timeout, host_store_every=args.host_store_every,
-                         spares=args.spares, in_place=args.in_place, min_in_place=args.min_in_place)
+                         spares=args.spares, in_place=args.in_place, min_in_place=args.min_in_place,
+                         shrink=args.shrink)
     except ValueError as e:
         print(f"resilax: error: {e}", file=sys.stderr)
         return 2

@@ -53,12 +53,12 @@ def configure_cpu_devices(n: int) -> None:
 
     e = launched.initialize()
     if e is not None:
-        if e.num_processes * e.devices_per_process != n:
+        if e.job_processes * e.devices_per_process != n:  # (a generation smaller than the job: its full size)
             import resilax
 
             raise resilax.TopologyError(
-                f"resilax train: the topology needs {n} devices, but `resilax launch` started {e.num_processes} "
-                f"processes x {e.devices_per_process} devices = {e.num_processes * e.devices_per_process}")
+                f"resilax train: the topology needs {n} devices, but `resilax launch` started {e.job_processes} "
+                f"processes x {e.devices_per_process} devices = {e.job_processes * e.devices_per_process}")
         return
     if jax.config.jax_platforms in (None, "", "cpu") and os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
         jax.config.update("jax_num_cpu_devices", n)

@@ -90,13 +90,15 @@ def sources(root: pathlib.Path, process: int, n: int, step: int) -> list[pathlib
     return out
 
 
-def restorable_step(root: pathlib.Path, n: int) -> int | None:
-    """The newest step every one of the ``n`` processes can read back from some host."""
+def restorable_step(root: pathlib.Path, n: int, processes=None) -> int | None:
+    """The newest step every one of the ``n`` processes (or those of them in ``processes``:
+    a generation smaller than the job) can read back from some host."""
     every = set()
     for j in range(n):
         for kind in ("own", "mirror"):
             every |= set(committed_steps(root / f"host{j}" / kind))
-    ok = [s for s in every if all(sources(root, i, n, s) for i in range(n))]
+    want = range(n) if processes is None else processes
+    ok = [s for s in every if all(sources(root, i, n, s) for i in want)]
     return max(ok) if ok else None
 
 
@@ -139,10 +141,12 @@ class HostStore(base.Protection):
 
     name = "host_store"
 
-    def __init__(self, root: str, process: int, n: int, every: int = 1):
+    def __init__(self, root: str, process: int, n: int, every: int = 1, alive=None):
         self.root = pathlib.Path(root)
         self.process, self.n, self.every = process, n, every
-        self.alive = list(range(n))  # the ring: this process mirrors to the next live one
+        # the ring: this process mirrors to the next live one (a generation smaller than the
+        # job, `resilax launch` re-formed without replacements, starts with some hosts gone)
+        self.alive = sorted(alive) if alive is not None else list(range(n))
         self.seconds: list[float] = []
 
     def _targets(self) -> list[pathlib.Path]:

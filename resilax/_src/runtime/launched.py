@@ -54,6 +54,40 @@ class LaunchEnv:
     host_store_step: int = -1  # the newest step every process can restore from it (-1: none)
     host_store_every: int = 1
     in_place_wait_s: float = 0.0  # in-place shrink: how long survivors wait for the supervisor's verdict (0: off)
+    # A generation smaller than the job (survivors re-formed without spares for the dead):
+    # ``slots`` is the job's process (failure-domain) index of each process id, comma
+    # separated, and ``num_slots`` the job's size; "" / 0: every process, in order.
+    slots: str = ""
+    num_slots: int = 0
+
+    def __post_init__(self):
+        if not self.slots:
+            return
+        try:
+            got = [int(s) for s in self.slots.split(",")]
+        except ValueError:
+            got = None
+        if got is None or len(got) != self.num_processes or len(set(got)) != len(got) or \
+                not all(0 <= s < self.num_slots for s in got):
+            from resilax._src.errors import ResilaxError
+
+            raise ResilaxError(f"resilax launch: slots {self.slots!r} must name {self.num_processes} distinct process "
+                               f"indices of the job in [0, num_slots={self.num_slots}), comma separated")
+
+    @property
+    def slot_list(self) -> list[int]:
+        """The job's process index (its failure domain, its host store) of each process id."""
+        return [int(s) for s in self.slots.split(",")] if self.slots else list(range(self.num_processes))
+
+    @property
+    def slot(self) -> int:
+        """This process's place in the job (== process_id unless the generation is smaller)."""
+        return self.slot_list[self.process_id]
+
+    @property
+    def job_processes(self) -> int:
+        """How many processes the whole job has (more than this generation's when it is smaller)."""
+        return self.num_slots or self.num_processes
 
     def to_env(self) -> dict[str, str]:
         return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -526,8 +560,8 @@ def reform_due(step: int) -> bool:
     after the lowest one dispatched it, so each finds the boundary before it passes it."""
     m = _state.get("membership")
     e = _state.get("env")
-    if m is None or e is None:
-        return False
+    if e is None or (m is None and e.job_processes == e.num_processes):
+        return False  # neither shrunk in place nor a generation smaller than the job: nothing to grow
     from resilax._src.runtime import jaxdist
 
     key = f"resilax/reform/g{e.generation}"

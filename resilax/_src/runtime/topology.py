@@ -160,9 +160,11 @@ class Topology:
 
         from resilax._src.runtime import launched
 
-        launched.initialize()  # under `resilax launch`: join the job before JAX lists devices
-        devices = list(jax.devices() if devices is None else devices)
+        job = launched.initialize()  # under `resilax launch`: join the job before JAX lists devices
         where = f"resilax.Topology {self.name!r}"
+        if devices is None and job is not None and job.num_slots and job.num_slots != job.num_processes:
+            return self._slot_domains(job, list(jax.devices()), where)
+        devices = list(jax.devices() if devices is None else devices)
         platforms = sorted({d.platform for d in devices})
         if platforms != [self.platform]:
             raise TopologyError(
@@ -185,6 +187,30 @@ class Topology:
             order = sorted(devices, key=lambda d: (d.process_index, d.id))
         k = self.devices_per_domain
         return [order[i * k : (i + 1) * k] for i in range(self.num_domains)]
+
+    def _slot_domains(self, job, devices, where) -> list[list[Any]]:
+        """The domains of a `resilax launch` generation smaller than the job (its survivors
+        re-formed without replacements): domain ``s`` holds the devices of the process in
+        slot ``s``; the other domains are empty (dead from the start, nothing is placed on
+        them), so the mesh, the virtual replicas of the bit-exact mode and the host stores
+        keep the job's numbering."""
+        k = self.devices_per_domain
+        if job.job_processes != self.num_domains or job.devices_per_process != k:
+            raise TopologyError(
+                f"{where}: `resilax launch` re-formed this job as {job.num_processes} of its {job.job_processes} "
+                f"processes x {job.devices_per_process} devices, which needs one {self.domain_kind} per process "
+                f"({self.num_domains} x {k} here)")
+        if len(devices) != job.num_processes * k:
+            raise TopologyError(f"{where}: {job.num_processes} processes x {k} devices expected, but "
+                                f"{len(devices)} are present")
+        order = sorted(devices, key=lambda d: (d.process_index, d.id))
+        out: list[list[Any]] = [[] for _ in range(self.num_domains)]
+        for p, s in enumerate(job.slot_list):
+            out[s] = order[p * k:(p + 1) * k]
+            if {d.process_index for d in out[s]} != {p}:
+                raise TopologyError(f"{where}: process {p}'s devices are not {k} of its own: "
+                                    f"{[(d.id, d.process_index) for d in out[s]]}")
+        return out
 
     def mesh(self, domains: Sequence[Sequence[Any]]):
         """A mesh over the given (surviving) domains: the elastic axis has one entry each."""

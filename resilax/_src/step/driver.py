@@ -219,8 +219,9 @@ class ResilientStep:
                 f"but got {type(data).__name__}")
         state = jax.tree.map(_sh.as_array, state)
         self._domains = [list(d) for d in self.topology.domains()]
-        self._alive = list(range(len(self._domains)))
-        self.mesh = self.topology.mesh(self._domains)
+        # a `resilax launch` generation smaller than the job starts with the dead domains empty
+        self._alive = [i for i, d in enumerate(self._domains) if d]
+        self.mesh = self.topology.mesh([self._domains[i] for i in self._alive])
         self._abstract_state = _sh.abstract(state)
         self._state_sh = _sh.resolve(self._state_spec, state, self.mesh, "state_sharding")
         self.data = data
@@ -240,7 +241,8 @@ class ResilientStep:
         # the watcher reads the previous verdict; checkpoints are saved by the driver.
         check = CrossCheck(cfg.verify) if cfg.verify is not None else None
         job = launched.env()
-        store = (_hoststore.HostStore(job.host_store, job.process_id, job.num_processes, job.host_store_every)
+        store = (_hoststore.HostStore(job.host_store, job.slot, job.job_processes, job.host_store_every,
+                                      alive=job.slot_list)
                  if job is not None and job.host_store else None)
         sdc = SdcCheck(cfg.health) if cfg.health is not None else None
         self._protections = [p for p in (check, sdc, self._log, peers, self._watch, store, self._ckpt) if p is not None]
@@ -337,7 +339,7 @@ class ResilientStep:
                 f"{', batch'.join(reads)}; replay and recovery redo the update from the recorded values only. Record "
                 f"everything the update needs, e.g. resilax.record((grads, new_batch_stats))")
         with self.goodput_recorder.span("compile"):
-            prog = _program.make(spec, self.mesh, full_mesh=True)
+            prog = _program.make(spec, self.mesh, full_mesh=len(self._alive) == len(self._domains))
             prog.grad(False)
             prog.update(None)
         self._programs[tuple(self._alive)] = prog
@@ -478,7 +480,9 @@ class ResilientStep:
             e = launched.env()
             if self._store is not None and self._store.newest() != self.step:  # the store's cadence skipped it
                 self._store.write(self.step, self.live, self.guard, self._data_pos)
-            self._leave_for_reform(e.generation + 1, f"the job grows back to {e.num_processes} processes")
+            if self._ckpt is not None and self._ckpt.paused is None:
+                self._ckpt.store.wait()  # every worker is here: a save in flight commits before they detach
+            self._leave_for_reform(e.generation + 1, f"the job grows back to {e.job_processes} processes")
         if not self._loop_open:
             self._loop_span.close()
             self._loop_span.enter_context(self.goodput_recorder.span("productive"))
@@ -518,7 +522,7 @@ class ResilientStep:
         return (e is not None and e.in_place_wait_s > 0 and self.config.deterministic is not None
                 and self._store is not None and self._log is None and self._peers is None and self._sdc is None
                 and bool(self._domains)
-                and all(len({d.process_index for d in dom}) == 1 for dom in self._domains))
+                and all(len({d.process_index for d in dom}) == 1 for dom in self._domains if dom))
 
     def _go_on_in_place(self, err: BaseException, entry: int, batch):
         """A step failed under `resilax launch --in-place` (``err``: a collective or a save
@@ -542,7 +546,7 @@ class ResilientStep:
             launched.shrunk(m)  # (threads may wait on the dead for good: see launched.exit_if_shrunk)
             if self._ckpt is not None:
                 self._ckpt.store.abandon()  # a save in flight waits on the dead: nothing waits for it
-            self._leave_for_reform(m["reform"], f"processes {m['dead']} died and warm spares take their places",
+            self._leave_for_reform(m["reform"], f"processes {m['dead']} died: the others re-form on a new backend",
                                    cause=err, dead_processes=m["dead"], after_error=True)
         finished = self._finished if self._finished is not None and self._finished[0] == entry + 1 else None
         with self.goodput_recorder.span("recovery"):
