@@ -13,7 +13,9 @@ moments chosen by the run's seed, in whatever generation runs then with 4 worker
    SIGKILLs a random worker: no spare is ready, so the others **re-form alone** as a
    smaller job (``--shrink reform``, the default; the spare takes the place if it is warm
    by the time they have detached) or **go on in place** on their backend (``--shrink
-   backend``), and **grow back** once the new spare is warm;
+   backend``), and **grow back** once the new spare is warm (``--hold-spare S``: the spare
+   started then is SIGSTOPped for S seconds, a spare slow to start, so that the survivors
+   surely find none ready);
 3. 3 steps into the newest generation of 4, SIGSTOPs a random worker: found by its stale
    heartbeat and killed; re-form or shrink, depending on the spare.
 
@@ -33,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -116,7 +119,14 @@ def _dump_stacks(run, path):
             f.write(f"== process {k} (pid {pid})\n{r.stdout}{r.stderr}\n")
 
 
-def one_run(seed: int, where: str, reference, shrink: str = "reform") -> dict:
+def _cont(pid):
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # replaced meanwhile (a held spare that was warm looks hung)
+        pass
+
+
+def one_run(seed: int, where: str, reference, shrink: str = "reform", hold_spare: float = 0.0) -> dict:
     rng = random.Random(seed)
     run, out = os.path.join(where, "run"), os.path.join(where, "final.npz")
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "4", "--devices-per-process", "2", "--run-dir", run,
@@ -144,6 +154,12 @@ def one_run(seed: int, where: str, reference, shrink: str = "reform") -> dict:
                 k = rng.choice(sorted(int(i) for i in procs["workers"]))
                 os.kill(procs["workers"][str(k)], sig)
                 done.append((procs["generation"], sig.name, k))
+                if hold_spare and not spare and sig == signal.SIGKILL:  # the spare(s) starting now: held
+                    held = _wait(lambda: set((_read_json(os.path.join(run, "processes.json")) or {}).get("spares", {})
+                                             .values()), 60, p)
+                    for pid in held or ():
+                        os.kill(pid, signal.SIGSTOP)
+                        threading.Timer(hold_spare, _cont, (pid,)).start()
                 _wait(lambda: _handled(run, procs["generation"]), 60, p)
             try:
                 rc = p.wait(timeout=150)
@@ -180,6 +196,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--shrink", choices=("reform", "backend"), default="reform", help="resilax launch --shrink")
+    ap.add_argument("--hold-spare", type=float, default=0.0, metavar="S",
+                    help="SIGSTOP the spare started at the second kill for S seconds (0: not held)")
     a = ap.parse_args()
     from resilax.tools.bench import write_result
 
@@ -193,7 +211,7 @@ def main():
     reference = np.load(ref, allow_pickle=False)
     rows = []
     for i in range(a.runs):
-        row = one_run(a.seed + i, os.path.join(root, f"run{i}"), reference, a.shrink)
+        row = one_run(a.seed + i, os.path.join(root, f"run{i}"), reference, a.shrink, a.hold_spare)
         rows.append(row)
         print(f"run {i + 1}/{a.runs} seed {row['seed']}: {row['kind']}; kills "
               f"{row['kills']}; history {row['history']}; bitwise {row['bitwise']}; "
@@ -203,7 +221,8 @@ def main():
     paths = {k: sum(o == k for r in rows for _, o in r["history"]) for k in ("reform", "shrunk", "regrow", "failed")}
     paths["smaller_generations"] = sum(r["smaller_generations"] for r in rows)
     print(f"\n{len(rows)} runs: {kinds}; transitions over all runs: {paths}")
-    write_result(a.json, {"benchmark": "mp_in_place_soak", "shrink": a.shrink, "runs": len(rows), "kinds": kinds,
+    write_result(a.json, {"benchmark": "mp_in_place_soak", "shrink": a.shrink, "hold_spare_s": a.hold_spare,
+                          "runs": len(rows), "kinds": kinds,
                           "clean": kinds["clean"], "transitions": paths, "rows": rows})
 
 

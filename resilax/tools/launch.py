@@ -701,7 +701,7 @@ class Supervisor:
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.num_spares:
+        if self.num_spares or self.in_place:  # (re-forming workers read their assignment there too)
             shutil.rmtree(self.run_dir / SPARES, ignore_errors=True)  # a former launch's assignments
             (self.run_dir / SPARES).mkdir(parents=True)
             (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)

@@ -584,8 +584,9 @@ class ResilientStep:
         worker command to rejoin in this process (`launched.reattach`)."""
         self._broken = "left to re-form as the next generation"
         self._reforming = True
-        launched.say(f"leaving after step {self.step}: {why}; this process rejoins generation {generation} without "
-                     f"restarting (its steps are in its host store)")
+        held = self._store.newest() if self._store is not None else None  # (a failed step's update never landed)
+        launched.say(f"leaving at step {self.step}: {why}; this process rejoins generation {generation} without "
+                     f"restarting (its host store holds step {held})")
         self.event("reform", self.step, generation=generation, **fields)
         raise launched.Reform(generation, self.step) from cause
 
