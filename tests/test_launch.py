@@ -1,12 +1,12 @@
 """`resilax launch`: real worker processes under jax.distributed, killed from outside.
 
 The end-to-end test runs 4 processes x 2 CPU devices (`cpu-4x2`, `resilax train`'s default
-bit-exact mode: the state whole in every process, sharded over its 2 devices) with one warm
-spare, kills workers by the pids in ``processes.json`` (a random non-zero worker at a random
-moment, then process 0, then SIGSTOPs one; the spare is one of generation 1's workers) and
-checks that the job ends on its own with the state of a failure-free single-process run of
-the same topology, bitwise (the replicas' results cross processes by an all-gather, pure
-data movement). The second test runs the default mode (``--no-deterministic``), whose gloo
+bit-exact mode: the state whole in every process, sharded over its 2 devices) under
+``--in-place`` with one warm spare, SIGSTOPs a random worker, SIGKILLs process 0, then a
+random worker, by the pids in ``processes.json`` (the survivors re-form each time, with the
+spare or alone, and grow back), and checks that the job ends on its own with the state of
+a failure-free single-process run of the same topology, bitwise (the replicas' results
+cross processes by an all-gather, pure data movement). The second test runs the default mode (``--no-deterministic``), whose gloo
 sums differ from the in-process all-reduce in the last bits.
 Every subprocess has a timeout and is killed in a ``finally``.
 """
@@ -27,7 +27,7 @@ from resilax._src.runtime import jaxdist
 from resilax._src.runtime.launched import LaunchEnv
 from resilax.tools.launch import PROCESSES_JSON, Supervisor, heartbeats, spare_heartbeats
 
-STEPS, EVERY = 40, 5
+STEPS, EVERY = 48, 5
 TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
          "--checkpoint-every", str(EVERY), "--log-every", "10"]
 
@@ -141,17 +141,19 @@ def _gen_running(run_dir, gen, n=4):
     return procs if all((hbs.get(int(i)) or {}).get("first_step_t") for i in procs["workers"]) else None
 
 
-def test_in_place_re_forms_with_a_spare_then_without_one_and_grows_back_without_restarting(tmp_path, reference):
+def test_in_place_re_forms_with_a_spare_then_without_one_grows_back_and_re_forms_again(tmp_path, reference):
     """``resilax launch --in-place --spares 1``, 4 processes x 2 devices, the bit-exact mode.
     A SIGSTOPped worker is found by its stale heartbeat and killed; the warm spare is ready
     for its place, so the 3 others leave their broken step, detach, drop their JAX backend
     and rejoin as generation 1 in their own processes (same pids) with the spare, restoring
-    from their host stores. Right after generation 1's first step, SIGKILL process 0: no
-    spare is ready (the next one only starts now), so the 3 others re-form alone as
+    from their host stores. Right after generation 1's first step, SIGKILL process 0 and
+    hold the next spare (SIGSTOP: one slow to start), so the 3 others re-form alone as
     generation 2, 3 of the job's 4 processes (its failure domain 0 dead from the start),
-    and checkpoints go on; once the new spare is warm, the job grows back to 4 (generation 3)
-    at a step boundary. The final state is bitwise that of the failure-free single-process
-    run, no step is lost, and every process that was not killed ran the whole job."""
+    and checkpoints go on; once the spare is let go, the job grows back to 4 (generation 3)
+    at a step boundary. Right after generation 3's first step, SIGKILL a random other worker
+    and hold the next spare for good: the others re-form alone again (generation 4). The
+    final state is bitwise that of the failure-free single-process run, no step is lost,
+    and every process that was not killed ran the whole job."""
     from helpers import child_env
 
     rng = random.Random(int(os.environ.get("RESILAX_TEST_SEED", "0")) or None)
@@ -186,7 +188,11 @@ def test_in_place_re_forms_with_a_spare_then_without_one_and_grows_back_without_
         base = _live_steps(run, 2)
         _wait(lambda: _live_steps(run, 2) >= (base // EVERY + 1) * EVERY + 1, 120, "generation 2 past a checkpoint", p)
         os.kill(spare, signal.SIGCONT)
-        rc = p.wait(timeout=300)
+        procs = _wait(lambda: _gen_running(run, 3), 120, "generation 3 running (grown back)", p)
+        third = rng.randrange(1, 4)
+        kill(procs, third, signal.SIGKILL, 3)
+        os.kill(_wait(lambda: (_processes(run) or {}).get("spares", {}).get("2"), 60, "the next spare", p), signal.SIGSTOP)
+        rc = p.wait(timeout=300)  # (the supervisor kills the held spare at the end)
     finally:
         _kill_tree(p)
         log.close()
@@ -194,8 +200,8 @@ def test_in_place_re_forms_with_a_spare_then_without_one_and_grows_back_without_
     assert rc == 0, f"{done}\n{text[-6000:]}"
     hist = json.loads((run / "launch_history.json").read_text())["generations"]
     assert [(g["generation"], g["outcome"], g["processes"]) for g in hist] == [
-        (0, "reform", [0, 1, 2, 3]), (1, "reform", [0, 1, 2, 3]), (2, "regrow", [1, 2, 3]), (3, "done", [0, 1, 2, 3])], \
-        (done, hist, text[-3000:])
+        (0, "reform", [0, 1, 2, 3]), (1, "reform", [0, 1, 2, 3]), (2, "regrow", [1, 2, 3]), (3, "reform", [0, 1, 2, 3]),
+        (4, "done", sorted({0, 1, 2, 3} - {third}))], (done, hist, text[-3000:])
     assert f"process {done[0][1]} " in hist[0]["why"] and "hung: heartbeat" in hist[0]["why"]
     assert "process 0 " in hist[1]["why"] and "signal SIGKILL" in hist[1]["why"]
     assert "growing back to 4" in hist[2]["why"]
@@ -211,7 +217,8 @@ def test_in_place_re_forms_with_a_spare_then_without_one_and_grows_back_without_
         assert f"[g2 p{i - 1}] re-attached as process {i - 1} of 3 (generation 2)" in text
         assert f"[g3 p{i}] re-attached as process {i} of 4 (generation 3)" in text
     procs = _processes(run)
-    assert procs["status"] == "done" and procs["generation"] == 3
+    assert procs["status"] == "done" and procs["generation"] == 4
+    assert f"process {third} " in hist[3]["why"] and "signal SIGKILL" in hist[3]["why"]
     final = np.load(out, allow_pickle=False)
     import hashlib
 
@@ -221,10 +228,10 @@ def test_in_place_re_forms_with_a_spare_then_without_one_and_grows_back_without_
                                                                                text[-3000:])
     # no step lost: each generation after a kill resumed (from the host stores) at least at
     # the step every live worker had completed before it
-    for g, n in ((1, 4), (2, 3)):
+    for g, n, k in ((1, 4, 0), (2, 3, 1), (4, 3, 2)):  # (generation, its processes, the kill before it)
         lines = [ln for ln in text.splitlines() if ln.startswith(f"[g{g} p") and "resumed at step" in ln]
         assert len(lines) == n and all("(host store: " in ln for ln in lines), lines
-        assert all(int(ln.split("resumed at step ")[1].split()[0]) >= reached[g - 1] for ln in lines), (lines, reached)
+        assert all(int(ln.split("resumed at step ")[1].split()[0]) >= reached[k] for ln in lines), (lines, reached)
     # the smaller generation saved its checkpoints (Orbax on its 3 processes): generation 3
     # resumed with the newest one that generation 2 was due to save
     def resumed(g):
