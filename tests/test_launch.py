@@ -259,6 +259,33 @@ def test_supervisor_gives_up_after_max_restarts_with_the_workers_exit_code(tmp_p
     assert procs["status"] == "failed" and procs["generation"] == 2 and procs["supervisor"] == os.getpid()
 
 
+# Each generation's workers report step 10 x generation (``PROGRESS``: 0 in every one), then
+# process 1 fails in generations 0-3 and process 0 exits 0.
+FAILING_WORKER = """
+import json, os, sys, time
+g = int(os.environ["RESILAX_GENERATION"])
+with open(os.environ["RESILAX_HEARTBEAT_FILE"], "w") as f:
+    json.dump({"pid": os.getpid(), "generation": g, "t": time.time(), "phase": "step", "step": PROGRESS * g}, f)
+if os.environ["RESILAX_PROCESS_ID"] == "1" and g < 4:
+    sys.exit(3)
+time.sleep(0.3)
+"""
+
+
+@pytest.mark.parametrize("progress", [10, 0])
+def test_supervisor_restarts_a_job_that_gets_further_each_time_but_ends_a_crash_loop(tmp_path, progress):
+    """--max-restarts 1 counts failures in a row that get no further than before: a job that
+    got 10 steps further before each of its 4 failures is restarted each time and ends; one
+    that fails at the same step every time is given up after 1 restart."""
+    sup = _sup(tmp_path, FAILING_WORKER.replace("PROGRESS", str(progress)), max_restarts=1)
+    rc = sup.run()
+    outcomes = [g["outcome"] for g in json.loads((tmp_path / "run" / "launch_history.json").read_text())["generations"]]
+    if progress:
+        assert rc == 0 and outcomes == ["failed"] * 4 + ["done"], outcomes
+    else:
+        assert rc == 3 and outcomes == ["failed"] * 2, outcomes
+
+
 def test_supervisor_kills_a_worker_that_never_heartbeats(tmp_path):
     # a worker command that is not resilax never writes a heartbeat: the startup deadline ends it
     sup = Supervisor([sys.executable, "-c", "import time; time.sleep(60)"], n=1, devices_per_process=1,

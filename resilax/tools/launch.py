@@ -33,7 +33,8 @@ from the host stores. Otherwise (path B) every other worker of the
 generation is SIGKILLed (their collectives are broken) and a new generation starts with N
 workers on a new service; they resume from durable state (the host state stores, else the
 newest Orbax checkpoint). At most
-``--max-restarts`` new generations; then the supervisor exits with the last failure's code.
+``--max-restarts`` new generations in a row that get no further than the step reached before
+(a crash loop); then the supervisor exits with the last failure's code.
 SIGTERM/SIGINT to the supervisor are forwarded to the workers (each saves at the next
 preemption sync point and exits); a generation whose workers all exit 0 ends the job with 0.
 
@@ -331,7 +332,11 @@ class Supervisor:
         self.shrink = shrink
         self.slots = list(range(n))  # the job's process index of each process id of this generation
         self.epoch = 0  # in-place shrinks within this generation
-        self._restarts = 0  # generations started after a failure (a job grown back is not one)
+        # generations started after a failure since the job last got further than before (a
+        # job re-formed or grown back is not one): a crash loop ends, a long job with
+        # occasional failures does not
+        self._restarts = 0
+        self._best_step = -1  # the newest step any worker had completed at the last failure
         self._reform_now: str | None = None  # why the job re-forms now (`_shrink_in_place`)
         self.departed: list[_Worker] = []  # workers of this generation that died while the others went on
         self.num_spares = spares
@@ -748,6 +753,7 @@ class Supervisor:
                          + (" after SIGTERM (preempted; relaunch to resume)" if outcome == "term" else ""))
                     return 0
                 _say(f"generation {self.generation} failed: {why}; stopping the other workers")
+                reached = max([(w.heartbeat() or {}).get("step") or -1 for w in self.workers + self.departed] + [-1])
                 self._stop_generation(_STOPPED)
                 # a worker killed by a signal it did not get from this supervisor (two killed
                 # at once: both), or killed as hung, lost its host; one that exited with an
@@ -763,11 +769,14 @@ class Supervisor:
                     self._kill_spares()
                     self._write_processes("failed")
                     return rc
+                if reached > self._best_step:  # the job got further than at the last failure: not a crash loop
+                    self._restarts, self._best_step = 0, reached
                 self._restarts += 1
                 if self._restarts > self.max_restarts:
                     self._kill_spares()
                     self._write_processes("failed")
-                    _say(f"giving up: {self.max_restarts} restarts (--max-restarts {self.max_restarts}); exit {rc}")
+                    _say(f"giving up: {self.max_restarts} restarts in a row without getting past step "
+                         f"{self._best_step} (--max-restarts {self.max_restarts}); exit {rc}")
                     return rc
                 self._write_processes("restarting")
         finally:
@@ -810,7 +819,10 @@ def register_cli(sub) -> None:
     p.add_argument("--devices-per-process", type=int, default=1, help="CPU devices each worker asks JAX for")
     p.add_argument("--run-dir", required=True, help="processes.json, heartbeats, worker logs (and the default "
                                                     "checkpoint directory of `resilax train`)")
-    p.add_argument("--max-restarts", type=int, default=3, help="new generations after failures before giving up")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="give up after this many new generations in a row that fail without getting past the newest "
+                        "step completed before (a job that makes progress between failures restarts as often as it "
+                        "fails)")
     p.add_argument("--heartbeat", type=float, default=0.5, metavar="S", help="worker heartbeat interval (s)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S",
                    help="a worker whose heartbeat is older is hung and gets SIGKILLed (s)")
