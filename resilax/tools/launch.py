@@ -285,7 +285,7 @@ class Supervisor:
     def __init__(self, cmd, *, n: int, devices_per_process: int, run_dir, max_restarts: int = 3,
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, step_deadline_factor: float = 20.0,
                  min_step_deadline_s: float = 30.0, collective_timeout_s: int | None = None,
-                 startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 10, grace_s: float = 60.0,
+                 startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int | None = None, grace_s: float = 60.0,
                  host_store_every: int = 1, spares: int = 0, in_place: bool = False, min_in_place: int | None = None,
                  shrink: str = "reform"):
         if not cmd:
@@ -309,7 +309,14 @@ class Supervisor:
         self.min_deadline = min_step_deadline_s
         self.collective_timeout_s = collective_timeout_s or max(1, int(min_step_deadline_s * 0.5))
         self.startup_timeout_s = startup_timeout_s
-        self.jax_heartbeat_timeout_s = jax_heartbeat_timeout_s
+        # The coordination service's own liveness check must not fire while survivors of a
+        # death still need it: a survivor's broken collective ends after the collective
+        # timeout, and only then does it detach to re-form. When the service declared the dead
+        # task gone first, a survivor's detach (ShutdownTask) failed and JAX aborted the process
+        # (a soak run: service timeout 10 s == collective timeout 10 s). The supervisor finds
+        # deaths itself (heartbeat files), so the service's timeout only has to be long.
+        need = int(self.collective_timeout_s + self.min_deadline + 10)
+        self.jax_heartbeat_timeout_s = max(int(jax_heartbeat_timeout_s or 0), need)
         self.grace_s = grace_s
         self.host_store_every = host_store_every
         self.store_root: pathlib.Path | None = None
