@@ -666,9 +666,10 @@ class Supervisor:
         return True
 
     def _grow_ready(self) -> str | None:
-        """Why the job, shrunk in place, grows back to ``-n`` now (None: not now): enough warm
-        spares are ready for the dead places and every live worker has completed a step since
-        the newest shrink (none is recovering)."""
+        """Why the job, smaller than ``-n`` (re-formed without replacements for every dead
+        process, or shrunk on its backend), grows back to ``-n`` now (None: not now): enough
+        warm spares are ready for the missing places and every live worker has completed a
+        step of this generation since its newest shrink (none is recovering)."""
         if not self.in_place or self._term is not None or len(self.workers) >= self.n:
             return None  # (fewer than -n: shrunk in place, or a generation re-formed without replacements)
         missing = self.n - len(self.workers)
