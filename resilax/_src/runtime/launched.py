@@ -581,8 +581,8 @@ def reform_due(step: int) -> bool:
 
 
 def reattach() -> LaunchEnv:
-    """Leaves this generation and joins the next one in this process: says ``detached`` in
-    the heartbeat, detaches from the coordination service, drops JAX's backend (every array
+    """Leaves this generation and joins the next one in this process: detaches from the
+    coordination service, then says ``detached`` in the heartbeat, drops JAX's backend (every array
     and executable of it is gone: the state is in the host store), waits for the
     supervisor's assignment and makes it this worker's place. The next `initialize` (the
     command's set-up, run again) attaches to the new service. Measured on jax 0.10.2:
@@ -597,10 +597,16 @@ def reattach() -> LaunchEnv:
     from resilax._src.runtime import jaxdist
 
     e, hb = _state["env"], _state["hb"]
+    # The heartbeat thread beats on until the wait below (it only writes a file): joining
+    # Orbax's threads of a save the death broke took over 2 s in a soak run, and with the
+    # beats stopped first the supervisor took the stale heartbeat for a dead worker (path
+    # B). "detached" is said only once the service let this process go: the supervisor
+    # shuts the old service down as soon as every worker says it.
+    hb.phase = "detaching"
+    hb.beat()
+    jaxdist.shutdown()
     hb.phase = "detached"
     hb.beat()
-    hb.stop()
-    jaxdist.shutdown()
     _join_orbax_threads(10.0)
     import gc
 
@@ -608,6 +614,7 @@ def reattach() -> LaunchEnv:
     clear_backends()
     gc.collect()
     _reset_orbax_process_state()
+    hb.stop()
     # beating while it waits: the supervisor tells a waiting worker from a dead one
     new = _await_assignment(reform_assignment(e.run_dir, e.generation + 1, e.process_id),
                             f"the re-form assignment for generation {e.generation + 1}", poll_s=0.02,
