@@ -235,35 +235,31 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
     ref = np.load(work / "ref.npz", allow_pickle=False)
     common = dict(n=n, devices_per_process=devices_per_process, kill_after=kill_after, ref=ref,
                   collective_timeout=collective_timeout)
-    print(f"[2/{runs}] resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every "
-          f"step): SIGKILL a random worker past step {kill_after}", flush=True)
-    (work / "store").mkdir()
-    a = _kill_and_time(work / "store", train, rng=random.Random(rng.random()), store_every=1, **common)
-    print(f"[3/{runs}] the same kill with --host-store-every 0: relaunch + Orbax checkpoint restore", flush=True)
-    (work / "restart").mkdir()
-    b = _kill_and_time(work / "restart", train, rng=random.Random(rng.random()), store_every=0, **common)
-    c = None
-    if spares:
-        print(f"[4/{runs}] the host-store run with --spares {spares}: the new generation's workers come from warm "
-              f"spares", flush=True)
-        (work / "spares").mkdir()
-        c = _kill_and_time(work / "spares", train, rng=random.Random(rng.random()), store_every=1, spares=spares,
-                           **common)
-    print(f"[{runs - 2}/{runs}] the host-store run with --in-place --shrink backend: the survivors go on without the "
-          f"dead worker on their backend", flush=True)
-    (work / "in_place").mkdir()
-    d = _kill_and_time(work / "in_place", train, rng=random.Random(rng.random()), store_every=1, in_place=True,
-                       shrink="backend", **common)
-    print(f"[{runs - 1}/{runs}] --in-place, no spare: the survivors re-form alone as a smaller job without "
-          f"restarting", flush=True)
-    (work / "shrink").mkdir()
-    f = _kill_and_time(work / "shrink", train, rng=random.Random(rng.random()), store_every=1, in_place=True,
-                       **common)
-    print(f"[{runs}/{runs}] --in-place with 1 warm spare: the survivors re-form with it as the next generation "
-          f"without restarting", flush=True)
-    (work / "reform").mkdir()
-    e = _kill_and_time(work / "reform", train, rng=random.Random(rng.random()), store_every=1, in_place=True,
-                       spares=1, **common)
+    done = [1]
+
+    def measure(name, what, **kw):  # one launch with one kill, in work/<name>, its own random stream
+        done[0] += 1
+        print(f"[{done[0]}/{runs}] {what}", flush=True)
+        (work / name).mkdir()
+        return _kill_and_time(work / name, train, rng=random.Random(rng.random()), **common, **kw)
+
+    a = measure("store", f"resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every "
+                         f"step): SIGKILL a random worker past step {kill_after}", store_every=1)
+    b = measure("restart", "the same kill with --host-store-every 0: relaunch + Orbax checkpoint restore",
+                store_every=0)
+    c = measure("spares", f"the host-store run with --spares {spares}: the new generation's workers come from warm "
+                          f"spares", store_every=1, spares=spares) if spares else None
+    d = measure("in_place", "the host-store run with --in-place --shrink backend: the survivors go on without the "
+                            "dead worker on their backend", store_every=1, in_place=True, shrink="backend")
+    f = measure("shrink", "--in-place, no spare: the survivors re-form alone as a smaller job without restarting",
+                store_every=1, in_place=True)
+    e = measure("reform", "--in-place with 1 warm spare: the survivors re-form with it as the next generation "
+                          "without restarting", store_every=1, in_place=True, spares=1)
+
+    def keys(prefix, x):  # a run's headline numbers under ``<prefix>_*`` and the whole run as ``<prefix>_run``
+        return {f"{prefix}_{k}": x[k] for k in ("kill_to_resume_s", "phases", "lost_steps", "final_max_rel_diff")} | \
+            {f"{prefix}_run": x}
+
     result = {
         "kill_to_resume_s": a["kill_to_resume_s"], "phases": a["phases"], "lost_steps": a["lost_steps"],
         "final_max_rel_diff": a["final_max_rel_diff"],
@@ -276,20 +272,9 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         "setup": {"processes": n, "devices_per_process": devices_per_process, "topology": topology, "steps": steps,
                   "checkpoint_every": checkpoint_every, "cpu_count": os.cpu_count(), "spares": spares,
                   "collective_timeout_s": collective_timeout},
+        **keys("in_place", d), **keys("reform", e), **keys("shrink_reform", f),
+        **(keys("spares", c) if c is not None else {}),
     }
-    result.update({"in_place_kill_to_resume_s": d["kill_to_resume_s"], "in_place_phases": d["phases"],
-                   "in_place_lost_steps": d["lost_steps"], "in_place_final_max_rel_diff": d["final_max_rel_diff"],
-                   "in_place_run": d,
-                   "reform_kill_to_resume_s": e["kill_to_resume_s"], "reform_phases": e["phases"],
-                   "reform_lost_steps": e["lost_steps"], "reform_final_max_rel_diff": e["final_max_rel_diff"],
-                   "reform_run": e,
-                   "shrink_reform_kill_to_resume_s": f["kill_to_resume_s"], "shrink_reform_phases": f["phases"],
-                   "shrink_reform_lost_steps": f["lost_steps"],
-                   "shrink_reform_final_max_rel_diff": f["final_max_rel_diff"], "shrink_reform_run": f})
-    if c is not None:
-        result.update({"spares_kill_to_resume_s": c["kill_to_resume_s"], "spares_phases": c["phases"],
-                       "spares_lost_steps": c["lost_steps"], "spares_final_max_rel_diff": c["final_max_rel_diff"],
-                       "spares_run": c})
     if own:
         shutil.rmtree(work, ignore_errors=True)
     return result

@@ -476,7 +476,7 @@ class ResilientStep:
                             f"Start a new ResilientStep and init() it (it restores the newest checkpoint)")
         if state is not self.live:
             self.live = state  # the caller's state is the one to use (e.g. after init)
-        if launched.reform_due(self.step):  # the job, shrunk in place, grows back now
+        if launched.reform_due(self.step):  # the job, smaller than -n, grows back now
             e = launched.env()
             if self._store is not None and self._store.newest() != self.step:  # the store's cadence skipped it
                 self._store.write(self.step, self.live, self.guard, self._data_pos)
@@ -542,7 +542,7 @@ class ResilientStep:
             launched.say("no process was declared dead (or this one was): the error stands")
             self._broken_if_lost()
             raise err
-        if m.get("reform"):  # warm spares for every dead place: rejoin the next generation instead
+        if m.get("reform"):  # the others re-form (with warm spares, or alone as a smaller job): leave
             launched.shrunk(m)  # (threads may wait on the dead for good: see launched.exit_if_shrunk)
             if self._ckpt is not None:
                 self._ckpt.store.abandon()  # a save in flight waits on the dead: nothing waits for it
