@@ -491,7 +491,8 @@ def test_auto_peer_cadence_rejects_bad_values():
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_sharded_finite_flag_sees_one_bad_element_in_any_shard(bad):
     """The anomaly check's per-device reduction: one non-finite element on any device, in
-    a leaf sharded over both axes, over one, or replicated, makes the flag false."""
+    a leaf sharded over both axes, over one, or replicated, makes the flag false; finite
+    values whose sum overflows keep it true (float32 and bfloat16; also the unsharded check)."""
     from jax.sharding import NamedSharding
     from resilax._src.protect.anomaly import sharded_finite_flag
 
@@ -507,3 +508,21 @@ def test_sharded_finite_flag_sees_one_bad_element_in_any_shard(bad):
             xs = [x.copy() for x in good]
             xs[leaf].flat[pos] = bad
             assert not bool(flag(*[jax.device_put(x, s) for x, s in zip(xs, shs)])), (leaf, pos)
+    # finite values whose sum overflows float32 are finite: the exact check decides, not the sum
+    huge = [np.full(s, 3e38, np.float32) for s in shapes]
+    assert bool(flag(*[jax.device_put(x, s) for x, s in zip(huge, shs)]))
+    huge[1].flat[3] = bad
+    assert not bool(flag(*[jax.device_put(x, s) for x, s in zip(huge, shs)]))
+    # bfloat16 leaves, and the unsharded check (the bit-exact mode's) on the same trees
+    from resilax._src.protect.anomaly import finite_flag
+    import jax.numpy as jnp
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in good]
+    assert bool(flag(*[jax.device_put(x, s) for x, s in zip(bf, shs)]))
+    assert bool(jax.jit(finite_flag)([np.full((80, 80), 3e38, np.float32)]))
+    for leaf in range(len(shapes)):
+        xs = [x.copy() for x in good]
+        xs[leaf].flat[-1] = bad
+        assert not bool(flag(*[jax.device_put(jnp.asarray(x, jnp.bfloat16), s) for x, s in zip(xs, shs)])), leaf
+        big = [np.resize(x, (80, 80)) for x in xs]  # over the size where the quick sum is used
+        assert not bool(jax.jit(finite_flag)(big)), leaf
+        assert bool(jax.jit(finite_flag)([np.resize(x, (80, 80)) for x in good]))
