@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 from resilax._src.io import write_json
 
 
@@ -32,7 +34,7 @@ def option_adder(parser):
 
 
 def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quiet: bool, warm: int = 3,
-               block: int = 4, max_settle: int = 200) -> dict:
+               block: int = 4, max_settle: int = 200, timing: str = "step") -> dict:
     """Times ``runs`` (name -> ``step(state, batch) -> (state, metrics)``) in rounds: each
     round runs every variant for ``block`` consecutive steps, the order of the variants
     rotating every round so slow drifts of the machine hit all alike, each step timed to
@@ -45,7 +47,15 @@ def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quie
     untimed rounds go on (at most ``max_settle``) until every run that has ``settled()``
     says it is (a calibrating peer cadence: a one-time cost, reported by the run itself).
     Updates ``states`` in place; returns ``{name: [seconds per timed step]}`` (``steps``
-    each)."""
+    each).
+
+    ``timing``: ``"step"`` blocks on each step's state and metrics and times it alone;
+    ``"loop"`` times the block's steps after the first as a training loop runs them (each
+    step's first metric read to the host, as a loop logs its loss; the state waited for once,
+    after the last step) and gives each the block's mean: what a loop pays per step,
+    including dispatch and host work that overlap the previous step's device work (a wrapped
+    step's update runs while the next step's host work does) and the last step's device work
+    in full. One sample per block then (``block - 1`` steps)."""
     import jax
 
     names = list(runs)
@@ -67,6 +77,18 @@ def interleave(runs: dict, states: dict, batches, steps: int, *, desc: str, quie
                     runs[k].wait_compiled()
         r = i % len(names)
         for k in names[r:] + names[:r]:
+            if timing == "loop":
+                states[k], m = runs[k](states[k], batches[n % len(batches)])
+                jax.block_until_ready((states[k], m))
+                t0 = time.perf_counter()
+                for j in range(1, block):
+                    states[k], m = runs[k](states[k], batches[(n + j) % len(batches)])
+                    float(np.asarray(jax.tree.leaves(m)[0]).reshape(-1)[0])
+                jax.block_until_ready(states[k])
+                if timed and len(times[k]) < steps:
+                    dt = (time.perf_counter() - t0) / (block - 1)
+                    times[k] += [dt] * min(block - 1, steps - len(times[k]))
+                continue
             for j in range(block):
                 b = batches[(n + j) % len(batches)]
                 t0 = time.perf_counter()

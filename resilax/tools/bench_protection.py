@@ -9,9 +9,12 @@ MLP trained with AdamW: parameters + two moments), in two layouts:
 - ``sharded``: the state sharded over every device (each shard lives in one slice: peer
   copies and the record log's device entries are made).
 
-Per layout, round-robin with the order rotating every step (machine noise hits all alike),
-each step timed to completion (state and metrics): a plain jitted step with no
+Per layout, round-robin in blocks of 4 steps with the order rotating every round (machine
+noise hits all alike), timed as a training loop runs them (``--timing loop``, default: loss
+read each step, the state waited for after the block; ``--timing step``: each step timed
+alone to completion; `resilax.tools.bench.interleave`): a plain jitted step with no
 checkpoints, a second plain one (the A/A control: its ratio is the noise floor), resilax
+with every protection off (``wrap``: the grad/update split alone), resilax
 with every protection on (``all``: checkpoint every ``--checkpoint-every`` steps, peer
 copies at the cadence calibrated to 1% of a step, ``PeersConfig(every="auto")``, record
 log on disk, NaN/spike skipping; ``all_every_step``: the same with a peer copy every
@@ -42,7 +45,7 @@ import time
 import numpy as np
 
 
-VARIANTS = ("plain", "plain_aa", "all", "all_every_step", "checkpoint", "peers", "peers_every_step", "log", "log_inputs",
+VARIANTS = ("plain", "plain_aa", "wrap", "all", "all_every_step", "checkpoint", "peers", "peers_every_step", "log", "log_inputs",
             "anomaly", "deterministic")
 
 
@@ -60,6 +63,9 @@ def add_arguments(parser) -> None:
     opt("--batch", type=int, default=256)
     opt("--layouts", default="replicated,sharded", help="comma-separated: replicated, sharded")
     opt("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    opt("--timing", choices=("loop", "step"), default="loop",
+        help="loop: the steps of a block timed as a loop runs them (loss read each step, state waited for "
+             "after the last); step: each step blocked on and timed alone (see resilax.tools.bench.interleave)")
     opt("--fail-at", type=int, default=41, help="steps completed when the slice fails in the recovery run")
     opt("--quiet", action="store_true")
 
@@ -93,6 +99,8 @@ def _config(name, tmp, every):
         return resilax.Config(checkpoint=ck)
     if name == "deterministic":  # every protection, in the bit-exact mode
         return resilax.Config(checkpoint=ck, deterministic=resilax.DeterministicConfig())
+    if name == "wrap":  # the wrapper alone, every protection off: what the grad/update split costs
+        return resilax.Config(log=None, peers=None, anomaly=None)
     if name == "checkpoint":
         return resilax.Config(checkpoint=ck, log=None, peers=None, anomaly=None)
     if name == "peers":  # the auto cadence covers the steps between copies with the log's batches
@@ -171,6 +179,7 @@ def bench_protection(args) -> dict:
     layouts = _layouts(topo, [x for x in args.layouts.split(",") if x])
     out: dict = {"benchmark": "protection", "topology": topo.name, "devices": jax.device_count(),
                  "platform": jax.devices()[0].platform, "steps": args.steps, "checkpoint_every": args.checkpoint_every,
+                 "timing": getattr(args, "timing", "loop"),
                  "model": {"hidden": spec.hidden, "depth": spec.depth, "features": spec.features, "batch": spec.batch,
                            "param_count": params, "state_bytes": state_bytes},
                  "layouts": {}}
@@ -253,7 +262,8 @@ def _measure_layout(args, topo, spec, template, batches, layout, variants, tmp, 
     from resilax.tools.bench import interleave
 
     names = list(runs)
-    times = interleave(runs, states, batches, args.steps, desc="bench protection", quiet=args.quiet)
+    times = interleave(runs, states, batches, args.steps, desc="bench protection", quiet=args.quiet,
+                       timing=getattr(args, "timing", "loop"))
     med = {k: statistics.median(t) for k, t in times.items()}
     mean = {k: statistics.fmean(t) for k, t in times.items()}
     base = "plain"
