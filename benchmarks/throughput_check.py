@@ -71,15 +71,13 @@ def child(name: str, steps: int, out: str) -> None:
                 state, m = run(state)
             jax.block_until_ready(state)
         else:
-            peers = resilax.PeersConfig(every="auto") if name == "all" else resilax.PeersConfig()
-            ckpt = resilax.CheckpointConfig(os.path.join(tmp, "ckpt"), every=100)
-            cfg = resilax.Config(checkpoint=ckpt, peers=peers)
-            if name == "wrap":
-                cfg = resilax.Config(log=None, peers=None, anomaly=None)
-            elif name.startswith("checkpoint"):
-                every = 100 if name == "checkpoint" else 10 ** 9
-                cfg = resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "ckpt"), every=every),
-                                     log=None, peers=None, anomaly=None)
+            ckpt = resilax.CheckpointConfig(os.path.join(tmp, "ckpt"), every=10 ** 9 if name == "checkpoint_never" else 100)
+            off = dict(log=None, peers=None, anomaly=None)
+            cfg = {"all": resilax.Config(checkpoint=ckpt, peers=resilax.PeersConfig(every="auto")),
+                   "all_every_step": resilax.Config(checkpoint=ckpt, peers=resilax.PeersConfig()),
+                   "wrap": resilax.Config(**off),
+                   "checkpoint": resilax.Config(checkpoint=ckpt, **off),
+                   "checkpoint_never": resilax.Config(checkpoint=ckpt, **off)}[name]
             wrapped = resilax.wrap(ex.train_step, topology=topo, state_sharding=layout, config=cfg)
             state = wrapped.init(state0, data=data)
 
