@@ -423,6 +423,35 @@ def test_peer_cadence_noise_lengthens_the_cadence():
     assert noisy["every"] > calm["every"] and noisy["cost_s"] == pytest.approx(calm["cost_s"], abs=1e-9)
 
 
+def test_peer_cadence_decides_only_on_whole_rounds(monkeypatch):
+    """While the noise still changes the choice, sampling goes on by whole rounds: the next
+    decision is taken when every variant has 2n samples, not as soon as the first variant of
+    the next round adds one (the minimum count was still n then, and a choice was taken on
+    unequal samples: the auto-cadence test below failed 2 runs in 16 that way)."""
+    from resilax._src.protect import cadence as cad
+
+    calls = []
+
+    def fake_decide(samples, budget, max_every, z=2.0):
+        counts = {k: len(v) for k, v in samples.items()}
+        calls.append(counts)
+        noisy = len(calls) == 2  # the first round's medians and upper bounds disagree
+        return {"every": 3 if noisy and z == 0.0 else 2, "log_entries_between": False, "share": 0.01,
+                "meets_budget": True}
+
+    monkeypatch.setattr(cad, "decide", fake_decide)
+    c = cad.Cadence(resilax.PeersConfig(every="auto", calibration_samples=3), has_log=True)
+    c.phase, c.i = "calibrate", -1
+    decided_after = None
+    for step in range(1, 60):
+        c.plan(step, background_idle=True, over_cap=False)
+        if c.timed(0.1) is not None:
+            decided_after = {k: len(v) for k, v in c.samples.items()}
+            break
+    assert decided_after == {k: 6 for k in cad.ORDER}, (decided_after, calls)
+    assert all(len(set(k.values())) == 1 for k in calls), calls  # every look was at a whole round
+
+
 def test_auto_peer_cadence_is_calibrated_then_recovers():
     """``PeersConfig(every="auto")``: after the background compiles, the four variants are
     timed (3 samples each, more while the noise changes the choice), the cadence is chosen
@@ -454,18 +483,22 @@ def test_auto_peer_cadence_is_calibrated_then_recovers():
     assert set_at is not None, "the cadence never calibrated"
     (d,) = rep["decisions"]
     n = len(samples["none"])
-    assert n in (3, 6, 9, 12) and all(len(v) == n for v in samples.values())
-    assert set_at == 1 + 1 + 4 * n  # step 1, the untimed drain step, then 4 variants x n
-    assert d == decide(samples, 0.01, 4)
+    # the run's timing decides which path this takes: every assertion says what it saw
+    why = {"set_at": set_at, "samples_per_variant": {k: len(v) for k, v in samples.items()}, "every": d["every"],
+           "log_entries_between": d["log_entries_between"]}
+    assert n in (3, 6, 9, 12) and all(len(v) == n for v in samples.values()), why
+    assert set_at == 1 + 1 + 4 * n, why  # step 1, the untimed drain step, then 4 variants x n
+    assert d == decide(samples, 0.01, 4), why
     (ev,) = [e for e in step.events if e.kind == "peer_cadence"]
     assert ev.step == set_at and ev.fields["every"] == d["every"]
     (rec,) = recovery(step)
     anchor, failed = set_at + 1, set_at + 4  # the cadence starts with a copy on its first step
     newest_copy = anchor + (failed - anchor) // d["every"] * d["every"]
     f = rec.fields
-    assert f["source"] == "peer" and f["restored_step"] == newest_copy
-    assert f["steps_replayed"] + f["steps_recomputed"] == failed - newest_copy
-    assert f["steps_recomputed"] == (0 if d["log_entries_between"] else failed - newest_copy)
+    why = dict(why, recovery=f, newest_copy=newest_copy)
+    assert f["source"] == "peer" and f["restored_step"] == newest_copy, why
+    assert f["steps_replayed"] + f["steps_recomputed"] == failed - newest_copy, why
+    assert f["steps_recomputed"] == (0 if d["log_entries_between"] else failed - newest_copy), why
     assert step.peer_cadence()["phase"] == "idle"  # one domain left: no copies, nothing to calibrate
     ref, _, _ = reference(name, steps=set_at + 6)
     assert tree_rel_diff(host(state), ref) < TOL

@@ -102,8 +102,12 @@ class Cadence:
         self.i += 1
         if timed:
             self.samples[v].append(seconds)
-        have = min(len(x) for x in self.samples.values())
-        if have < self.n or have % self.n:
+        counts = {len(x) for x in self.samples.values()}
+        have = min(counts)
+        # only at the end of a round (every variant has the same count): after a noisy look
+        # the minimum count stays where it was while the next round's first variants add
+        # samples, and a choice was then taken on unequal samples
+        if len(counts) > 1 or have < self.n or have % self.n:
             return None
         d = decide(self.samples, self.budget, self.max_every)
         if have < 4 * self.n and decide(self.samples, self.budget, self.max_every, z=0.0)["every"] != d["every"]:
