@@ -45,7 +45,6 @@ def measure(layout_name: str, steps: int, quiet: bool) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import resilax
     from resilax.tools import example as ex
