@@ -29,7 +29,6 @@ each variant feeding the same batches. Prints a table and writes JSON; not a tes
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -130,6 +129,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import jax
 
+    from resilax.tools.bench import write_result
+
     jax.config.update("jax_num_cpu_devices", 8)
     jax.config.update("jax_enable_compilation_cache", False)
     t0 = time.time()
@@ -148,9 +149,7 @@ def main(argv=None) -> int:
         print(f"{lay}: bitwise equal to plain after one step: {out['layouts'][lay]['bitwise_equal_to_plain_after_one_step']}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+    write_result(args.json, out)
     return 0
 
 
