@@ -43,6 +43,13 @@ def _all_finite(leaves):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def _finite_unless(quick, leaves):
+    """Traced: True when the quick sum ``quick`` of ``leaves`` is finite (that proves every
+    element finite); else the exact `_all_finite`, under a ``cond`` so only a bad element
+    or an overflowing sum pays for it."""
+    return jax.lax.cond(jnp.isfinite(quick), lambda: jnp.array(True), lambda: _all_finite(leaves))
+
+
 def finite_flag(*trees):
     """Traced: True when every float leaf of ``trees`` is finite.
 
@@ -58,7 +65,7 @@ def finite_flag(*trees):
     if small or any(jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in leaves):
         return _all_finite(leaves)
     quick = sum(jnp.sum(x, dtype=jnp.float32) for x in leaves)
-    return jax.lax.cond(jnp.isfinite(quick), lambda: jnp.array(True), lambda: _all_finite(leaves))
+    return _finite_unless(quick, leaves)
 
 
 def sharded_finite_flag(leaves, shardings):
@@ -71,9 +78,10 @@ def sharded_finite_flag(leaves, shardings):
     if not pairs:
         return jnp.array(True)
     mesh = pairs[0][1].mesh
+    xs = [x for x, _ in pairs]
     even = all(getattr(s, "mesh", None) == mesh and _divides(s, x.shape) for x, s in pairs)
-    if not even or any(jnp.issubdtype(x.dtype, jnp.complexfloating) for x, _ in pairs):
-        return finite_flag([x for x, _ in pairs])
+    if not even or any(jnp.issubdtype(x.dtype, jnp.complexfloating) for x in xs):
+        return finite_flag(xs)
     axes = tuple(mesh.axis_names)
 
     def body(*blocks):
@@ -87,8 +95,8 @@ def sharded_finite_flag(leaves, shardings):
     # machine). The exact check runs only when this sum is not finite (a bad element, or an
     # overflow).
     quick = jax.shard_map(body, mesh=mesh, in_specs=tuple(s.spec for _, s in pairs),
-                          out_specs=jax.sharding.PartitionSpec(), check_vma=False)(*[x for x, _ in pairs])
-    return jax.lax.cond(jnp.isfinite(quick), lambda: jnp.array(True), lambda: _all_finite([x for x, _ in pairs]))
+                          out_specs=jax.sharding.PartitionSpec(), check_vma=False)(*xs)
+    return _finite_unless(quick, xs)
 
 
 def _divides(sharding, shape) -> bool:
