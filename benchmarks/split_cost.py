@@ -72,17 +72,16 @@ def measure(layout_name: str, steps: int, quiet: bool) -> dict:
         new, _, _ = update_fn(state, g.rec, g.ok, k)
         return new, g.metrics
 
-    def fused_ungated(state, batch, k):
-        rec, _, metrics = split.grad(state, batch, k)
-        return split.update(state, zeros, k, rec), metrics
-
     def update_ungated(state, rec, k):
         return split.update(state, zeros, k, rec)
 
-    rep_tree = lambda t: jax.tree.map(lambda _: rep, t)  # noqa: E731
+    def fused_ungated(state, batch, k):
+        rec, _, metrics = split.grad(state, batch, k)
+        return update_ungated(state, rec, k), metrics
+
     plain = jax.jit(ex.train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0)
     plain_aa = jax.jit(ex.train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0)
-    f_gated = jax.jit(fused, in_shardings=(state_sh, rep_tree(guard), batch_sh, rep), out_shardings=(state_sh, None),
+    f_gated = jax.jit(fused, in_shardings=(state_sh, jax.tree.map(lambda _: rep, guard), batch_sh, rep), out_shardings=(state_sh, None),
                       donate_argnums=0)
     f_ungated = jax.jit(fused_ungated, in_shardings=(state_sh, batch_sh, rep), out_shardings=(state_sh, None),
                         donate_argnums=0)
