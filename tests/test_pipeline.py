@@ -556,6 +556,6 @@ def test_sharded_finite_flag_sees_one_bad_element_in_any_shard(bad):
         xs = [x.copy() for x in good]
         xs[leaf].flat[-1] = bad
         assert not bool(flag(*[jax.device_put(jnp.asarray(x, jnp.bfloat16), s) for x, s in zip(xs, shs)])), leaf
-        big = [np.resize(x, (80, 80)) for x in xs]  # over the size where the quick sum is used
+        big = [np.resize(x, (80, 80)) for x in xs]  # larger leaves
         assert not bool(jax.jit(finite_flag)(big)), leaf
     assert bool(jax.jit(finite_flag)([np.resize(x, (80, 80)) for x in good]))

@@ -43,60 +43,48 @@ def _all_finite(leaves):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-def _finite_unless(quick, leaves):
-    """Traced: True when the quick sum ``quick`` of ``leaves`` is finite (that proves every
-    element finite); else the exact `_all_finite`, under a ``cond`` so only a bad element
-    or an overflowing sum pays for it."""
-    return jax.lax.cond(jnp.isfinite(quick), lambda: jnp.array(True), lambda: _all_finite(leaves))
-
-
 def finite_flag(*trees):
     """Traced: True when every float leaf of ``trees`` is finite.
 
-    A sum is not finite when some element is NaN or Inf (IEEE: NaN propagates and Inf stays
-    Inf or becomes NaN, in any order of addition), so a finite sum of every leaf proves them
-    all finite: one plain reduction per leaf, which XLA reads in the layout the leaf already
-    has. Only a sum that is not finite (a bad element, or finite values whose sum overflows)
-    pays for the exact element-wise check, under a ``cond``."""
-    leaves = [x for t in trees for x in jax.tree.leaves(t) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    Exact and branch-free: XLA's ``is-finite`` per element, reduced with ``and`` per leaf,
+    read in whatever layout the leaf already has. No ``lax.cond`` (an earlier version ran a
+    plain sum first and the exact check under a cond only when the sum was not finite: on
+    a GPU, XLA evaluates a conditional's predicate on the host, so every step waited for
+    the device) and no arithmetic shortcut: a sum overflows on finite values, ``x * 0`` is
+    a multiply-reduce that XLA:CPU turned into a transposing library call, and XLA:CPU's
+    ``max`` reduction of float32 drops NaN (measured: ``isfinite(max(abs(x)))`` said True
+    for a float32 leaf holding a NaN)."""
+    leaves = [x for t in trees for x in jax.tree.leaves(t)
+              if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and np.size(x)]
     if not leaves:
         return jnp.array(True)
-    small = sum(np.size(x) for x in leaves) <= 4096  # metrics: a cond would cost more than it saves
-    if small or any(jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in leaves):
-        return _all_finite(leaves)
-    quick = sum(jnp.sum(x, dtype=jnp.float32) for x in leaves)
-    return _finite_unless(quick, leaves)
+    return _all_finite(leaves)
 
 
 def sharded_finite_flag(leaves, shardings):
     """Traced: `finite_flag` of the flat list ``leaves`` (NamedShardings ``shardings`` on one
-    mesh), its quick sum reduced per device, then one ``psum`` over the mesh (XLA:CPU's
-    global reduction of sharded leaves took 3.4 ms for 13.7 MB of gradients over 8 devices,
-    a per-device one 1.5 ms: measured, same machine). Falls back to `finite_flag` when a
-    leaf is not evenly divided by its sharding."""
-    pairs = [(x, s) for x, s in zip(leaves, shardings) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    mesh): each device counts its blocks that hold a non-finite element, then one ``psum``
+    over the mesh (one collective for every leaf, where XLA would partition a global
+    reduction of each sharded leaf into its own all-reduce). Falls back to `finite_flag`
+    when a leaf is not evenly divided by its sharding."""
+    pairs = [(x, s) for x, s in zip(leaves, shardings)
+             if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and np.size(x)]
     if not pairs:
         return jnp.array(True)
     mesh = pairs[0][1].mesh
     xs = [x for x, _ in pairs]
     even = all(getattr(s, "mesh", None) == mesh and _divides(s, x.shape) for x, s in pairs)
-    if not even or any(jnp.issubdtype(x.dtype, jnp.complexfloating) for x in xs):
+    if not even:
         return finite_flag(xs)
     axes = tuple(mesh.axis_names)
 
     def body(*blocks):
-        return jax.lax.psum(sum(jnp.sum(b, dtype=jnp.float32) for b in blocks), axes)
+        bad = sum(jnp.any(~jnp.isfinite(b)).astype(jnp.int32) for b in blocks)
+        return jax.lax.psum(bad, axes)
 
-    # A leaf replicated over some axes is summed once per replica there: a finite sum stays
-    # finite, NaN stays NaN. A plain sum is read in the layout XLA gave the gradient; the
-    # earlier exact ``sum(x * 0)`` made XLA:CPU transpose every gradient the backward pass
-    # left column-major and materialise the zeros: 12 ms a step on the replicated layout of
-    # `bench protection` (55.9 -> 68.2 ms), now within noise of no check (measured, same
-    # machine). The exact check runs only when this sum is not finite (a bad element, or an
-    # overflow).
-    quick = jax.shard_map(body, mesh=mesh, in_specs=tuple(s.spec for _, s in pairs),
-                          out_specs=jax.sharding.PartitionSpec(), check_vma=False)(*xs)
-    return _finite_unless(quick, xs)
+    bad = jax.shard_map(body, mesh=mesh, in_specs=tuple(s.spec for _, s in pairs),
+                        out_specs=jax.sharding.PartitionSpec(), check_vma=False)(*xs)
+    return bad == 0
 
 
 def _divides(sharding, shape) -> bool:

@@ -57,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilax._src.errors import WrapError
 from resilax._src.step import sharding as _sh
-from resilax._src.step.program import GradOut, Program, combine, combine_metrics, _watched
+from resilax._src.step.program import GradOut, Program, combine, combine_metrics, gate, _watched
 
 
 def strip_axis(specs, axis: str):
@@ -201,7 +201,7 @@ class DeterministicProgram(Program):
 
         def fn(state, rec, ok, step_no):
             zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), template)  # dead code: read via record only
-            new = jax.lax.cond(ok == 0, lambda s: split.update(s, zeros, step_no, rec), lambda s: s, state)
+            new = gate(ok, split.update(state, zeros, step_no, rec), state)
             return jax.lax.with_sharding_constraint(new, dom.state_sh)
 
         def build():

@@ -1,0 +1,64 @@
+"""Run by tests/test_async.py in a subprocess with ``XLA_FLAGS=--xla_dump_to=DIR`` and the
+compilation cache off: a failure-free run of each configuration below compiles every
+program such a run needs (grad and update variants, peer copies, record-log entries,
+checkpoint checksums, the cross-check, replica checks, the bit-exact mode's programs, the
+degraded meshes compiled ahead), and XLA writes each one's optimised HLO to DIR.
+
+Usage: python tests/hlo_probe.py RUN_DIR
+"""
+
+import os
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import resilax  # noqa: E402
+from resilax.tools import example as ex  # noqa: E402
+from resilax.tools.models import CASES  # noqa: E402
+
+OFF = dict(checkpoint=None, log=None, peers=None, anomaly=None, verify=None)
+
+
+def run(name, case, cfg, layout, steps=5):
+    t0 = time.perf_counter()
+    state = case.make_state(0)
+    specs = ex.fsdp_specs(state) if layout == "fsdp" else P()
+    step = resilax.wrap(case.train_step, topology=resilax.Topology.load("cpu-2x4"), state_sharding=specs,
+                        batch_sharding=P(("data", "fsdp")) if layout == "fsdp" else P("data"), config=cfg, rng=True,
+                        metric_reductions=case.metric_reductions)
+    s = step.init(state)
+    for b in case.make_batches(steps):
+        s, m = step(s, b)
+    jax.block_until_ready(s)
+    step.wait_compiled()
+    step.close()
+    print(name, "ok", step.step, f"{time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def main(run_dir):
+    dm, bn = CASES["dropout_mlp"], CASES["batchnorm_mlp"]
+    # every protection on: checkpoints (a save at steps 2 and 4), log entries, peer copies
+    # every 2 steps (ring+local copy variants), the replica checks, the cross-check, and the
+    # degraded meshes' programs compiled ahead
+    full = resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(run_dir, "a"), every=2),
+                          peers=resilax.PeersConfig(every=2), health=resilax.HealthConfig(sdc_every=1, hang_detect_s=None))
+    run("all_on_fsdp", dm, full, "fsdp")
+    run("all_off", bn, resilax.Config(**OFF), "replicated")
+    run("bit_exact", bn, resilax.Config(deterministic=resilax.DeterministicConfig(), peers=resilax.PeersConfig(compile_ahead=False),
+                                        checkpoint=resilax.CheckpointConfig(os.path.join(run_dir, "c"), every=2)),
+        "replicated")
+    # the user's own step under plain jit: the baseline the programs above are compared with
+    for case in (dm, bn):
+        st = case.make_state(0)
+        b = case.make_batches(1)[0]
+        jax.block_until_ready(jax.jit(case.train_step)(st, b, jax.random.key(0)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
