@@ -234,7 +234,7 @@ class Watch(Protection):
     def after_step(self, run, rec):
         g = rec.gout
         for x in (g.ok, g.loss):
-            if x is not None:
+            if isinstance(x, jax.Array):
                 x.copy_to_host_async()
         self._queue.append((rec.step, g.ok, g.loss))
         stop = self.cfg.on_anomaly == "stop"
@@ -337,4 +337,5 @@ class Watch(Protection):
 
 def _ready(x) -> bool:
     """Whether a verdict can be read without waiting (a host value always can)."""
-    return not isinstance(x, jax.Array) or x.is_ready()
+    is_ready = getattr(x, "is_ready", None)
+    return is_ready is None or bool(is_ready())
