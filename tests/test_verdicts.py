@@ -190,9 +190,13 @@ def test_a_kill_fires_once_per_run_directory(tmp_path, monkeypatch):
     plan.resume(0, str(tmp_path))
     plan.fire("after_step", 4)
     assert killed == ["kill_process@4:after_step"]
-    again = FaultPlan(["kill_process@4"])
-    assert [f.spec() for f in again.resume(2, str(tmp_path))] == ["kill_process@4:after_step"]
-    assert not again.pending
+    again = FaultPlan(["fail_slice@3:mid_step/1", "kill_process@4", "fail_slice@4:after_step/0", "nan@3",
+                       "fail_slice@4:mid_step/1"])
+    # the kill and what came no later than it happened to the process that died; nan@3 is
+    # injected again (step 3 is computed again); what comes after the kill fires as planned
+    assert [f.spec() for f in again.resume(2, str(tmp_path))] == [
+        "fail_slice@3:mid_step/1", "kill_process@4:after_step", "fail_slice@4:after_step/0"]
+    assert [f.spec() for f in again.pending] == ["nan@3:after_step", "fail_slice@4:mid_step/1"]
     (tmp_path / F.FIRED_FILE).write_text((tmp_path / F.FIRED_FILE).read_text()[:-5])  # truncated
     with pytest.raises(StorageError, match="truncated or corrupt"):
         FaultPlan(["kill_process@4"]).resume(2, str(tmp_path))

@@ -58,9 +58,16 @@ the same plan; the restart must end bitwise where the uninterrupted run with tha
   checkpoint directory, else the record log's), fsynced; a restart drops the faults listed
   there. Without any directory nothing can be resumed and nothing is remembered.
 - every other fault fires in the call it belongs to (``before_step``/``mid_step``/
-  ``during_peer_copy@N``: call ``N``; ``after_step``/``during_save@N``: call ``N - 1``);
-  calls before ``R`` were completed by the process that died: their faults are dropped,
-  later ones fire as planned.
+  ``during_peer_copy@N``: call ``N``; ``after_step``/``during_save@N``: call ``N - 1``).
+  It is dropped when its call is before ``R`` (completed by the process that died), or
+  when it comes, in time order, no later than the newest kill recorded for this plan (it
+  happened to the process that died, the kill's own (step, phase) group included; the
+  restart is a new process on the whole topology). Later ones fire as planned.
+
+So a restart with the same plan applies every ``nan``/``spike`` exactly as the
+uninterrupted run with that plan does (bitwise on the same mesh); a slice lost before the
+kill is whole again in the restart (the bit-exact mode still ends bitwise; the default mode
+then runs on another mesh: the same maths up to reduction order).
 
 Dropped faults are listed in `FaultPlan.settled`.
 """
@@ -266,6 +273,8 @@ class FaultPlan:
         name = FIRED_FILE if process == 0 else f"faults_fired.{process}.json"
         self._fired_file = os.path.join(directory, name) if directory else None
         done = set(_read_fired(self._fired_file)) if self._fired_file else set()
+        killed = [_when(f) for f in self._pending if f.kind in ENDING_KINDS and f.spec() in done]
+        horizon = max(killed, default=None)
         keep, dropped = [], []
         for f in self._pending:
             if f.kind in GRAD_KINDS:
@@ -273,8 +282,7 @@ class FaultPlan:
                 if not gone and f.step == step and f.phase == "after_step":
                     f = dataclasses.replace(f, phase="before_step")  # same step index, no step completes to N
             else:
-                call = f.step if f.phase in ("before_step", "mid_step", "during_peer_copy") else f.step - 1
-                gone = call < step or (f.kind in ENDING_KINDS and f.spec() in done)
+                gone = _when(f)[0] < step or (horizon is not None and _when(f) <= horizon)
             (dropped if gone else keep).append(f)
         self._pending = keep
         self.settled += dropped
@@ -291,6 +299,12 @@ class FaultPlan:
                 _record_fired(self._fired_file, f)
             _KINDS[f.kind](f, ctx)
         return due
+
+
+def _when(f: Fault) -> tuple[int, int]:
+    """(call, position in the call) of a fault: its time order (call ``k`` runs step ``k``)."""
+    return {"before_step": (f.step, 0), "mid_step": (f.step, 1), "during_peer_copy": (f.step, 2),
+            "after_step": (f.step - 1, 3), "during_save": (f.step - 1, 4)}[f.phase]
 
 
 def _read_fired(path: str) -> list[str]:
