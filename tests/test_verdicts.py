@@ -209,6 +209,21 @@ def test_recorded_verdict_is_checked():
             anomaly.recorded_verdict(bad, 3)
 
 
+def test_replay_passes_the_recorded_verdicts(tmp_path):
+    from resilax._src.protect.replay_log import ReplayLog, replay
+
+    log = ReplayLog(tmp_path / "log")
+    for s, v in enumerate((0, 1, 2)):
+        log.append(s, recorded={"g": np.full(2, s, np.float32)}, scalars={"verdict": v, "value": 1.0})
+    log.append(3, recorded={"g": np.zeros(2, np.float32)}, scalars={"value": 1.0})  # no verdict
+    log.close()
+    seen = []
+    out = replay(0, log, 0, 3, update=lambda st, s, rec, sig, v: seen.append((s, v)) or st, verdicts=True)
+    assert seen == [(0, 0), (1, 1), (2, 2)] and out.verdicts == (0, 1, 2)
+    with pytest.raises(resilax.ReplayLogError, match="step 3 has no valid recorded verdict"):
+        replay(0, log, 3, 4, update=lambda st, *a: st, verdicts=True)
+
+
 class _Pending:
     """A verdict whose computation has not finished: reading it would block."""
 
