@@ -166,3 +166,13 @@ def test_health_faults_end_on_the_failure_free_run():
     assert not (e.lost or e.sdc or e.uncertain or e.forbidden), e
     rec = C.run_trial(t)
     assert rec["outcome"] == "ok" and rec["max_rel_diff"] < 2e-6, rec
+
+
+def test_kill_next_to_a_nan_at_a_checkpoint_step_is_judged_bitwise():
+    """Issue 27: a NaN at a checkpoint step and a kill right after; the restart runs the same
+    plan and must end bitwise where the uninterrupted run with that plan ends."""
+    t = C.Trial(27, "dropout_mlp", (2, 4), "replicated", 3, 6, ("nan@3:after_step", "kill_process@4:after_step"))
+    e = C.expect(t, C._shapes(t))
+    assert e.kill == (4, "after_step") and e.skipped == (3,) and not e.lost
+    rec = C.run_trial(t)
+    assert rec["outcome"] == "ok" and rec["judged"].startswith("bitwise") and rec["max_rel_diff"] == 0.0, rec

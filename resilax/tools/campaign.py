@@ -23,11 +23,17 @@ model of the documented semantics:
   ``during_save@k+1``;
 - ``nan@N`` skips step ``N``'s update; ``spike@N`` skips it once ``min_history`` earlier
   steps were applied (the detector's warm-up), else changes nothing;
-- ``kill_process``: the run is restarted with the same directories and the faults that
-  come after the kill, on the whole topology again (a new process); it must end where the
-  failure-free run ends. Faults after the kill count as in any run (a spike after it is
-  judged on the detector history the restart restored); faults in the kill's own (step,
-  phase) group die with it.
+- ``kill_process``: the run is restarted with the same directories and the same plan, on
+  the whole topology again (a new process; `FaultPlan.resume` drops what happened to the
+  process that died: the kill, its own (step, phase) group and everything before it, except
+  ``nan``/``spike``, which belong to their step and are replayed with their recorded verdict
+  or injected again); it must end where the failure-free run ends. Faults after the kill
+  count as in any run (a spike after it is judged on the detector history the restart
+  restored). Without slice faults a kill trial is judged bitwise against the uninterrupted
+  run with the same plan (and config); the bit-exact mode always bitwise.
+- ``nan``/``spike`` are drawn at the boundaries too: a checkpoint step (the step that runs
+  while its save is in flight), one before or after it, right after a failure, and next
+  to a kill.
 
 Slice health (drawn in ~40% of the trials, after everything else so older seeds keep their
 base schedules; such a trial runs with ``HealthConfig(sdc_every=1)`` and, when a watchdog
@@ -135,7 +141,7 @@ def random_trial(rng: random.Random, seed: int) -> Trial:
     faults: list[str] = []
     targets: list[int] = []
     for _ in range(rng.choice((1, 1, 2, 2, 3))):
-        kind = rng.choices(KINDS, weights=(6, 1.5, 1.5, 1))[0]
+        kind = rng.choices(KINDS, weights=(6, 1.5, 1.5, 2))[0]
         if kind == "kill_process" and (any(f.startswith("kill") for f in faults) or ckpt_every is None and rng.random() < 0.5):
             kind = "fail_slice"
         edge = rng.random()
@@ -145,6 +151,10 @@ def random_trial(rng: random.Random, seed: int) -> Trial:
             step = steps - 1
         elif edge < 0.5 and faults:
             step = _parse(faults[-1])[1] + rng.choice((0, 1))  # right after (or with) a previous failure
+        elif edge < 0.7 and ckpt_every:
+            # at a checkpoint step (a grad fault there: the step that runs while its save is
+            # in flight), or one before or after it
+            step = rng.randrange(ckpt_every, steps, ckpt_every) + rng.choice((-1, 0, 0, 1))
         else:
             step = rng.randrange(0, steps)
         step = min(step, steps - 1)
@@ -170,11 +180,15 @@ def random_trial(rng: random.Random, seed: int) -> Trial:
             target = rng.randrange(d)
         targets.append(target)
         faults.append(f"fail_slice@{step}:{phase}/{target}")
-    # a nan/spike just before a kill could be recomputed (not re-injected) after the restart
-    kill = [_parse(f) for f in faults if f.startswith("kill")]
-    if kill:
-        ks = kill[0][1]
-        faults = [f for f in faults if not (f.split("@")[0] in ("nan", "spike") and ks - 3 <= _parse(f)[1] <= ks + 1)]
+    if any(f.startswith("kill") for f in faults) and not any(f.split("@")[0] in ("nan", "spike") for f in faults) \
+            and rng.random() < 0.7:
+        # verdicts across a kill: a NaN or spike at the kill's boundary (the kill's step, one
+        # before or after it, a checkpoint step), which the restart must replay or inject again
+        ks = next(_parse(f)[1] for f in faults if f.startswith("kill"))
+        near = [ks - 1, ks, ks + 1] + ([rng.randrange(ckpt_every, steps, ckpt_every)] if ckpt_every else [])
+        gs = min(max(rng.choice(near), 0), steps - 1)
+        kind = rng.choice(("nan", "spike"))
+        faults.append(f"{kind}@{gs}:{'before_step' if gs == 0 else rng.choice(('before_step', 'after_step'))}")
     mode = "deterministic" if rng.random() < 0.3 else "default"  # drawn last: older seeds keep their schedules
     trial = Trial(seed, model, (d, k), layout, ckpt_every, steps, tuple(faults), mode)
     if rng.random() < HEALTH_SHARE:  # drawn after the rest: older seeds keep their schedules
@@ -343,15 +357,20 @@ def _simulate(trial: Trial, shapes, choose) -> tuple:
         pending: set = set()
         at = (group[0][2], group[0][3])
         for _, kind, s, ph, t in group:
+            # a nan/spike belongs to step index s: the restart after a kill in this group
+            # injects it again or replays its recorded verdict (`FaultPlan.resume`)
+            if kind in ("nan", "spike") and (kind == "nan" or applied_before(s, skipped) >= MIN_HISTORY):
+                skipped.append(s)  # injected into the grad part of step index s
+        for _, kind, s, ph, t in group:
             alive = sim["alive"]
             if kind in ("nan", "spike"):
-                if kind == "nan" or applied_before(s, skipped) >= MIN_HISTORY:
-                    skipped.append(s)  # injected into the grad part of step index s
+                pass
             elif kind == "kill_process":
                 if sim["kill"] is None:
-                    # the restart is a new process on the whole topology, with the faults that
-                    # come after the kill (a spike after it is judged on the restored history);
-                    # the kill's own group dies with it
+                    # the restart is a new process on the whole topology, with the same plan:
+                    # the faults that come after the kill fire (a spike after it is judged on
+                    # the restored history); the kill's own group and everything before it
+                    # happened to the process that died (`FaultPlan.resume`)
                     sim.update(kill=(s, ph), alive=list(range(d)))
                     stalled.clear(), repaired.clear(), flips.clear()
                     return
@@ -511,6 +530,20 @@ def deterministic_reference(trial: Trial) -> dict:
     return _REFS[key]
 
 
+def uninterrupted(trial: Trial) -> dict:
+    """The trial's run with the same config and plan but no kill, in a fresh directory."""
+    faults = tuple(f for f in trial.faults if not f.startswith("kill"))
+    key = ("uninterrupted", trial.model, trial.topology, trial.layout, trial.ckpt_every, trial.steps, faults,
+           trial.health)
+    if key not in _REFS:
+        work = tempfile.mkdtemp(prefix="resilax-campaign-ref-")
+        try:
+            _REFS[key] = faulted_run(dataclasses.replace(trial, faults=faults), work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return _REFS[key]
+
+
 def rel_diff(a: dict, b: dict) -> float:
     worst = 0.0
     for k in b:
@@ -564,11 +597,16 @@ def run_trial(trial: Trial, *, timeout_s: float = 300.0) -> dict:
             if child.returncode != -signal.SIGKILL:
                 rec.update(outcome="unexpected_exception", error=f"child exit {child.returncode}: {child.stderr[-1500:]}")
                 return rec
-            later = [f for f in trial.faults if _order(*_parse(f)[1:3]) > _order(*exp.kill)]
-            got = faulted_run(trial, work, faults=later)
+            got = faulted_run(trial, work)  # the same command again: the same plan (`FaultPlan.resume`)
         else:
             got = faulted_run(trial, work)
-        if trial.mode == "deterministic":
+        domain_faults = any(_parse(f)[0] not in ("nan", "spike", "kill_process") for f in trial.faults)
+        if exp.kill is not None and trial.mode != "deterministic" and not domain_faults:
+            # kill + resume on the same mesh: bitwise the uninterrupted run with the same plan
+            rec["judged"] = "bitwise, uninterrupted run with the same plan"
+            diff = rel_diff(got, uninterrupted(trial))
+            good = diff == 0.0 and rel_diff(got, reference(trial, exp.skipped)) < TOL
+        elif trial.mode == "deterministic":
             # the same config with no failure (the NaN/spike faults are part of the maths): bitwise
             diff = rel_diff(got, deterministic_reference(trial))
             good = diff == 0.0
@@ -690,9 +728,10 @@ def _cli(args) -> int:
 
 
 def _child(trial_json: str, work: str) -> None:
-    from resilax.tools.runner import configure_cpu_devices
+    from resilax.tools.runner import configure_compilation_cache, configure_cpu_devices
 
     configure_cpu_devices(8)
+    configure_compilation_cache()  # the worker's executables: the killed run does not compile them again
     faulted_run(Trial.from_json(json.loads(trial_json)), work)
     sys.exit(3)  # the kill should have fired
 

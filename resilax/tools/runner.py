@@ -184,6 +184,9 @@ def train(
                 ck = step.checkpoints.steps() if step.checkpoints else []
                 how = f" (host store: {hs[-1].fields['copy']}; newest checkpoint: {ck[-1] if ck else None})"
             print(f"resumed at step {start_step}{how}, data position restored", flush=True)
+        if step.faults.settled:  # the same plan on a restart: what belonged before the resume is done
+            print(f"faults done before this restart (not fired again): "
+                  f"{', '.join(f.spec() for f in step.faults.settled)}", flush=True)
         bar = _progress(steps, start_step, progress)
         loss = acc = float("nan")
         last_t, last_s = time.perf_counter(), step.step
@@ -232,6 +235,9 @@ def train(
         "checkpoints": step.checkpoints.steps() if step.checkpoints else [],
         "checkpoint_blocking_s": sum(step.checkpoints.blocking_s) if step.checkpoints else 0.0,
         "events": [e.to_json() for e in step.events],
+        # steps whose update was not applied (NaN/Inf or spike), recorded across restarts
+        "skipped_steps": sorted(step._watch.skipped) if step._watch is not None else [],
+        "faults_settled": [f.spec() for f in step.faults.settled],
     }
     if curve:
         summary["curve"] = trace

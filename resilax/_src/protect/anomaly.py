@@ -9,11 +9,17 @@ detector's state (the window) is a small replicated array carried from step to s
 (`init_guard`, `check`), checkpointed with the state, and advanced in replay from the
 logged verdicts and losses (`advance`), so a replayed or resumed run decides the same.
 
-The host reads ``ok`` one step late (its copy started right after dispatch) to report a
-skipped step as an event, or to stop (``on_anomaly="stop"``).
+The host reads ``ok`` once it is ready (its copy started right after dispatch; `Watch`
+never makes a step wait for it) to report a skipped step as an event, or to stop
+(``on_anomaly="stop"``, at most one step late). Verdicts are records: each is written with
+the step's log entry, the skipped steps in checkpoint metadata and host copies, and every
+replay, resume and rebuild applies the recorded verdict (`recorded_verdict`), never a
+recomputed one.
 """
 
 from __future__ import annotations
+
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -163,36 +169,117 @@ def _metric(metrics, name):
     return None
 
 
+def recorded_verdict(v, step: int) -> int:
+    """A recorded verdict (from a log entry, a host copy or a device scalar) as an int in
+    (`OK`, `NONFINITE`, `SPIKE`).
+
+    Raises:
+      ReplayLogError: it is missing or not a verdict: the step's recorded outcome is
+        unknown, and recomputing it could apply an update the original step skipped.
+    """
+    from resilax._src.errors import ReplayLogError
+
+    try:
+        x = None if v is None else np.asarray(v)
+        code = int(x) if x is not None and x.shape == () and x.dtype.kind in "iu" else None
+    except (TypeError, ValueError):
+        code = None
+    if code not in (OK, NONFINITE, SPIKE):
+        raise ReplayLogError(f"resilax replay: step {step} has no valid recorded verdict (got {v!r}; expected "
+                             f"{OK} applied, {NONFINITE} skipped for NaN/Inf or {SPIKE} skipped for a spike)")
+    return code
+
+
+MAX_SKIPPED_KEPT = 1000  # skipped steps listed in a checkpoint's metadata (the newest; counts are total)
+
+
 class Watch(Protection):
-    """Host side of anomaly protection: reads each step's verdict one step late (its copy
-    was started at dispatch), records skipped steps as events, or stops."""
+    """Host side of anomaly protection: reads verdicts without ever making a step wait,
+    records skipped steps as events (and in checkpoint metadata), or stops.
+
+    Each step's verdict (and watched value) is queued with its host copy started at
+    dispatch; a step call judges, in step order, only the queued verdicts whose arrays are
+    ready (`jax.Array.is_ready`), so on an accelerator the host runs ahead of the device
+    and reads no device value synchronously. It blocks only at flush points: a checkpoint
+    save (whose metadata lists the skipped steps; its snapshot waits for the same step
+    anyway), a recovery, close, and when more than ``MAX_LAG`` verdicts are unread (a
+    bound on host memory, never reached while the device keeps up). With
+    ``on_anomaly="stop"`` a verdict is read at most one step late, blocking if needed (the
+    documented lag: `AnomalyError` comes from the call after the anomalous step's, at the
+    latest; its update was never applied).
+    """
 
     name = "anomaly"
+    MAX_LAG = 16
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self._pending = None  # (step, verdict, value) of the newest step, unread
+        self._queue: collections.deque = collections.deque()  # (step, verdict, value), unread, oldest first
+        self.skipped: dict[int, int] = {}  # step -> verdict of the steps whose update was not applied
+        self.counts = {CAUSES[NONFINITE]: 0, CAUSES[SPIKE]: 0}
 
+    # ---------------------------------------------------------------- the step path
     def after_step(self, run, rec):
         g = rec.gout
         for x in (g.ok, g.loss):
-            if x is not None:
+            if isinstance(x, jax.Array):
                 x.copy_to_host_async()
-        prev, self._pending = self._pending, (rec.step, g.ok, g.loss)
-        if prev is not None:
-            self._judge(run, prev)
+        self._queue.append((rec.step, g.ok, g.loss))
+        stop = self.cfg.on_anomaly == "stop"
+        while self._queue:
+            step, ok, value = self._queue[0]
+            late = len(self._queue) > (1 if stop else self.MAX_LAG)
+            if not late and not _ready(ok):
+                break  # judged by a later call, or at the next flush point
+            self._queue.popleft()
+            self._judge(run, (step, ok, value))
 
     def flush(self, run):
-        """Reads the newest verdict now (before a checkpoint, at close)."""
-        prev, self._pending = self._pending, None
-        if prev is not None:
-            self._judge(run, prev)
+        """Reads every queued verdict now (blocking): before a checkpoint, at close."""
+        while self._queue:
+            self._judge(run, self._queue.popleft())
+
+    # ---------------------------------------------------------------- the record
+    def record(self, run) -> dict:
+        """The verdict record of the steps before ``run.step`` (flushes first): JSON for a
+        checkpoint's or a host copy's metadata."""
+        self.flush(run)
+        newest = sorted(self.skipped)[-MAX_SKIPPED_KEPT:]
+        return {"through": int(run.step) - 1, "counts": dict(self.counts),
+                "skipped": [[int(s), int(self.skipped[s])] for s in newest]}
+
+    def restored(self, record) -> None:
+        """The run resumed from a checkpoint or host copy whose metadata holds ``record``."""
+        self._queue.clear()
+        self.skipped, self.counts = {}, {CAUSES[NONFINITE]: 0, CAUSES[SPIKE]: 0}
+        if not record:
+            return
+        self.skipped = {int(s): int(v) for s, v in record.get("skipped", [])}
+        self.counts.update({k: int(v) for k, v in (record.get("counts") or {}).items() if k in self.counts})
+
+    def replayed(self, run, step: int, verdict) -> None:
+        """Step ``step`` was replayed from the record log with its recorded ``verdict``."""
+        code = recorded_verdict(verdict, step)
+        if code != OK and step not in self.skipped:
+            self._note(step, code)
+            run.event("anomaly", step, cause=CAUSES[code], value=None, action="replayed",
+                      detail="replayed from the record log with its recorded verdict: the update was not applied")
+
+    def _note(self, step, code):
+        self.skipped[step] = code
+        cause = CAUSES.get(code)
+        if cause in self.counts:
+            self.counts[cause] += 1
+        if len(self.skipped) > 4 * MAX_SKIPPED_KEPT:
+            for s in sorted(self.skipped)[:-MAX_SKIPPED_KEPT]:
+                del self.skipped[s]
 
     def _judge(self, run, item):
         step, ok, value = item
         verdict = int(np.asarray(ok))
         if verdict == OK:
             return
+        self._note(step, verdict)
         cause = CAUSES.get(verdict, "anomaly")
         v = None if value is None else float(np.asarray(value))
         run.event("anomaly", step, cause=cause, value=v, action=self.cfg.on_anomaly,
@@ -203,29 +290,40 @@ class Watch(Protection):
                 f"resilax: step {step} is anomalous ({cause}{'' if v is None else f', {self.cfg.metric} = {v:.6g}'}); "
                 f"its update was not applied and AnomalyConfig.on_anomaly='stop'", step=step, cause=cause)
 
+    # ---------------------------------------------------------------- failures
     def start(self, run, state):
-        self._pending = None
+        self._queue.clear()
 
     def adopted(self, run, state, since):
-        self._pending = None  # a verdict on corrupted replicas: the rebuilt steps had their own
+        # verdicts on corrupted replicas: the rebuilt steps had their own
+        self._queue = collections.deque(q for q in self._queue if q[0] <= since)
+        for s in [s for s in self.skipped if s > since]:
+            del self.skipped[s]
 
     def shrunk(self, run, state, alive):
-        """The unread verdict of a step the run goes on from is judged (its array lives on
-        every process's devices); one of a later step, or one its failed collective left
-        unreadable, is dropped: that step is computed again."""
-        prev, self._pending = self._pending, None
-        if prev is None or prev[0] > run.step:
-            return
-        try:
-            self._judge(run, prev)
-        except jax.errors.JaxRuntimeError:  # the computation that made it failed with the dead process
-            pass
+        """The unread verdicts of steps the run goes on from are judged (their arrays live on
+        every process's devices); those of later steps, or ones a failed collective left
+        unreadable, are dropped: those steps are computed again."""
+        queue, self._queue = self._queue, collections.deque()
+        for item in queue:
+            if item[0] >= run.step:
+                continue
+            try:
+                self._judge(run, item)
+            except jax.errors.JaxRuntimeError:  # the computation that made it failed with the dead process
+                pass
 
     def restart(self, run, state):
-        """The unread verdict's array lost its dead devices' buffers: read a survivor's."""
-        if self._pending is not None:
-            step, ok, value = self._pending
-            self._pending = (step, run.host_replica(ok), None if value is None else run.host_replica(value))
+        """The unread verdicts' arrays lost their dead devices' buffers: read a survivor's."""
+        self._queue = collections.deque(
+            (step, run.host_replica(ok), None if value is None else run.host_replica(value))
+            for step, ok, value in self._queue)
 
     def held(self):
-        return [x for x in (self._pending or ())[1:] if isinstance(x, jax.Array)]
+        return [x for item in self._queue for x in item[1:] if isinstance(x, jax.Array)]
+
+
+def _ready(x) -> bool:
+    """Whether a verdict can be read without waiting (a host value always can)."""
+    is_ready = getattr(x, "is_ready", None)
+    return is_ready is None or bool(is_ready())

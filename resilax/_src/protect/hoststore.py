@@ -4,7 +4,8 @@ the worker's JAX runtime, and mirrored to the ring neighbour host.
 Under `resilax launch` the supervisor owns a directory per host (on ``/dev/shm``: RAM);
 after every ``every``-th step worker ``i`` writes the shards of (state, anomaly guard) its
 devices hold into ``host<i>/own`` and into ``host<(i+1) % N>/mirror``, with the step, the
-data position and a SHA-256 of the bytes. When worker ``i`` dies the supervisor deletes
+data position, the verdict record (the skipped steps: `anomaly.Watch.record`) and a
+SHA-256 of the bytes. When worker ``i`` dies the supervisor deletes
 ``host<i>`` (honest emulation: that host's memory is gone), picks the newest step every
 process can get back (its own copy, or the mirror on the next host) and tells the next
 generation; there each worker reads its shards back, verifies them, and the workers agree
@@ -102,7 +103,8 @@ def restorable_step(root: pathlib.Path, n: int, processes=None) -> int | None:
     return max(ok) if ok else None
 
 
-def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, process: int, whole: bool) -> None:
+def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, process: int, whole: bool,
+           verdicts=None) -> None:
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f".step{step}.npz.tmp"
     with open(tmp, "wb") as f:
@@ -110,7 +112,7 @@ def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, pr
     digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
     os.replace(tmp, d / f"step{step}.npz")
     meta = {"step": step, "sha256": digest, "data_state": data_state, "leaves": leaves, "process": process,
-            "whole": whole}
+            "whole": whole, "verdicts": verdicts}
     (d / f".step{step}.json.tmp").write_text(json.dumps(meta))
     os.replace(d / f".step{step}.json.tmp", d / f"step{step}.json")
     for old in committed_steps(d)[:-KEEP]:
@@ -148,6 +150,7 @@ class HostStore(base.Protection):
         # job, `resilax launch` re-formed without replacements, starts with some hosts gone)
         self.alive = sorted(alive) if alive is not None else list(range(n))
         self.seconds: list[float] = []
+        self._record = None  # () -> the anomaly watcher's verdict record (`anomaly.Watch.record`), or None
 
     def _targets(self) -> list[pathlib.Path]:
         out = [self.root / f"host{self.process}" / "own"]
@@ -176,12 +179,16 @@ class HostStore(base.Protection):
         """Re-protects a restored state at once (own host and the neighbour's mirror): until
         this generation's first stored step, a second death would otherwise find the dead
         hosts' copies gone and fall back to the checkpoint."""
+        watch = getattr(run, "_watch", None)
+        self._record = (lambda: watch.record(run)) if watch is not None else None
         if run.step > 0 and run.step not in committed_steps(self._targets()[0]):
             self.write(run.step, state, run.guard, run._data_pos)
 
     def write(self, step: int, state, guard, data_pos) -> None:
         t0 = time.perf_counter()
         leaves = jax.tree.leaves((state, guard))
+        # the skipped steps up to this one (the copy below waits for this step anyway)
+        verdicts = self._record() if self._record is not None else None
         arrays = {}
         whole = True
         for i, x in enumerate(leaves):
@@ -190,7 +197,7 @@ class HostStore(base.Protection):
             for s in shards:
                 arrays[_key(i, s.index, x.shape)] = np.array(s.data, copy=True)
         for d in self._targets():
-            _write(d, step, arrays, data_pos, len(leaves), self.process, whole)
+            _write(d, step, arrays, data_pos, len(leaves), self.process, whole, verdicts)
         self.seconds.append(time.perf_counter() - t0)
 
     def restore(self, step: int, abstract_leaves, shardings):
@@ -237,6 +244,8 @@ def resume(run, store: HostStore, state, step: int | None, agree):
     if run.data is not None and meta.get("data_state") is not None:
         run.data.set_state(decode_data_state(meta["data_state"]))
     run._data_pos = meta.get("data_state")
+    if getattr(run, "_watch", None) is not None:
+        run._watch.restored(meta.get("verdicts"))
     from_step, run.step, run.guard = run.step, step, guard
     store.write(step, state, guard, run._data_pos)  # re-protected before anything else can fail
     run.event("restore", step, source="host_store", copy=source, from_step=from_step,

@@ -7,7 +7,8 @@ checksum)``, with three sinks.
   the step; capped by ``LogConfig.device_bytes`` (past it the next step makes a copy).
 - **host**: the batches since the newest checkpoint or peer copy (whichever is older), so
   a step whose device entry died can be recomputed, whatever the layout; and each step's
-  verdict and watched value (replicated device scalars) for replay.
+  verdict and watched value (replicated device scalars; host copies after a recovery):
+  every redo of a step, from any source, is gated by its recorded verdict.
 - **disk** (`replay_log.ReplayLog`, when a directory is known): grads or inputs entries
   written in the background and checksummed (sha256); a restart replays them.
 
@@ -258,11 +259,14 @@ class RecordLog(base.Protection):
         return tuple(None if x is None else _host_scalar(x, bufmaps) for x in v)
 
     def restart(self, run, state):
-        """Device entries and verdicts lived on the old mesh (partly deleted): dropped; the
-        retained batches recompute any step a later recovery needs before the new start."""
+        """Device entries lived on the old mesh (partly deleted): dropped; the retained
+        batches recompute any step a later recovery needs before the new start, gated by
+        the verdicts, which are kept as host values (read from a surviving replica: they are
+        replicated scalars, so any live domain has them)."""
         self.device.clear()
         self.pending.clear()
-        self.verdicts.clear()
+        self.verdicts = {s: tuple(None if x is None else np.array(run.host_replica(x), copy=True) for x in v)
+                         for s, v in self.verdicts.items()}
         self.now = self.covered = run.step
         if self._anchor is not None:
             # an anchor deferred at a save still holds the old mesh's arrays, some of whose

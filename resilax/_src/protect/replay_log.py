@@ -11,6 +11,10 @@ Two kinds of entries, one file each, per step ``i`` (the step that takes the sta
   the update consumes) as raw arrays. Replaying it runs only `Split.update`: the forward
   and backward pass are dead code and XLA removes them.
 
+Both kinds hold the step's verdict (0 applied, 1 skipped for NaN/Inf, 2 skipped for a
+spike) and watched value: a replay gates the update with the recorded verdict, never a
+recomputed one (``replay(..., verdicts=True)``, `ResilientStep`).
+
 In ``grads`` mode both files are written; the selective policy (`SelectivePolicy`) keeps
 grads files for the newest steps within ``log_budget_bytes`` and deletes older grads
 files, leaving their inputs files: log bytes traded against replay time.
@@ -512,6 +516,7 @@ class Replayed:
     seconds: float
     failed: tuple[tuple[int, str], ...] = ()  # (step, reason) of the first step that could not be replayed
     data_next: Any = None  # iterator position after the last replayed batch
+    verdicts: tuple[int, ...] = ()  # per replayed step: its recorded verdict (0 applied, 1 NaN/Inf, 2 spike)
 
 
 def replay(
@@ -526,6 +531,7 @@ def replay(
     decode_data_state: Callable[[Any], Any] = lambda s: s,
     checksums: Callable[[Any], np.ndarray] | None = None,
     strict: bool = True,
+    verdicts: bool = False,
 ) -> Replayed:
     """Replays steps ``start .. stop-1`` from the log onto ``state`` (the state at ``start``).
 
@@ -539,6 +545,11 @@ def replay(
         against the checksums the original step logged (a log written for another state
         raises), and so is the final state when the log has the entry that follows it.
       strict: with ``stop`` given, raise when a step cannot be replayed.
+      verdicts: pass each step's recorded verdict as a last argument to ``update`` and
+        ``full`` (``update(state, step, recorded, batch_sig, verdict)``,
+        ``full(state, batch, step, verdict)``): a replay must gate the update with it, never
+        with a recomputed one (`ResilientStep` does). An entry without a valid verdict then
+        raises `ReplayLogError`.
 
     Returns:
       `Replayed`. ``state`` is donated to the update/step functions: use the returned one.
@@ -555,6 +566,7 @@ def replay(
     limit = stop if stop is not None else (max(have) + 1 if have else start)
     first = True
     at = None  # encoded position the iterator is at, once replay has moved it
+    seen: list = []  # recorded verdicts of the replayed steps
     while step < limit:
         entry, reasons = None, []
         for kind in ("grads", "inputs"):
@@ -580,15 +592,19 @@ def replay(
                     f"{str(log.directory)!r} was recorded from (checksums differ); this log belongs to another run"
                 )
         first = False
+        from resilax._src.protect.anomaly import recorded_verdict
+
+        extra = (recorded_verdict(entry.scalars.get("verdict"), step),) if verdicts else ()
         if entry.kind == "grads":
-            state = update(state, step, entry.recorded, entry.batch_sig)
+            state = update(state, step, entry.recorded, entry.batch_sig, *extra)
         else:
             # Consecutive inputs steps read consecutive batches: position the iterator once
             # (grain's set_state costs ~10 steps' time) and then iterate.
             if at is None or at != entry.data_state:
                 data.set_state(decode_data_state(entry.data_state))
-            state = full(state, next(data), step)
+            state = full(state, next(data), step, *extra)
             at = entry.data_next
+        seen.append(entry.scalars.get("verdict"))
         data_next = entry.data_next
         modes.append(entry.kind)
         step += 1
@@ -603,7 +619,8 @@ def replay(
                     f"resilax replay: replaying steps {start}..{step - 1} did not reproduce the state the original "
                     f"run had at step {step} (checksums differ): replay is not deterministic here"
                 )
-    out = Replayed(state, step, tuple(modes), time.perf_counter() - t0, tuple(failed), data_next)
+    out = Replayed(state, step, tuple(modes), time.perf_counter() - t0, tuple(failed), data_next,
+                   tuple(v if isinstance(v, int) else None for v in seen))
     if strict and stop is not None and step < stop:
         err = ReplayLogError(
             f"resilax replay: replayed steps {start}..{step - 1} but could not replay steps {step}..{stop - 1}: "

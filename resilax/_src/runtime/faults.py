@@ -44,11 +44,39 @@ Kinds:
 Every fault is checked when `resilax.wrap` gets it (`FaultPlan.validate`): an unknown kind,
 a missing or out-of-range target, a phase the kind has no use for, or a ``during_save`` at a
 step that saves no checkpoint is a `ConfigError` before anything runs.
+
+**A plan on a restart** (`FaultPlan.resume`, called by `ResilientStep.init` once it knows the
+step ``R`` it resumes at). Chaos testing restarts a killed process with the same command, so
+the same plan; the restart must end bitwise where the uninterrupted run with that plan ends:
+
+- ``nan@N``/``spike@N`` belong to step index ``N`` (the step from ``N`` to ``N + 1``),
+  whatever their phase. ``N < R``: the step is in the record (its verdict in the log entry
+  replayed, or already applied to the checkpointed state): dropped. ``N >= R``: the step is
+  computed again, so the fault is injected again (``after_step@R`` fires before step ``R``).
+- a process-ending fault (``kill_process``, ``hang``) fires once per run: before it fires it
+  is written to ``faults_fired.json`` in the run's directory (`Config.run_dir`, else the
+  checkpoint directory, else the record log's), fsynced; a restart drops the faults listed
+  there. Without any directory nothing can be resumed and nothing is remembered.
+- every other fault fires in the call it belongs to (``before_step``/``mid_step``/
+  ``during_peer_copy@N``: call ``N``; ``after_step``/``during_save@N``: call ``N - 1``).
+  It is dropped when its call is before ``R`` (completed by the process that died), or
+  when it comes, in time order, no later than the newest kill recorded for this plan (it
+  happened to the process that died, the kill's own (step, phase) group included; the
+  restart is a new process on the whole topology). Later ones fire as planned.
+
+So a restart with the same plan applies every ``nan``/``spike`` exactly as the
+uninterrupted run with that plan does (bitwise on the same mesh); a slice lost before the
+kill is whole again in the restart (the bit-exact mode still ends bitwise; the default mode
+then runs on another mesh: the same maths up to reduction order).
+
+Dropped faults are listed in `FaultPlan.settled`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import signal
@@ -56,13 +84,15 @@ import sys
 import time
 from typing import Callable, Iterable
 
-from resilax._src.errors import ConfigError
+from resilax._src.errors import ConfigError, StorageError
 
 PHASES = ("before_step", "after_step", "during_save", "mid_step", "during_peer_copy")
 GRAD_KINDS = ("nan", "spike")
 DOMAIN_KINDS = ("fail_slice", "rejoin", "repair_slice", "bitflip", "hang_slice", "slow_slice")  # a domain target
 BOUNDARY_KINDS = ("rejoin", "repair_slice", "bitflip", "hang_slice", "slow_slice")  # only between steps
 WATCHDOG_KINDS = ("hang_slice", "slow_slice", "repair_slice")  # need the liveness watchdog (one process)
+ENDING_KINDS = ("kill_process", "hang")  # end (or stall for good) the process: fire once per run
+FIRED_FILE = "faults_fired.json"
 
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<phase>[a-z_]+))?(?:/(?P<target>\d+))?$")
 
@@ -160,6 +190,8 @@ class FaultPlan:
     def __init__(self, faults: Iterable[Fault | str] = ()):
         self._pending = [f if isinstance(f, Fault) else Fault.parse(f) for f in faults]
         self.fired: list[Fault] = []
+        self.settled: list[Fault] = []  # dropped by `resume`: done before the step resumed at
+        self._fired_file: str | None = None
 
     def __bool__(self):
         return bool(self._pending)
@@ -227,6 +259,35 @@ class FaultPlan:
                     raise ConfigError(f"{where}: no checkpoint is saved after step {f.step} "
                                       f"(CheckpointConfig.every = {ck.every})")
 
+    def resume(self, step: int, directory: str | None, process: int = 0) -> list[Fault]:
+        """A run (re)starts at ``step`` (steps completed, 0 when fresh): drops the faults that
+        belong before it and the process-ending ones a killed process of this run already
+        fired (listed in ``directory``); see the module docstring. From now on a
+        process-ending fault is recorded in ``directory`` before it fires. Returns the faults
+        dropped (also kept in `settled`).
+
+        Raises:
+          StorageError: the record of fired faults in ``directory`` is unreadable or corrupt
+            (rather than firing a kill again, or silently not).
+        """
+        name = FIRED_FILE if process == 0 else f"faults_fired.{process}.json"
+        self._fired_file = os.path.join(directory, name) if directory else None
+        done = set(_read_fired(self._fired_file)) if self._fired_file else set()
+        killed = [_when(f) for f in self._pending if f.kind in ENDING_KINDS and f.spec() in done]
+        horizon = max(killed, default=None)
+        keep, dropped = [], []
+        for f in self._pending:
+            if f.kind in GRAD_KINDS:
+                gone = f.step < step
+                if not gone and f.step == step and f.phase == "after_step":
+                    f = dataclasses.replace(f, phase="before_step")  # same step index, no step completes to N
+            else:
+                gone = _when(f)[0] < step or (horizon is not None and _when(f) <= horizon)
+            (dropped if gone else keep).append(f)
+        self._pending = keep
+        self.settled += dropped
+        return dropped
+
     def fire(self, phase: str, step: int, ctx=None) -> list[Fault]:
         if not self._pending:
             return []
@@ -234,5 +295,55 @@ class FaultPlan:
         for f in due:
             self._pending.remove(f)
             self.fired.append(f)
+            if f.kind in ENDING_KINDS and self._fired_file:
+                _record_fired(self._fired_file, f)
             _KINDS[f.kind](f, ctx)
         return due
+
+
+def _when(f: Fault) -> tuple[int, int]:
+    """(call, position in the call) of a fault: its time order (call ``k`` runs step ``k``)."""
+    return {"before_step": (f.step, 0), "mid_step": (f.step, 1), "during_peer_copy": (f.step, 2),
+            "after_step": (f.step - 1, 3), "during_save": (f.step - 1, 4)}[f.phase]
+
+
+def _read_fired(path: str) -> list[str]:
+    """The fault specs recorded in ``path`` (none when it does not exist)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise StorageError(f"resilax FaultPlan: cannot read the record of fired faults {path!r}: {e}") from e
+    try:
+        doc = json.loads(raw)
+        fired = doc["fired"]
+        ok = (isinstance(fired, list) and all(isinstance(x, str) for x in fired)
+              and doc["sha256"] == hashlib.sha256(json.dumps(fired).encode()).hexdigest())
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise StorageError(
+            f"resilax FaultPlan: the record of fired faults {path!r} is truncated or corrupt ({len(raw)} bytes; "
+            f"its sha256 does not match); a restart cannot tell which kill already fired. Delete it to fire every "
+            f"planned fault again")
+    return fired
+
+
+def _record_fired(path: str, fault: Fault) -> None:
+    """Appends ``fault`` to the record (written to a temporary file, fsynced, renamed)."""
+    fired = _read_fired(path) + [fault.spec()]
+    doc = json.dumps({"fired": fired, "sha256": hashlib.sha256(json.dumps(fired).encode()).hexdigest()})
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(doc)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

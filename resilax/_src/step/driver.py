@@ -280,10 +280,14 @@ class ResilientStep:
                 self.guard = restored.state.get("guard")
                 if self._log is not None:
                     self._log.checkpointed(restored.step)
+                if self._watch is not None:
+                    self._watch.restored(restored.meta.get("verdicts"))
         if restored is None and not from_store:
             state = _sh.place_copy(state, self._state_sh)
         self._data_pos = encode_data_state(data.get_state()) if data is not None else None
         state = self._resume_from_disk(state)
+        # the plan on a restart: what belongs before this step is done (faults.py)
+        self.faults.resume(self.step, self.run_dir or cfg.log_directory, jax.process_index())
         self.live = state
         if self.program is not None:
             self._start_protections(state)
@@ -1175,26 +1179,42 @@ class ResilientStep:
         prog = self.program
         if kind == "batch":
             gout = prog.grad(False)(state, guard, prog.put_batch(self._log.batches[s]), np.uint32(s))
-            new, _, _ = prog.update(None)(state, gout.rec, gout.ok, np.uint32(s))
-            return new, gout.guard
+            recorded = self._log.verdict(s, self._bufmaps)  # the step's own verdict, never a recomputed one
+            if recorded is None:
+                new, _, _ = prog.update(None)(state, gout.rec, gout.ok, np.uint32(s))
+                return new, gout.guard
+            return self._gated(state, guard, s, gout.rec, *recorded)
         if kind == "device":
             host = self._log.device_values(s, picks, self._bufmaps)
             verdict, value = self._log.verdict(s, self._bufmaps)
         else:
             entry = self._log.disk.read(s, "grads")
             host = entry.recorded
-            verdict = entry.scalars.get("verdict", 0)
+            verdict = entry.scalars.get("verdict")
             value = scalar_value(entry.scalars.get("value"))
         return self._apply_logged(state, guard, s, host, verdict, value)
 
     def _apply_logged(self, state, guard, s, host_rec, verdict, value):
-        prog = self.program
-        rec = prog.put_rec(host_rec)
-        v = np.int32(0 if verdict is None else int(np.asarray(verdict)))
-        new, _, _ = prog.update(None)(state, rec, v, np.uint32(s))
-        if guard is not None and value is not None:
-            guard = _advance(guard, np.float32(np.asarray(value)), v == 0)
+        return self._gated(state, guard, s, self.program.put_rec(host_rec), verdict, value)
+
+    def _gated(self, state, guard, s, rec, verdict, value):
+        """Step ``s``'s update on recorded values ``rec``, gated by its recorded ``verdict``
+        (the update executable takes it as an input: a skipped step stays skipped), and the
+        anomaly window advanced as the grad part advanced it (`anomaly.advance`: exact)."""
+        v = _anomaly.recorded_verdict(verdict, s)
+        new, _, _ = self.program.update(None)(state, rec, np.int32(v), np.uint32(s))
+        if guard is not None and self._window_advances():
+            if value is None:
+                raise ReplayLogError(f"resilax replay: step {s} has a recorded verdict but no recorded "
+                                     f"{self.config.anomaly.metric!r} value to advance the spike window with")
+            guard = _advance(guard, np.float32(np.asarray(value)), v == _anomaly.OK)
         return new, guard
+
+    def _window_advances(self) -> bool:
+        """Whether the grad part pushes the watched value into the spike window (`make_check`)."""
+        a = self.config.anomaly
+        met = self.program.abstract_metrics if self.program is not None else None
+        return a is not None and a.spike_zscore is not None and isinstance(met, dict) and a.metric in met
 
     # ================================================================ crash resume
     def _resume_from_disk(self, state):
@@ -1243,7 +1263,7 @@ class ResilientStep:
                     self.program = self._first_program(batch_template(entry.batch_sig))
                 if entry.kind == "grads":
                     state, self.guard = self._apply_logged(state, self.guard, s, entry.recorded,
-                                                           entry.scalars.get("verdict", 0),
+                                                           entry.scalars.get("verdict"),
                                                            scalar_value(entry.scalars.get("value")))
                 else:
                     if self.data is None:
@@ -1252,11 +1272,15 @@ class ResilientStep:
                     self.data.set_state(decode_data_state(entry.data_state))
                     prog = self.program
                     gout = prog.grad(False)(state, self.guard, prog.put_batch(next(self.data)), np.uint32(s))
-                    state, _, _ = prog.update(None)(state, gout.rec, gout.ok, np.uint32(s))
-                    self.guard = gout.guard
+                    # recomputed from the data, gated by the verdict the step had (a fault, a
+                    # spike judged on a window, anything outside the step is not recomputed)
+                    state, self.guard = self._gated(state, self.guard, s, gout.rec, entry.scalars.get("verdict"),
+                                                    scalar_value(entry.scalars.get("value")))
                 if self.data is not None and entry.data_next is not None:
                     self.data.set_state(decode_data_state(entry.data_next))
                     self._data_pos = entry.data_next
+                if self._watch is not None:
+                    self._watch.replayed(self, s, entry.scalars.get("verdict"))
                 modes.append(entry.kind)
                 s += 1
         self.step = s
