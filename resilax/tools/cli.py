@@ -7,6 +7,12 @@ import sys
 
 
 def _cmd_train(args) -> int:
+    import os
+
+    from resilax._src.runtime import xlaflags
+
+    # before any backend starts (XLA reads the flags once): bitwise on GPU needs it
+    os.environ["XLA_FLAGS"] = xlaflags.with_deterministic(os.environ.get("XLA_FLAGS"))
     from resilax._src.runtime import launched
     from resilax.tools.runner import train
 
