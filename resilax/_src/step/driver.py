@@ -1301,6 +1301,11 @@ class ResilientStep:
         if self._ckpt.paused:
             raise StorageError(f"resilax.ResilientStep.save: checkpoints are paused: {self._ckpt.paused}")
         state = self.live if state is None else state
+        if self._ckpt.store.in_flight():  # the previous save is still writing: the one wait a save may make
+            t_wait, prev = time.perf_counter(), self._ckpt.store.last_step
+            with self.goodput_recorder.span("checkpoint_save", step=self.step, phase="previous save still writing"):
+                self._ckpt.store.settle()
+            self.event("checkpoint_wait", self.step, seconds=time.perf_counter() - t_wait, previous=prev)
         if self._liveness is not None and state is self.live and self._health_boundary():
             state = self.live  # a hung domain was failed first: the same step, from the others
         if self._sdc is not None and state is self.live:  # never persist a corrupted replica
