@@ -29,7 +29,7 @@ class GPTSize:
 
 
 SIZES = {
-    "tiny": GPTSize(d=64, layers=2, heads=4, seq=32, batch=16, vocab=256),
+    "tiny": GPTSize(d=32, layers=1, heads=2, seq=16, batch=8, vocab=128),  # compiles in seconds on CPU
     "small": GPTSize(d=768, layers=12, heads=12, seq=512, batch=32, vocab=32_000),
 }
 
