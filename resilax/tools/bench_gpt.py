@@ -345,6 +345,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         setup_s = time.perf_counter() - t0
         warm = 2 * block - 1  # compiles and first steps; then blocks start at multiples of `block`
         samples = _interleave(runs, states, batches, steps, block, warm, quiet)
+        timed_s = time.perf_counter() - t0 - setup_s
         mean = {k: statistics.fmean(t for _, _, t in samples[k]) for k in samples}
         ret = {k: statistics.median(t for _, t, _ in samples[k]) for k in samples}
         saves = _save_blocking(samples["default_ckpt"], every, block)
@@ -357,7 +358,9 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         for v in VARIANTS:
             runs[v].close()
         runs = {}
+        t1 = time.perf_counter()
         r2r = _run_to_run(sz, topo, batches)
+        r2r_s = time.perf_counter() - t1
         res = _resume(size, len(devs), resume_steps, tmp, quiet) if resume else {"bitwise": None}
     finally:
         for v in runs.values():
@@ -370,7 +373,9 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         "bench": "gpt", "size": size, "platform": devs[0].platform, "device_kind": devs[0].device_kind,
         "devices": len(devs), "model": {k: getattr(sz, k) for k in ("d", "layers", "heads", "seq", "batch", "vocab")},
         "params": int(sum(np.size(x) for x in jax.tree.leaves(gpt.make_state(sz).params))),
-        "state_bytes": state_bytes, "steps": steps, "every": every, "block": block, "setup_s": setup_s,
+        "state_bytes": state_bytes, "steps": steps, "every": every, "block": block,
+        "phase_s": {"setup": setup_s, "interleaved": timed_s, "run_to_run": r2r_s,
+                    "resume": res.get("seconds")},
         "plain_ms": mean["plain"] * 1e3,
         "orbax_ratio": mean["orbax"] / mean["plain"],
         "off_ratio": mean["off"] / mean["plain"],
