@@ -97,6 +97,11 @@ class CrossCheck(Protection):
         if prog in self._done:
             return
         mesh = dict(prog.mesh.shape)
+        if prog.mesh.devices.size == 1:
+            self._done.add(prog)
+            run.event("crosscheck", step_no, mesh=mesh, checked=False,
+                      reason="a mesh of one device: nothing is partitioned, only fusion differs")
+            return
         if jax.process_count() > 1:  # one device cannot read the other processes' shards
             self._done.add(prog)
             run.event("crosscheck", step_no, mesh=mesh, checked=False,
@@ -113,11 +118,6 @@ class CrossCheck(Protection):
             self._done.add(prog)
             run.event("crosscheck", step_no, mesh=mesh, checked=False,
                       reason=f"state + batch {nbytes} bytes > VerifyConfig.max_bytes {self.cfg.max_bytes}")
-            return
-        if prog.mesh.devices.size == 1:
-            self._done.add(prog)
-            run.event("crosscheck", step_no, mesh=mesh, checked=False,
-                      reason="a mesh of one device: nothing is partitioned, only fusion differs")
             return
         split = prog.spec.split
         if prog.deterministic:
