@@ -65,3 +65,29 @@ def test_wrap_on_a_gpu_topology_warns_once_without_the_flag(monkeypatch):
         resilax.wrap(_step, topology=gpu, config=cfg)  # with the flag: silent
         monkeypatch.delenv("XLA_FLAGS")
         resilax.wrap(_step, topology=resilax.Topology.load("cpu-2x4"), config=cfg)  # not a GPU: silent
+
+
+def test_resilax_train_and_launch_start_their_workers_with_the_flag(monkeypatch, python):
+    """`resilax train` sets it in its own environment before JAX starts (the training runs in
+    that process); `resilax launch` puts it in every worker's environment. The user's flags stay."""
+    import os
+    import types
+
+    from resilax.tools import cli, launch, runner
+
+    seen = {}
+
+    def fake_train(**kw):
+        seen["train"] = os.environ.get("XLA_FLAGS")
+        return {"steps": 0, "final_loss": 0.0, "wall_s": 0.0}
+
+    monkeypatch.setattr(runner, "train", fake_train)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/nothing")
+    assert cli.main(["train", "--steps", "1", "--quiet"]) == 0
+    assert seen["train"] == f"--xla_dump_to=/tmp/nothing {F}=true"
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/nothing")
+    fake = types.SimpleNamespace(cmd=[python, "-c", "import os; print(os.environ['XLA_FLAGS'])"])
+    proc = launch.Supervisor._popen(fake, {"RESILAX_TEST": "1"})
+    out, _ = proc.communicate(timeout=60)
+    assert out.decode().strip() == f"--xla_dump_to=/tmp/nothing {F}=true"
