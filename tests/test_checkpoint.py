@@ -295,3 +295,67 @@ def test_a_process_exits_cleanly_right_after_close_while_a_warm_up_was_compiling
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "warm-up threads alive after close: []" in out and "terminate called" not in out, out[-3000:]
+
+
+def test_a_save_neither_compiles_nor_waits_for_the_warm_up(tmp_path):
+    """Issue 26: on an H100 the first save stalled the loop 29 s, joining the background
+    warm-up that was still compiling. A save due while the warm-up is still running (held here
+    forever by its caller part) returns without it, and its checkpoint is a real copy of the
+    state at save() (the source donated and deleted right after)."""
+    import threading
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from resilax._src.protect.checkpoint import CheckpointStore
+
+    mesh = TOPO.mesh([list(d) for d in TOPO.domains()])
+    sh = NamedSharding(mesh, P(("data", "fsdp")))
+    host = {"a": np.arange(8 * 256, dtype=np.float32).reshape(8, 256), "b": np.full((16, 4), 3, np.int32)}
+    release = threading.Event()
+    store = CheckpointStore(tmp_path / "ckpt")
+    try:
+        store.warm(jax.device_put(host, sh), also=lambda: release.wait(120))
+        store._compiled = None  # as if the snapshot program were not compiled yet either
+        src = jax.device_put(host, sh)
+        done = threading.Event()
+        saver = threading.Thread(target=lambda: (store.save(4, src, {}), done.set()))
+        saver.start()
+        assert done.wait(60), "save() waited for the warm-up"
+        assert not release.is_set()  # the warm-up is still blocked: the save did not need it
+        moved = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)(src)
+        for x in jax.tree.leaves(moved):
+            x.block_until_ready().delete()
+        release.set()
+        store.wait()
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), host)
+        got = store.restore_newest(abstract)
+        assert got.step == 4 and state_equal(got.state, host)
+    finally:
+        release.set()
+        store.close()
+
+
+def test_a_save_due_while_the_previous_one_writes_waits_and_says_so(tmp_path):
+    """The one wait a save may make: the previous save still writing when the next is due. It
+    is booked in goodput (checkpoint_save) and reported as a `checkpoint_wait` event; a save
+    whose predecessor has committed waits for nothing and reports nothing."""
+    import threading
+
+    template = ex.make_state(SMALL)
+    data = ex.make_iterator(SMALL)
+    step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
+                        config=resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path / "c"), every=2)))
+    with step:
+        s = step.init(template, data=data)
+        for _ in range(2):
+            s, _ = step(s, next(data))
+        step.checkpoints.wait()  # step 2's save committed
+        assert not [e for e in step.events if e.kind == "checkpoint_wait"]
+        gate = threading.Event()
+        step.checkpoints.after_commit(lambda: gate.wait(0.5))  # the previous save "still writing"
+        before = step.goodput_recorder.totals()["checkpoint_save"]
+        for _ in range(2):
+            s, _ = step(s, next(data))  # step 4's save is due while it writes
+        ev = [e for e in step.events if e.kind == "checkpoint_wait"]
+        assert len(ev) == 1 and ev[0].step == 4 and ev[0].fields["previous"] == 2
+        assert ev[0].fields["seconds"] > 0.2
+        assert step.goodput_recorder.totals()["checkpoint_save"] - before >= ev[0].fields["seconds"] * 0.9

@@ -134,3 +134,71 @@ def test_verify_config_is_validated():
     cfg = resilax.Config.from_configdict({"verify": {"rtol": 1e-2}})
     assert cfg.verify == resilax.VerifyConfig(rtol=1e-2)
     assert resilax.Config.from_configdict({"verify": None}).verify is None
+
+
+# --- bf16: the tolerance follows the dtype the gradients are computed in (issue 26) -------------
+
+def _gpt_step(topology, spec, batch_spec=P()):
+    from resilax.tools import gpt
+
+    size = gpt.SIZES["tiny"]
+    st = gpt.make_state(size)
+    step = resilax.wrap(gpt.train_step, topology=topology, state_sharding=spec(st), batch_sharding=batch_spec,
+                        rng=True, config=resilax.Config())
+    return step, st, gpt.batches(size, 3)
+
+
+def test_bf16_transformer_with_defaults_passes_on_the_fsdp_mesh():
+    """A bf16 flax transformer (f32 parameters, so f32 recorded gradients summed in bf16):
+    with `Config()` on cpu-2x4 with FSDP it trains; the check ran and used bf16's rounding."""
+    from resilax.tools import gpt
+
+    step, st, bs = _gpt_step(resilax.Topology.load("cpu-2x4"), gpt.fsdp_spec, P(("data", "fsdp")))
+    s = step.init(st)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for b in bs:
+            s, m = step(s, b)
+    assert np.isfinite(float(m["loss"]))
+    ev = [e for e in step.events if e.kind == "crosscheck"]
+    assert len(ev) == 1 and ev[0].fields["checked"] and ev[0].fields["differing"] == []
+    assert ev[0].fields["compute_dtype"] == "bfloat16"
+    assert ev[0].fields["rtol"] > 1e-3  # wider than f32's, from bf16's unit roundoff
+    step.close()
+
+
+def test_one_device_mesh_is_not_checked(child_env, python):
+    """A mesh of one device: nothing is partitioned, so no check and no false alarm (an H100 saw
+    1.7e-3 on bf16 attention gradients between two single-device compilations)."""
+    import subprocess
+
+    code = (
+        "import jax; jax.config.update('jax_num_cpu_devices', 1)\n"
+        "import resilax, warnings\n"
+        "from resilax.tools import gpt\n"
+        "size = gpt.SIZES['tiny']\n"
+        "st = gpt.make_state(size)\n"
+        "step = resilax.wrap(gpt.train_step, topology=resilax.Topology.emulated(1, 1), rng=True)\n"
+        "s = step.init(st)\n"
+        "warnings.simplefilter('error', RuntimeWarning)\n"
+        "for b in gpt.batches(size, 2): s, m = step(s, b)\n"
+        "print([(e.fields['checked'], e.fields['reason']) for e in step.events if e.kind == 'crosscheck'])\n"
+        "step.close()\n")
+    out = subprocess.run([python, "-c", code], env=child_env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[(False, 'a mesh of one device" in out.stdout
+
+
+def test_tolerance_reads_the_compute_dtype_and_reduction_length_from_the_jaxpr():
+    from resilax._src.protect.crosscheck import C_ORDER, tolerance
+
+    x = jnp.ones((64, 32), jnp.float32)
+
+    def bf16_grads(w):  # f32 in, f32 out, bf16 in between: the recorded dtype says nothing
+        return jax.grad(lambda w: jnp.sum((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)))(w)
+
+    tol, dtype, n = tolerance(bf16_grads, 1e-3, jnp.ones((32, 8)))
+    assert dtype == "bfloat16" and n == 64  # the weight gradient contracts over the 64 rows
+    assert tol == pytest.approx(C_ORDER * 2.0 ** -8 * 8)
+    tol, dtype, _ = tolerance(lambda w: jax.grad(lambda w: jnp.sum(x @ w))(w), 1e-3, jnp.ones((32, 8)))
+    assert (tol, dtype) == (1e-3, "float32")  # f32: u * sqrt(n) is far below rtol, which rules

@@ -220,8 +220,11 @@ class VerifyConfig:
     otherwise train on silently wrong gradients (see ``protect/crosscheck.py``).
 
     Attributes:
-      rtol: a recorded leaf differs when ``||a - b|| > rtol * max(||b||, 1e-3 * ||tree||)``
-        (at least 50 ulps of its dtype).
+      rtol: a recorded leaf differs when ``||a - b|| > tol * max(||b||, 1e-3 * ||tree||)``,
+        ``tol = max(rtol, 2 * u(d) * sqrt(n(d)))`` over the float dtypes ``d`` the gradient
+        part computes in (``u``: unit roundoff, bf16 ``2^-8``; ``n``: its longest reduction
+        in ``d``, read from the jaxpr; derivation in ``protect/crosscheck.py``), at least 50
+        ulps of the recorded dtype. A mesh of one device is not checked (an event says so).
       max_bytes: skip the check (an event says so) when state + batch exceed this many
         bytes: one device must hold them. ``None``: always check.
       on_mismatch: ``"raise"`` (`ProgramMismatchError`, before the update runs: the state

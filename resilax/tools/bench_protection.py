@@ -401,8 +401,9 @@ def _table(r):
     rc1 = r["every_step_copies"]
     print(f"  with peer copies every step: recovery {rc1['recovery_s']:.3f} s = {rc1['recovery_steps']:.2f} step-times, "
           f"lost steps {rc1['lost_steps']}")
-    print(f"  overhead_ratio {r['overhead_ratio']:.3f} ({r['overhead_layout']}), mean {r['overhead_ratio_mean']:.3f}, "
-          f"A/A {r['aa_ratio']:.3f}; with peer copies every step {rc1['overhead_ratio'] or float('nan'):.3f}")
+    f = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731  (a --variants subset may lack 'all' or 'plain_aa')
+    print(f"  overhead_ratio {f(r['overhead_ratio'])} ({r['overhead_layout']}), mean {f(r['overhead_ratio_mean'])}, "
+          f"A/A {f(r['aa_ratio'])}; with peer copies every step {f(rc1['overhead_ratio'])}")
     if r.get("deterministic_overhead_ratio"):
         print("  deterministic_overhead_ratio (bit-exact mode / default mode, every protection on): "
               + ", ".join(f"{k} {v:.3f}" for k, v in r["deterministic_overhead_ratio"].items()))

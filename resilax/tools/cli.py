@@ -7,6 +7,12 @@ import sys
 
 
 def _cmd_train(args) -> int:
+    import os
+
+    from resilax._src.runtime import xlaflags
+
+    # before any backend starts (XLA reads the flags once): bitwise on GPU needs it
+    os.environ["XLA_FLAGS"] = xlaflags.with_deterministic(os.environ.get("XLA_FLAGS"))
     from resilax._src.runtime import launched
     from resilax.tools.runner import train
 
@@ -106,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
         ("multiprocess", "bench_multiprocess", "a worker SIGKILLed under resilax launch: kill to resume by phase"),
         ("health", "bench_health", "bit-exact mode and health-check cost (interleaved), bit-flip detection, rejoin"),
+        ("gpt", "bench_gpt", "issue 26's GPT (bf16, AdamW, dropout) on the devices present: plain jit, jit + Orbax, "
+                             "resilax off / defaults / defaults + checkpoints; save blocking, bitwise runs and resume"),
         ("protection", "bench_protection", "each protection's cost per step (>= 40 MB state, two layouts, A/A), "
                                            "checkpoint blocking vs Orbax and the host copy, recovery in step-times"),
     ):

@@ -74,7 +74,7 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore
-from resilax._src.runtime import launched
+from resilax._src.runtime import launched, xlaflags
 from resilax._src.runtime.launched import LaunchEnv
 
 PROCESSES_JSON = "processes.json"
@@ -427,7 +427,10 @@ class Supervisor:
     def _popen(self, env: dict) -> subprocess.Popen:
         # From the main thread only: PR_SET_PDEATHSIG fires when the *thread* that forked the
         # child exits, so a child started from a short-lived thread would die with it.
-        return subprocess.Popen(self.cmd, env={**os.environ, **env}, stdout=subprocess.PIPE,
+        env = {**os.environ, **env}
+        # bitwise on GPU needs deterministic XLA (runtime/xlaflags.py); the user's flags are kept
+        env["XLA_FLAGS"] = xlaflags.with_deterministic(env.get("XLA_FLAGS"))
+        return subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 

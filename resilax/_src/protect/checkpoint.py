@@ -12,12 +12,16 @@ be read or does not match is moved into ``quarantine/`` (never deleted) and the 
 one is tried, with a warning that names both.
 
 Saving is snapshot-then-persist (CheckFreq's split): the training thread only dispatches
-one compiled program that copies the state on device and computes its checksums (an
-asynchronous dispatch: the copy runs on the device queue, in order, before the next step
-may reuse the donated buffers); a persister thread hands the copy to Orbax (which copies
-it to host and writes it in its own background thread) and drops the device copy as soon
-as Orbax holds the host copy. Orbax's start-up (handlers, thread pools, the first
-directory) and the snapshot program's compilation happen off the loop (`warm`).
+one compiled program that copies the state on device (an asynchronous dispatch: the copy
+runs on the device queue, in order, before the next step may reuse the donated buffers),
+or hands the live state itself when the next step keeps its input; a persister thread
+computes the checksums, hands the copy to Orbax (which copies it to host and writes it in
+its own background thread; Orbax's ``save`` waits there for the previous save, never on the
+loop) and drops the device copy as soon as Orbax holds the host copy. Orbax's start-up
+(handlers, thread pools, the first directory) and the programs' compilation happen off the
+loop (`warm`); a save due before they are compiled copies with the runtime's buffer copy
+instead of compiling or waiting. The loop waits for the previous save only when it is still
+writing as the next one is due (`in_flight`; the driver books that wait and reports it).
 """
 
 from __future__ import annotations
@@ -152,6 +156,7 @@ class CheckpointStore:
         self._warming: threading.Thread | None = None
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
         self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
+        self.last_step: int | None = None  # the newest save handed to the persister
 
     def _open(self):
         opts = ocp.CheckpointManagerOptions(
@@ -172,12 +177,15 @@ class CheckpointStore:
             return
 
         def compile_it():
+            # the loop's own program first (a save due before it is ready copies without it),
+            # then the persister's checksums, then the caller's (the update that keeps its
+            # input: until it is ready a save copies instead)
             try:
-                self._sums = (abstract, tree_checksums.lower(abstract).compile())
-                if also is not None:  # before the snapshot copy: the loop may need it sooner
-                    also()
                 self._compiled = (abstract, _snapshot_jit.lower(abstract).compile())
-            except Exception:  # the first save compiles what is missing instead (same programs)
+                self._sums = (abstract, tree_checksums.lower(abstract).compile())
+                if also is not None:
+                    also()
+            except Exception:  # a save copies without the program; the persister compiles the sums
                 pass
 
         # Not a daemon, and `close` joins it: a daemon thread still compiling when the
@@ -200,12 +208,19 @@ class CheckpointStore:
             self._warmers = []
 
     def _snapshot(self, tree):
-        self._join_warming()  # compiling now: finishing it is quicker than compiling again
-        if self._compiled is not None:
-            abstract, fn = self._compiled
-            if _abstract(tree) == abstract:
-                return fn(tree)
-        return _snapshot_jit(tree)
+        """An on-device copy of ``tree`` that survives the next step's donation. Never compiles
+        and never waits for the warm-up (issue 26: joining it stalled a GPU's first save for
+        29 s): the compiled copy when it is ready, else the runtime's buffer copy
+        (``device_put(..., may_alias=False)``: no XLA program, the same shardings; on a GPU a
+        device-to-device copy, on CPU a memcpy, about the host copy's time)."""
+        compiled = self._compiled
+        if compiled is not None and _abstract(tree) == compiled[0]:
+            return compiled[1](tree)
+        return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree), may_alias=False)
+
+    def in_flight(self) -> bool:
+        """A save (or a chore after it) is still on the persister: a `save` now waits for it."""
+        return self._thread is not None and self._q.unfinished_tasks > 0
 
     def _checksums(self, tree):
         if self._sums is not None and _abstract(tree) == self._sums[0]:
@@ -243,6 +258,7 @@ class CheckpointStore:
         self._start_thread()
         self._handed.clear()
         self._q.put((int(step), snap, meta))
+        self.last_step = int(step)
         del snap
         if not self._async:
             self.wait()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import os
 import time
 import warnings
 from typing import Any, Callable
@@ -39,11 +40,24 @@ from resilax._src.protect.replay_log import batch_template, scalar_value
 from resilax._src.runtime.faults import FaultPlan
 from resilax._src.runtime import launched
 from resilax._src.runtime.goodput import GoodputRecorder
+from resilax._src.runtime import xlaflags as _xlaflags
 from resilax._src.step import sharding as _sh
 from resilax._src.step import program as _program
 from resilax._src.step.program import Program, ProgramSpec
 from resilax._src.step.split import Split, update_reads_batch
 from resilax._src.runtime.topology import Topology
+
+
+_gpu_warned = False
+
+
+def _warn_nondeterministic_gpu(platform: str) -> None:
+    """Once per process: a GPU run without deterministic XLA is not bitwise (runtime/xlaflags.py)."""
+    global _gpu_warned
+    msg = _xlaflags.determinism_warning(platform, os.environ.get("XLA_FLAGS", ""))
+    if msg is not None and not _gpu_warned:
+        _gpu_warned = True
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
 def wrap(
@@ -186,6 +200,7 @@ class ResilientStep:
                 f"resilax.wrap: topology {topology.name!r} has one failure domain, so there are no peers to hold "
                 f"copies of the state; losing it is recoverable only from checkpoints (+ the record log)",
                 RuntimeWarning, stacklevel=3)
+        _warn_nondeterministic_gpu(topology.platform)
 
     # ================================================================ set-up
     @property
@@ -1310,6 +1325,11 @@ class ResilientStep:
         if self._ckpt.paused:
             raise StorageError(f"resilax.ResilientStep.save: checkpoints are paused: {self._ckpt.paused}")
         state = self.live if state is None else state
+        if self._ckpt.store.in_flight():  # the previous save is still writing: the one wait a save may make
+            t_wait, prev = time.perf_counter(), self._ckpt.store.last_step
+            with self.goodput_recorder.span("checkpoint_save", step=self.step, phase="previous save still writing"):
+                self._ckpt.store.settle()
+            self.event("checkpoint_wait", self.step, seconds=time.perf_counter() - t_wait, previous=prev)
         if self._liveness is not None and state is self.live and self._health_boundary():
             state = self.live  # a hung domain was failed first: the same step, from the others
         if self._sdc is not None and state is self.live:  # never persist a corrupted replica

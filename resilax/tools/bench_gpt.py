@@ -1,0 +1,426 @@
+"""``resilax bench gpt``: issue 26's GPU measurement, on whatever devices are present.
+
+A GPT-style flax LM (`resilax.tools.gpt`: bf16 compute, f32 parameters, AdamW, dropout
+through ``rng=True``; ``--size small`` is the ~110 M-parameter one of the report, ``tiny``
+runs on CPU) on one failure domain holding every device present (state FSDP-sharded over
+them, the batch over them), five variants run in interleaved blocks:
+
+- ``plain``: ``jax.jit`` of the same step, state donated;
+- ``orbax``: the same plus a plain Orbax async ``CheckpointManager`` save every ``--every``;
+- ``off``: `resilax.wrap` with every protection off (the grad/update split only);
+- ``default``: `resilax.wrap` with ``Config()``;
+- ``default_ckpt``: ``Config()`` plus checkpoints every ``--every``.
+
+Each round runs every variant for ``--block`` consecutive steps, the order rotating each
+round; every step is timed to completion (state and metrics waited for) and, separately,
+to the return of the call (the host time a call takes: a plain jit call returns once
+dispatched). Blocks start at multiples of ``--block`` and ``--block`` divides ``--every``,
+so a save is the first step of its block and the steps it touches run back to back.
+
+JSON keys (the table prints them): ``platform``, ``device_kind``, ``devices``,
+``state_bytes``, ``plain_ms`` (mean step), ``orbax_ratio``, ``off_ratio``,
+``default_ratio``, ``default_ckpt_ratio`` (ratios of means against ``plain``, saves
+included), ``save_blocking_s`` (median over the saves after the first of the steps' time
+above the variant's median step, summed over the save's block), ``first_save_blocking_s``,
+``orbax_save_blocking_s`` (the same for plain Orbax), ``host_copy_s`` (one host copy of the
+state), ``host_overhead_ms`` (per step: median return time of a ``default`` call minus a
+``plain`` one), ``run_to_run_bitwise`` (two uninterrupted ``Config()`` runs, in this
+process), ``resume_bitwise`` (subprocesses: a run with a NaN injected at a checkpoint step
+and SIGKILLed later, restarted, against an uninterrupted run with the same NaN).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from resilax.tools.bench import option_adder, write_result
+
+VARIANTS = ("plain", "orbax", "off", "default", "default_ckpt")
+
+
+def add_arguments(parser) -> None:
+    opt = option_adder(parser)
+    opt("--size", choices=("tiny", "small"), default="tiny")
+    opt("--json", default=None, help="write results here")
+    opt("--steps", type=int, default=None, help="timed steps per variant (default: tiny 200, small 300)")
+    opt("--every", type=int, default=100, help="checkpoint cadence of the orbax and default_ckpt variants")
+    opt("--block", type=int, default=5, help="consecutive steps per variant per round (divides --every)")
+    opt("--resume-steps", type=int, default=12, help="steps of the resume runs (checkpoint every 4, NaN at 4)")
+    opt("--no-resume", action="store_true", help="skip the SIGKILL + resume subprocess runs")
+    opt("--cpu-devices", type=int, default=8, help="emulated CPU devices when the platform is CPU")
+    opt("--quiet", action="store_true")
+
+
+def run(args) -> int:
+    from resilax.tools.runner import configure_cpu_devices
+
+    configure_cpu_devices(args.cpu_devices)  # before JAX starts; no effect on a GPU or TPU
+    r = bench_gpt(size=args.size, steps=args.steps, every=args.every, block=args.block,
+                  resume_steps=args.resume_steps, resume=not args.no_resume, quiet=args.quiet)
+    print_gpt(r)
+    write_result(args.json, r)
+    return 0
+
+
+# ----------------------------------------------------------------------------- set-up
+def _topology():
+    """One failure domain holding every device present, mesh ``data`` (1) x ``fsdp`` (n)."""
+    import jax
+
+    import resilax
+
+    devs = jax.devices()
+    return resilax.Topology(
+        name=f"{devs[0].platform}-1x{len(devs)}", platform=devs[0].platform, domain_kind="host", num_domains=1,
+        devices_per_domain=len(devs), axis_names=("data", "fsdp"), axis_sizes=(1, len(devs)),
+        is_emulated=devs[0].platform == "cpu")
+
+
+def _shardings(st, n):
+    from jax.sharding import PartitionSpec as P
+
+    from resilax.tools import gpt
+
+    return gpt.fsdp_spec(st, "fsdp", n), P(("data", "fsdp"))
+
+
+def _config(variant, directory, every):
+    import resilax
+
+    if variant == "off":
+        return resilax.Config(checkpoint=None, log=None, peers=None, anomaly=None, verify=None)
+    if variant == "default":
+        return resilax.Config()
+    return resilax.Config(checkpoint=resilax.CheckpointConfig(directory, every=every))
+
+
+def _wrapped(variant, size, topo, directory, every):
+    import warnings
+
+    import resilax
+    from resilax.tools import gpt
+
+    st = gpt.make_state(size)
+    spec, bspec = _shardings(st, topo.num_devices)
+    with warnings.catch_warnings():  # one domain: "no peers to hold copies" is this bench's set-up
+        warnings.simplefilter("ignore", RuntimeWarning)
+        step = resilax.wrap(gpt.train_step, topology=topo, state_sharding=spec, batch_sharding=bspec, rng=True,
+                            config=_config(variant, directory, every))
+    return step, step.init(st)
+
+
+class _Plain:
+    """``jax.jit`` of the same step (the key resilax would pass: ``fold_in(key(0), step)``),
+    state donated; ``orbax``: a plain async ``CheckpointManager`` save every ``every``."""
+
+    def __init__(self, size, mesh, n, directory=None, every=100):
+        import jax
+        from jax.sharding import NamedSharding
+
+        from resilax.tools import gpt
+
+        st = gpt.make_state(size)
+        spec, bspec = _shardings(st, n)
+        self.state_sh = jax.tree.map(lambda p: NamedSharding(mesh, p), spec)
+        self.batch_sh = NamedSharding(mesh, bspec)
+        self.state = jax.device_put(st, self.state_sh)
+
+        def step(state, batch, k):
+            return gpt.plain_step(state, batch, jax.random.fold_in(jax.random.key(0), k))
+
+        self._fn = jax.jit(step, in_shardings=(self.state_sh, self.batch_sh, None),
+                           out_shardings=(self.state_sh, None), donate_argnums=(0,))
+        self.step = 0
+        self.mgr = None
+        self.every = every
+        self.blocking_s: list[float] = []
+        if directory is not None:
+            import orbax.checkpoint as ocp
+
+            self.mgr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+    def __call__(self, state, batch):
+        import jax
+        import numpy as np
+
+        state, m = self._fn(state, jax.device_put(batch, self.batch_sh), np.uint32(self.step))
+        self.step += 1
+        if self.mgr is not None and self.step % self.every == 0:
+            import orbax.checkpoint as ocp
+
+            t0 = time.perf_counter()
+            self.mgr.save(self.step, args=ocp.args.StandardSave(state))
+            self.blocking_s.append(time.perf_counter() - t0)
+        return state, m
+
+    def close(self):
+        if self.mgr is not None:
+            self.mgr.wait_until_finished()
+            self.mgr.close()
+
+
+def _state_bytes(state) -> int:
+    import jax
+
+    return int(sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes")))
+
+
+# ----------------------------------------------------------------------------- timing
+def _interleave(runs, states, batches, steps, block, warm, quiet):
+    """Per variant ``[(call index, seconds to return, seconds to completion)]`` of its timed
+    steps; every variant first runs ``warm`` untimed steps (``warm % block == block - 1``
+    makes a call with a multiple of ``block`` the first of its block)."""
+    import jax
+
+    names = list(runs)
+    out = {k: [] for k in names}
+    calls = {k: 0 for k in names}
+    for k in names:
+        for _ in range(warm):
+            states[k], m = runs[k](states[k], batches[calls[k] % len(batches)])
+            calls[k] += 1
+        jax.block_until_ready((states[k], m))
+    rounds = -(-steps // block)
+    t_start = time.perf_counter()
+    for i in range(rounds):
+        r = i % len(names)
+        for k in names[r:] + names[:r]:
+            for _ in range(block):
+                b = batches[calls[k] % len(batches)]
+                t0 = time.perf_counter()
+                states[k], m = runs[k](states[k], b)
+                t1 = time.perf_counter()
+                jax.block_until_ready((states[k], m))
+                calls[k] += 1
+                out[k].append((calls[k], t1 - t0, time.perf_counter() - t0))
+        if not quiet and (i + 1) % max(1, rounds // 10) == 0:
+            print(f"  round {i + 1}/{rounds} ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def _save_blocking(samples, every, touched):
+    """``[seconds]`` per save: the steps' time above the median step, summed over the save's
+    step (a call whose index is a multiple of ``every``) and the ``touched - 1`` after it."""
+    med = statistics.median(t for _, _, t in samples)
+    by_call = {c: t for c, _, t in samples}
+    out = []
+    for c in sorted(by_call):
+        if c % every == 0:
+            out.append(sum(max(0.0, by_call[j] - med) for j in range(c, c + touched) if j in by_call))
+    return out
+
+
+# ----------------------------------------------------------------------------- bitwise
+def _final(step_or_plain, state, batches, n):
+    import jax
+
+    for i in range(n):
+        state, _ = step_or_plain(state, batches[i % len(batches)])
+    return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(state))]
+
+
+def _bytes(x):
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
+def _equal(a, b) -> bool:
+    return len(a) == len(b) and all(x.size * x.dtype.itemsize == y.size * y.dtype.itemsize and
+                                    np.array_equal(_bytes(x), _bytes(y)) for x, y in zip(a, b))
+
+
+def _run_to_run(size, topo, batches, n=6) -> bool:
+    finals = []
+    for _ in range(2):
+        step, s = _wrapped("default", size, topo, None, 100)
+        finals.append(_final(step, s, batches, n))
+        step.close()
+    return _equal(*finals)
+
+
+def _worker(argv) -> int:
+    """``python -m resilax.tools.bench_gpt --worker SIZE DEVICES STEPS EVERY CKPT_DIR OUT [FAULT ...]``:
+    trains ``Config()`` + checkpoints (resuming from ``CKPT_DIR``) to ``STEPS`` steps, batches
+    by step number, and writes the final state's leaves to ``OUT`` (.npz)."""
+    size_name, ndev, steps, every, ckpt, out, *faults = argv
+    from resilax.tools.runner import configure_compilation_cache, configure_cpu_devices
+
+    configure_cpu_devices(int(ndev))  # on CPU: as many emulated devices as the parent had
+    configure_compilation_cache()  # the restart reuses the executables of the run it replaces
+    import warnings
+
+    import jax
+
+    import resilax
+    from resilax.tools import gpt
+
+    size = gpt.SIZES[size_name]
+    topo = _topology()
+    st = gpt.make_state(size)
+    spec, bspec = _shardings(st, topo.num_devices)
+    batches = gpt.batches(size, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        step = resilax.wrap(gpt.train_step, topology=topo, state_sharding=spec, batch_sharding=bspec, rng=True,
+                            config=resilax.Config(checkpoint=resilax.CheckpointConfig(ckpt, every=int(every))),
+                            faults=resilax.FaultPlan(list(faults)) if faults else None)
+    s = step.init(st)
+    while step.step < int(steps):
+        s, _ = step(s, batches[step.step % len(batches)])
+    leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(s))]
+    step.close()
+    np.savez(out, *[_bytes(x) for x in leaves])  # bytes: bf16 and friends round-trip exactly
+    return 0
+
+
+def _resume(size_name, ndev, steps, tmp, quiet) -> dict:
+    """SIGKILL + restart vs an uninterrupted run, both with a NaN injected at the checkpoint
+    step 4 (checkpoints every 4): ``{"bitwise": bool | None, ...}``."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    every, nan_at, kill_at = 4, 4, min(steps - 2, 7)
+
+    def go(tag, *faults):
+        cmd = [sys.executable, "-m", "resilax.tools.bench_gpt", "--worker", size_name, str(ndev), str(steps),
+               str(every), os.path.join(tmp, tag), os.path.join(tmp, tag + ".npz"), *faults]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def done(p):
+        out, err = p.communicate(timeout=900)
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+    t0 = time.perf_counter()
+    ref_p = go("ref", f"nan@{nan_at}")  # the reference runs beside the killed run: independent directories
+    killed = done(go("run", f"nan@{nan_at}", f"kill_process@{kill_at}"))
+    resumed = done(go("run", f"nan@{nan_at}"))  # the restart: the same plan without the kill
+    ref = done(ref_p)
+    info = {"steps": steps, "checkpoint_every": every, "faults": [f"nan@{nan_at}", f"kill_process@{kill_at}"],
+            "killed_rc": killed.returncode, "seconds": time.perf_counter() - t0}
+    if ref.returncode != 0 or resumed.returncode != 0:
+        bad = ref if ref.returncode != 0 else resumed
+        info.update(bitwise=None, error=bad.stderr[-2000:])
+        return info
+    a = np.load(os.path.join(tmp, "ref.npz"))
+    b = np.load(os.path.join(tmp, "run.npz"))
+    info["bitwise"] = killed.returncode == -9 and _equal([a[k] for k in a.files], [b[k] for k in b.files])
+    info["differing_leaves"] = sum(not np.array_equal(a[k], b[k]) for k in a.files)
+    return info
+
+
+# ----------------------------------------------------------------------------- the bench
+def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100, block: int = 5,
+              resume_steps: int = 12, resume: bool = True, quiet: bool = False) -> dict:
+    import jax
+
+    from resilax.tools import gpt
+    from resilax.tools.bench_protection import _host_copy_s
+
+    if every % block:
+        raise SystemExit(f"resilax bench gpt: --block {block} must divide --every {every}")
+    sz = gpt.SIZES[size]
+    steps = steps or (200 if size == "tiny" else 300)
+    topo = _topology()
+    devs = jax.devices()
+    mesh = topo.mesh([list(d) for d in topo.domains()])
+    batches = gpt.batches(sz, 8)
+    tmp = tempfile.mkdtemp(prefix="resilax-bench-gpt-")
+    runs, states = {}, {}
+    try:
+        t0 = time.perf_counter()
+        for v in VARIANTS:
+            if v in ("plain", "orbax"):
+                runs[v] = _Plain(sz, mesh, topo.num_devices, os.path.join(tmp, "orbax") if v == "orbax" else None,
+                                 every)
+                states[v] = runs[v].state
+            else:
+                runs[v], states[v] = _wrapped(v, sz, topo, os.path.join(tmp, "ckpt"), every)
+        setup_s = time.perf_counter() - t0
+        warm = 2 * block - 1  # compiles and first steps; then blocks start at multiples of `block`
+        samples = _interleave(runs, states, batches, steps, block, warm, quiet)
+        timed_s = time.perf_counter() - t0 - setup_s
+        mean = {k: statistics.fmean(t for _, _, t in samples[k]) for k in samples}
+        ret = {k: statistics.median(t for _, t, _ in samples[k]) for k in samples}
+        saves = _save_blocking(samples["default_ckpt"], every, block)
+        osaves = _save_blocking(samples["orbax"], every, block)
+        state_bytes = _state_bytes(states["plain"])
+        host_copy = _host_copy_s(states["plain"])
+        waits = [e.fields for e in runs["default_ckpt"].events if e.kind == "checkpoint_wait"]
+        store_blocking = list(runs["default_ckpt"].checkpoints.blocking_s)
+        orbax_calls = list(runs["orbax"].blocking_s)
+        for v in VARIANTS:
+            runs[v].close()
+        runs = {}
+        t1 = time.perf_counter()
+        r2r = _run_to_run(sz, topo, batches)
+        r2r_s = time.perf_counter() - t1
+        res = _resume(size, len(devs), resume_steps, tmp, quiet) if resume else {"bitwise": None}
+    finally:
+        for v in runs.values():
+            try:
+                v.close()
+            except Exception:
+                pass
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "bench": "gpt", "size": size, "platform": devs[0].platform, "device_kind": devs[0].device_kind,
+        "devices": len(devs), "model": {k: getattr(sz, k) for k in ("d", "layers", "heads", "seq", "batch", "vocab")},
+        "params": int(sum(np.size(x) for x in jax.tree.leaves(gpt.make_state(sz).params))),
+        "state_bytes": state_bytes, "steps": steps, "every": every, "block": block,
+        "phase_s": {"setup": setup_s, "interleaved": timed_s, "run_to_run": r2r_s,
+                    "resume": res.get("seconds")},
+        "plain_ms": mean["plain"] * 1e3,
+        "orbax_ratio": mean["orbax"] / mean["plain"],
+        "off_ratio": mean["off"] / mean["plain"],
+        "default_ratio": mean["default"] / mean["plain"],
+        "default_ckpt_ratio": mean["default_ckpt"] / mean["plain"],
+        "median_ms": {k: statistics.median(t for _, _, t in samples[k]) * 1e3 for k in samples},
+        "mean_ms": {k: mean[k] * 1e3 for k in mean},
+        "return_ms": {k: ret[k] * 1e3 for k in ret},
+        "save_blocking_s": statistics.median(saves[1:]) if len(saves) > 1 else None,
+        "first_save_blocking_s": saves[0] if saves else None,
+        "save_blocking_all_s": saves,
+        "save_call_s": store_blocking,
+        "checkpoint_waits": waits,
+        "orbax_save_blocking_s": statistics.median(osaves[1:]) if len(osaves) > 1 else None,
+        "orbax_first_save_blocking_s": osaves[0] if osaves else None,
+        "orbax_save_call_s": orbax_calls,
+        "host_copy_s": host_copy,
+        "host_overhead_ms": (ret["default"] - ret["plain"]) * 1e3,
+        "run_to_run_bitwise": bool(r2r),
+        "resume_bitwise": res.get("bitwise") is True,
+        "resume": res,
+    }
+
+
+def print_gpt(r: dict) -> None:
+    print(f"\nresilax bench gpt --size {r['size']}: {r['platform']} ({r['device_kind']}) x{r['devices']}, "
+          f"{r['params'] / 1e6:.2f} M params, state {r['state_bytes'] / 1e6:.1f} MB, {r['steps']} timed steps per "
+          f"variant, checkpoints every {r['every']}")
+    print(f"{'variant':<14}{'mean ms':>10}{'median ms':>11}{'call returns ms':>17}{'ratio (means)':>15}")
+    for v in VARIANTS:
+        ratio = 1.0 if v == "plain" else r[f"{v}_ratio"]
+        print(f"{v:<14}{r['mean_ms'][v]:>10.2f}{r['median_ms'][v]:>11.2f}{r['return_ms'][v]:>17.2f}{ratio:>15.3f}")
+    f = lambda x: "n/a" if x is None else f"{x * 1e3:.1f} ms"  # noqa: E731
+    print(f"save blocking (steps above the median, per save): first {f(r['first_save_blocking_s'])}, later "
+          f"(median) {f(r['save_blocking_s'])}; plain Orbax first {f(r['orbax_first_save_blocking_s'])}, later "
+          f"{f(r['orbax_save_blocking_s'])}; host copy of the state {f(r['host_copy_s'])}")
+    print(f"host time per call vs plain jit: {r['host_overhead_ms']:+.2f} ms; waits for a previous save: "
+          f"{len(r['checkpoint_waits'])}")
+    print(f"run to run bitwise: {r['run_to_run_bitwise']}; SIGKILL + resume bitwise: {r['resume_bitwise']} "
+          f"({ {k: v for k, v in r['resume'].items() if k != 'error'} })")
+    if r["resume"].get("error"):
+        print(f"resume run failed: {r['resume']['error'][-600:]}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        sys.exit(_worker(sys.argv[2:]))
+    raise SystemExit("usage: resilax bench gpt ... (this module's own entry is the resume worker)")

@@ -1,0 +1,27 @@
+"""`resilax bench gpt --size tiny` (issue 26): it runs end to end through the CLI and writes
+every key the issue names. Timing ratios are the bench's output, not asserted here."""
+
+import json
+import subprocess
+
+KEYS = ("platform", "device_kind", "state_bytes", "plain_ms", "orbax_ratio", "off_ratio", "default_ratio",
+        "default_ckpt_ratio", "save_blocking_s", "first_save_blocking_s", "host_copy_s", "host_overhead_ms",
+        "run_to_run_bitwise", "resume_bitwise")
+
+
+def test_bench_gpt_tiny_writes_every_key(tmp_path, child_env, python):
+    out = tmp_path / "gpt.json"
+    r = subprocess.run([python, "-m", "resilax", "bench", "gpt", "--size", "tiny", "--cpu-devices", "2",
+                        "--steps", "10", "--every", "5", "--resume-steps", "8", "--quiet", "--json", str(out)],
+                       env=child_env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    missing = [k for k in KEYS if k not in d]
+    assert not missing, missing
+    assert d["platform"] == "cpu" and d["devices"] == 2 and d["state_bytes"] > 0
+    assert isinstance(d["run_to_run_bitwise"], bool) and isinstance(d["resume_bitwise"], bool)
+    assert d["resume"]["killed_rc"] == -9  # the run really was SIGKILLed before its restart
+    for k in ("plain_ms", "orbax_ratio", "off_ratio", "default_ratio", "default_ckpt_ratio", "host_copy_s",
+              "save_blocking_s", "first_save_blocking_s"):
+        assert isinstance(d[k], float) and d[k] >= 0, (k, d[k])
+    assert "default_ckpt" in r.stdout and "SIGKILL + resume bitwise" in r.stdout  # the table
