@@ -18,6 +18,7 @@ One replay (`ResilientStep._redo`) serves slice recovery and crash resume.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import jax
@@ -47,6 +48,7 @@ class RecordLog(base.Protection):
         self.device: dict[int, DeviceEntry] = {}
         self.pending: dict[int, DeviceEntry] = {}  # in flight: dies with a failure during its step
         self.verdicts: dict[int, tuple] = {}  # step -> (verdict, value) device scalars
+        self._entry_bytes = weakref.WeakKeyDictionary()  # program -> bytes of one device entry
         self.batches: dict[int, Any] = {}
         self.covered = 0  # newest step a peer copy holds
         self.ckpt_step = None  # newest checkpoint step
@@ -111,7 +113,10 @@ class RecordLog(base.Protection):
         self.batches[rec.step] = rec.batch
         if rec.copy is None and self.peers and rec.program.protects and run.peer_log_entries():
             leaves = jax.tree.leaves(g.rec)
-            nbytes = sum(x.nbytes for x in leaves) + sum(x.nbytes for x in (g.rec_ring or ()))
+            nbytes = self._entry_bytes.get(rec.program)
+            if nbytes is None:  # per program, not per step: the same shapes every step
+                nbytes = sum(x.nbytes for x in leaves) + sum(x.nbytes for x in (g.rec_ring or ()))
+                self._entry_bytes[rec.program] = nbytes
             self.pending[rec.step] = DeviceEntry(leaves, g.rec_ring, rec.program, nbytes)
         if self.disk is not None:
             if self._batch_sig is None:

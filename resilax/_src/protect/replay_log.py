@@ -268,6 +268,7 @@ class ReplayLog:
         self._lock = threading.Lock()
         self._cv = threading.Condition()
         self._pending = 0
+        self._paths = None  # (treedef, keystr of each recorded leaf): the same every step
         self._error: BaseException | None = None
         self._q: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -290,8 +291,12 @@ class ReplayLog:
         device-to-host copies now; the writer thread waits for them. Returns once at most
         ``max_lag`` entries are in flight (this one included). Raises the writer's error, if any."""
         self._raise_error()
-        leaves = [] if recorded is None else jax.tree.leaves(recorded)
-        paths = None if recorded is None else [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(recorded)[0]]
+        leaves, paths = [], None
+        if recorded is not None:
+            leaves, treedef = jax.tree.flatten(recorded)
+            if self._paths is None or self._paths[0] != treedef:  # per run, not per entry: keystr of every leaf
+                self._paths = (treedef, [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(recorded)[0]])
+            paths = self._paths[1]
         scalars = dict(scalars or {})
         for x in leaves + ([state_sums] if isinstance(state_sums, jax.Array) else []) + list(scalars.values()):
             if isinstance(x, jax.Array):

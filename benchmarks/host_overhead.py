@@ -1,0 +1,177 @@
+"""Host time per step: the Python work of one call of the step outside XLA's executables,
+resilax vs plain jit, on a state of many small leaves (default ~1,800: 300 layers x
+(kernel, bias) x (params, Adam mu, nu)). Each compiled executable's call is timed (XLA:CPU
+runs these small programs on the calling thread, so a call's wall time is mostly compute);
+``host_ms`` is a step call's wall time minus its time inside executables: resilax's own
+Python, and any wait for a device value on the step path. Interleaved blocks, one CPU
+device. Prints a table and writes JSON.
+
+    python benchmarks/host_overhead.py --layers 300 --steps 200 --json benchmarks/results/host_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 1)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import resilax  # noqa: E402
+from resilax._src.io import write_json  # noqa: E402
+
+W = 4  # layer width: tiny, so the device's work is small next to the host's
+
+
+def make(layers: int):
+    params = {f"l{i:03d}": {"w": jnp.full((W, W), 0.05, jnp.float32), "b": jnp.zeros((W,), jnp.float32)}
+              for i in range(layers)}
+
+    def apply(p, x):
+        for i in range(layers):
+            x = jnp.tanh(x @ p[f"l{i:03d}"]["w"] + p[f"l{i:03d}"]["b"])
+        return x
+
+    def step(state, batch, record=True):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((apply(p, batch["x"]) - batch["y"]) ** 2))(state.params)
+        g = resilax.record(g)  # outside a wrapped step it returns g: plain jit runs the same step
+        return state.apply_gradients(grads=g), {"loss": loss}
+
+    state = train_state.TrainState.create(apply_fn=apply, params=params, tx=optax.adam(1e-3))
+    return state, step
+
+
+class _ExecutableClock:
+    """While active, adds the wall time of every compiled executable's call to ``total``."""
+
+    def __init__(self):
+        from jax._src import stages
+
+        self._cls = stages.Compiled
+        self._orig = stages.Compiled.__call__
+        self.total = 0.0
+
+    def __enter__(self):
+        orig, clock = self._orig, self
+
+        def timed(exe, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(exe, *a, **k)
+            finally:
+                clock.total += time.perf_counter() - t0
+
+        self._cls.__call__ = timed
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.__call__ = self._orig
+        return False
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200, help="timed calls per variant")
+    ap.add_argument("--block", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=8, help="batch rows")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="print resilax's top functions by own time")
+    ap.add_argument("--no-gc", action="store_true", help="Python's cyclic garbage collector off while timing")
+    args = ap.parse_args(argv)
+    state, step_fn = make(args.layers)
+    n_leaves = len(jax.tree.leaves(state))
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(args.rows, W)).astype(np.float32), "y": rng.normal(size=(args.rows, W)).astype(np.float32)}
+               for _ in range(4)]
+    topo = resilax.Topology.emulated(slices=1, devices_per_slice=1)
+    tmp = tempfile.mkdtemp(prefix="resilax-host-")
+    off = resilax.Config(checkpoint=None, log=None, peers=None, anomaly=None, verify=None)
+    configs = {
+        "off": off,
+        "default": resilax.Config(),
+        "default_ckpt": resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "ck"), every=100_000)),
+    }
+    runs, states = {}, {}
+    states["plain"] = jax.device_put(state, jax.devices()[0])
+    # compiled ahead, like resilax's executables: both are timed by the same clock
+    plain = jax.jit(step_fn, donate_argnums=0).lower(states["plain"], batches[0]).compile()
+    runs["plain"] = plain
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # one failure domain: no peers
+        for name, cfg in configs.items():
+            w = resilax.wrap(step_fn, topology=topo, state_sharding=P(), batch_sharding=P(), config=cfg)
+            states[name] = w.init(state)
+            runs[name] = w
+    for name in runs:  # compile, first-step work
+        for i in range(3):
+            states[name], _ = runs[name](states[name], batches[i % 4])
+        jax.block_until_ready(states[name])
+    times = {k: [] for k in runs}
+    inside = {k: [] for k in runs}
+    names = list(runs)
+    clock = _ExecutableClock()
+    prof = cProfile.Profile() if args.profile else None
+    rounds = -(-args.steps // args.block)
+    if args.no_gc:
+        import gc
+
+        gc.disable()
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            f, s = runs[k], states[k]
+            jax.block_until_ready(s)
+            if prof is not None and k == "default":
+                prof.enable()
+            clock.total = 0.0
+            t0 = time.perf_counter()
+            with clock:
+                for i in range(args.block):
+                    s, m = f(s, batches[i % 4])
+            dt = time.perf_counter() - t0
+            inside[k].append(clock.total / args.block)
+            if prof is not None and k == "default":
+                prof.disable()
+            states[k] = s
+            times[k].append(dt / args.block)
+        print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True) if (r + 1) % 5 == 0 else None
+    for k in runs:
+        jax.block_until_ready(states[k])
+        if k != "plain":
+            runs[k].close()
+    mean = {k: statistics.mean(v) * 1e3 for k, v in times.items()}
+    exe = {k: statistics.mean(v) * 1e3 for k, v in inside.items()}
+    host = {k: mean[k] - exe[k] for k in runs}
+    res = {"leaves": n_leaves, "platform": jax.devices()[0].platform, "steps": args.steps,
+           "call_ms": mean, "executables_ms": exe, "host_ms": host,
+           "host_overhead_ms": {k: host[k] - host["plain"] for k in runs if k != "plain"}}
+    print(f"\nper step call, {n_leaves} state leaves, one {res['platform']} device")
+    print(f"{'variant':14s} {'call ms':>9s} {'in XLA ms':>10s} {'host ms':>9s} {'host over plain':>16s}")
+    for k in runs:
+        print(f"{k:14s} {mean[k]:9.3f} {exe[k]:10.3f} {host[k]:9.3f} {host[k] - host['plain']:16.3f}")
+    if prof is not None:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        print(out.getvalue())
+    if args.json:
+        write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

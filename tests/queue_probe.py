@@ -1,0 +1,71 @@
+"""Run by tests/test_async.py in a process with one CPU device: how soon four calls of a
+heavy step return, as a fraction of the time until the device is done with them, for
+plain jit and for resilax (interleaved twice). Prints one JSON line.
+
+Usage: python tests/queue_probe.py {default|checkpoint} TMP_DIR
+"""
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 1)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import resilax  # noqa: E402
+
+
+def heavy_step(state, batch):
+    def loss_fn(w):
+        x = batch["x"]
+        for _ in range(6):
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x ** 2)
+
+    loss, g = jax.value_and_grad(loss_fn)(state["w"])
+    g = resilax.record(g)
+    return {"w": state["w"] - 1e-3 * g, "n": state["n"] + 1}, {"loss": loss}
+
+
+def main(config, tmp):
+    topo = resilax.Topology.emulated(slices=1, devices_per_slice=1)
+    cfg = resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "ck"), every=100)
+                         if config == "checkpoint" else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # one failure domain: no peers
+        step = resilax.wrap(heavy_step, topology=topo, state_sharding=P(), batch_sharding=P(), config=cfg)
+    rng = np.random.default_rng(0)
+    state = {"w": jnp.asarray(rng.normal(size=(768, 768)) * 0.03, jnp.float32), "n": jnp.zeros((), jnp.int32)}
+    batch = {"x": rng.normal(size=(768, 768)).astype(np.float32)}
+    s = step.init(state)
+    for _ in range(3):  # compile, and the first step's one-off work
+        s, m = step(s, batch)
+    jax.block_until_ready(s)
+    plain = jax.jit(heavy_step, donate_argnums=0)  # resilax.record outside a wrapped step: identity
+    ps = jax.device_put(dict(state), step.program.state_sh)
+    ps, _ = plain(ps, batch)
+    jax.block_until_ready(ps)
+    fractions = {"plain": [], "resilax": []}
+    for name in ("plain", "resilax", "plain", "resilax"):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            if name == "plain":
+                ps, m = plain(ps, batch)
+            else:
+                s, m = step(s, batch)
+        t1 = time.perf_counter()
+        jax.block_until_ready(ps if name == "plain" else s)
+        fractions[name].append((t1 - t0) / (time.perf_counter() - t0))
+    step.close()
+    print(json.dumps(fractions))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
