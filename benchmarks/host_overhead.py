@@ -1,10 +1,18 @@
-"""Host time per step: the Python work of one call of the step outside XLA's executables,
+"""Host time per step: the CPU time the calling thread spends in one call of the step,
 resilax vs plain jit, on a state of many small leaves (default ~1,800: 300 layers x
-(kernel, bias) x (params, Adam mu, nu)). Each compiled executable's call is timed (XLA:CPU
-runs these small programs on the calling thread, so a call's wall time is mostly compute);
-``host_ms`` is a step call's wall time minus its time inside executables: resilax's own
-Python, and any wait for a device value on the step path. Interleaved blocks, one CPU
-device. Prints a table and writes JSON.
+(kernel, bias) x (params, Adam mu, nu)), one CPU device, interleaved blocks.
+
+Wall time cannot say it on CPU: XLA:CPU runs some programs on the calling thread and some
+on its own threads, and a loop that runs ahead of the device waits at a bound (plain jit's
+queue has none). The calling thread's CPU time (``time.thread_time``) counts Python and
+dispatch, not waiting; but XLA:CPU runs these small programs inline, so it counts their
+compute too. So the thread's CPU time inside each executable's call is also counted
+(``xla_call_ms``: dispatch, and compute when XLA runs the program inline), and the host's
+own work is the rest: ``python_ms`` = thread CPU time minus time inside executables' calls
+(resilax's Python, tree handling, dispatch). ``host_overhead_ms`` is resilax's
+``python_ms`` minus plain jit's; ``thread_over_plain_ms`` the whole thread-time difference
+(on CPU it includes the extra device work of the split programs). Prints a table and
+writes JSON.
 
     python benchmarks/host_overhead.py --layers 300 --steps 200 --json benchmarks/results/host_overhead.json
 """
@@ -12,6 +20,7 @@ device. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import cProfile
 import io
 import os
@@ -57,7 +66,8 @@ def make(layers: int):
 
 
 class _ExecutableClock:
-    """While active, adds the wall time of every compiled executable's call to ``total``."""
+    """While active, adds the calling thread's CPU time in every compiled executable's call
+    to ``total``."""
 
     def __init__(self):
         from jax._src import stages
@@ -70,11 +80,11 @@ class _ExecutableClock:
         orig, clock = self._orig, self
 
         def timed(exe, *a, **k):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             try:
                 return orig(exe, *a, **k)
             finally:
-                clock.total += time.perf_counter() - t0
+                clock.total += time.thread_time() - t0
 
         self._cls.__call__ = timed
         return self
@@ -91,6 +101,7 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=20)
     ap.add_argument("--rows", type=int, default=8, help="batch rows")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--groups", action="store_true", help="also each protection group of Config() alone")
     ap.add_argument("--profile", action="store_true", help="print resilax's top functions by own time")
     ap.add_argument("--no-gc", action="store_true", help="Python's cyclic garbage collector off while timing")
     args = ap.parse_args(argv)
@@ -102,8 +113,10 @@ def main(argv=None):
     topo = resilax.Topology.emulated(slices=1, devices_per_slice=1)
     tmp = tempfile.mkdtemp(prefix="resilax-host-")
     off = resilax.Config(checkpoint=None, log=None, peers=None, anomaly=None, verify=None)
+    only = {g: dataclasses.replace(off, **{g: getattr(resilax.Config(), g)}) for g in ("log", "anomaly", "verify", "peers")}
     configs = {
         "off": off,
+        **({f"only_{g}": c for g, c in only.items()} if args.groups else {}),
         "default": resilax.Config(),
         "default_ckpt": resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "ck"), every=100_000)),
     }
@@ -139,11 +152,11 @@ def main(argv=None):
             if prof is not None and k == "default":
                 prof.enable()
             clock.total = 0.0
-            t0 = time.perf_counter()
+            c0 = time.thread_time()
             with clock:
                 for i in range(args.block):
                     s, m = f(s, batches[i % 4])
-            dt = time.perf_counter() - t0
+            dt = time.thread_time() - c0
             inside[k].append(clock.total / args.block)
             if prof is not None and k == "default":
                 prof.disable()
@@ -154,16 +167,17 @@ def main(argv=None):
         jax.block_until_ready(states[k])
         if k != "plain":
             runs[k].close()
-    mean = {k: statistics.mean(v) * 1e3 for k, v in times.items()}
-    exe = {k: statistics.mean(v) * 1e3 for k, v in inside.items()}
-    host = {k: mean[k] - exe[k] for k in runs}
-    res = {"leaves": n_leaves, "platform": jax.devices()[0].platform, "steps": args.steps,
-           "call_ms": mean, "executables_ms": exe, "host_ms": host,
-           "host_overhead_ms": {k: host[k] - host["plain"] for k in runs if k != "plain"}}
-    print(f"\nper step call, {n_leaves} state leaves, one {res['platform']} device")
-    print(f"{'variant':14s} {'call ms':>9s} {'in XLA ms':>10s} {'host ms':>9s} {'host over plain':>16s}")
+    host = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    exe = {k: statistics.median(v) * 1e3 for k, v in inside.items()}
+    py = {k: statistics.median(a - b for a, b in zip(times[k], inside[k])) * 1e3 for k in runs}
+    res = {"leaves": n_leaves, "platform": jax.devices()[0].platform, "steps": args.steps, "gc": not args.no_gc,
+           "thread_cpu_ms": host, "xla_call_ms": exe, "python_ms": py,
+           "host_overhead_ms": {k: py[k] - py["plain"] for k in runs if k != "plain"},
+           "thread_over_plain_ms": {k: host[k] - host["plain"] for k in runs if k != "plain"}}
+    print(f"\nper step call (median over blocks), {n_leaves} state leaves, one {res['platform']} device")
+    print(f"{'variant':14s} {'thread CPU ms':>14s} {'in XLA calls ms':>16s} {'python ms':>10s} {'host overhead ms':>17s}")
     for k in runs:
-        print(f"{k:14s} {mean[k]:9.3f} {exe[k]:10.3f} {host[k]:9.3f} {host[k] - host['plain']:16.3f}")
+        print(f"{k:14s} {host[k]:14.3f} {exe[k]:16.3f} {py[k]:10.3f} {py[k] - py['plain']:17.3f}")
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
