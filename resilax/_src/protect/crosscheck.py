@@ -13,9 +13,14 @@ So the first step each mesh's program runs (the full mesh at the first call, a s
 mesh at its first step after a recovery) also runs the user's gradient part once on a
 single device, with no partitioning at all, on the same state, batch and key, and
 compares the recorded values leaf by leaf. A leaf differs when
-``||a - b|| > tol * max(||b||, 1e-3 * ||all of b||)``: a leaf whose gradient is
-identically zero in exact arithmetic (a bias before BatchNorm, an attention key bias) is
-pure noise, judged against the whole tree's norm instead of its own.
+``||a - b|| > tol * max(||b||, s * ||all of b||)`` with ``s = max(1e-3, sqrt(size of the
+leaf / size of the tree))``: a leaf whose gradient is identically zero in exact arithmetic
+(a bias before BatchNorm, an attention key bias) is pure noise made by terms as large as
+its neighbours' (its rounding scales with the magnitudes summed, not with its own ~0
+result), so it is judged against the norm its share of the elements would have if the
+tree's norm were spread evenly, not against its own. A miscompile is still caught on any
+leaf whose gradient is not far below that share: a 4x gradient (relative difference 3)
+fails wherever ``||b|| > tol / 3`` of it.
 
 A mesh of one device is not checked (an event says so): nothing is partitioned, and what
 differs between its program and the reference is fusion alone (an H100 showed 1.7e-3 on
@@ -58,8 +63,9 @@ A known gap: a leaf whose gradient is zero in exact arithmetic is pure noise, an
 its noise grows faster than ``sqrt(n)``: the bf16 transformer's attention *key* bias (softmax
 ignores a shift shared by a row's logits) differed by 0.055 at ``n = 512`` and 0.229 at
 ``n = 2048`` (judged against 1e-3 of the tree's norm; 0.63 and 1.3 of ``u * sqrt(n)``),
-nearly linear in ``n``. Past ``n ~ 10k`` tokens on a partitioned mesh such a leaf may
-exceed the tolerance: drop the bias (it does nothing) or raise ``VerifyConfig.rtol``.
+nearly linear in ``n``. Judged against 1e-3 of the tree's norm it failed the GPT of
+`resilax bench gpt --size tiny` at ``n = 128`` (0.0886 against 0.0884) in a resumed run;
+judged against its share of the tree (above) it is far inside the tolerance.
 
 What is still caught: for f32 (``u * sqrt(n)`` is 1.5e-5 even at ``n = 16k``) ``rtol``
 (1e-3) rules, and the miscompile below (a 4x gradient, relative difference 3) is caught
@@ -257,6 +263,7 @@ def _differing(got, want, rtol, names):
     """``[(leaf name, relative difference)]`` of the leaves that differ beyond noise."""
     floats = [w for w in want if np.issubdtype(w.dtype, np.inexact)]
     total = float(np.sqrt(sum(np.sum(np.square(w.astype(np.float64))) for w in floats))) if floats else 0.0
+    size = max(sum(w.size for w in floats), 1)
     out = []
     for name, a, b in zip(names, got, want):
         if not np.issubdtype(b.dtype, np.inexact):
@@ -266,7 +273,10 @@ def _differing(got, want, rtol, names):
         eps = float(np.finfo(b.dtype).eps)
         tol = max(rtol, 50 * eps)  # bf16/f16 reduce with their own, coarser rounding
         diff = float(np.linalg.norm(a.astype(np.float64) - b.astype(np.float64)))
-        scale = max(float(np.linalg.norm(b.astype(np.float64))), 1e-3 * total, 1e-30)
+        # a leaf is judged against its own norm, or the norm its share of the elements would
+        # have if the tree's norm were spread evenly (module docstring), whichever is larger
+        share = max(1e-3, float(np.sqrt(b.size / size)))
+        scale = max(float(np.linalg.norm(b.astype(np.float64))), share * total, 1e-30)
         if diff > tol * scale:
             out.append((name, diff / scale))
     return sorted(out, key=lambda t: -t[1])
