@@ -697,7 +697,9 @@ class ResilientStep:
         after = encode_data_state(self.data.get_state()) if self.data is not None else None
         t0 = time.perf_counter()
         dev_batch = prog.put_batch(batch)
-        gout = prog.grad(log_ring, self._grad_faults.pop(k, None))(self.live, self.guard, dev_batch, np.uint32(k))
+        # kept, not popped: a step computed again from its batch (`_go_on_in_place`) gets the
+        # fault it had, so its verdict is the one it was given the first time
+        gout = prog.grad(log_ring, self._grad_faults.get(k))(self.live, self.guard, dev_batch, np.uint32(k))
         for p in self._protections:
             p.before_update(self, self.live, batch, k, gout, prog)
         keep, self._keep_input = self._keep_input, False  # a checkpoint's persister still reads this state
