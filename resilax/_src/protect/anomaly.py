@@ -282,7 +282,9 @@ class Watch(Protection):
         self._note(step, verdict)
         cause = CAUSES.get(verdict, "anomaly")
         v = None if value is None else float(np.asarray(value))
-        run.event("anomaly", step, cause=cause, value=v, action=self.cfg.on_anomaly,
+        # events are written as JSON (goodput files): a NaN or Inf value goes as its name
+        shown = v if v is None or np.isfinite(v) else str(v)
+        run.event("anomaly", step, cause=cause, value=shown, action=self.cfg.on_anomaly,
                   detail="the step's update was not applied (state left as it was)")
         run.goodput_lost_step()
         if self.cfg.on_anomaly == "stop":
