@@ -225,7 +225,12 @@ class Watch(Protection):
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
         self._queue.append((rec.step, g.ok, g.loss))
-        stop = self.cfg.on_anomaly == "stop"
+        # One step late, blocking, when the run stops on an anomaly, or when the liveness
+        # watchdog (`HealthConfig.hang_detect_s`, opt-in) times each step by its completion on
+        # the host: its probes and step deadlines assume the previous step is done when the
+        # next is dispatched (with the host running ahead, probes queued behind a running step
+        # made a healthy domain look like a straggler in the fresh-clone suite).
+        stop = self.cfg.on_anomaly == "stop" or getattr(run, "_liveness", None) is not None
         while self._queue:
             step, ok, value = self._queue[0]
             late = len(self._queue) > (1 if stop else self.MAX_LAG)
