@@ -385,10 +385,12 @@ class Program:
 def gate(ok, new, old):
     """Traced: ``new`` where the verdict ``ok`` is `anomaly.OK` (0), else ``old``, leaf by leaf.
 
-    A select, not a ``lax.cond``: XLA fuses it into the update's own element-wise fusions
-    (one more read of the old state, no extra pass), and the program has no conditional,
-    whose predicate XLA:GPU evaluates on the host (the step would wait for the device:
-    1.27x a plain step on an H100, measured). The update is computed either way; a skipped
+    A select, not a ``lax.cond``: the program has no conditional, whose predicate XLA:GPU
+    evaluates on the host (the step would wait for the device: 1.27x a plain step on an
+    H100, measured; with this select 1.00x there). XLA fuses it into the update's
+    element-wise fusions, but XLA:CPU with a donated state recomputes Adam's moments in the
+    parameter's fusion and copies ``mu``/``nu`` first (1,201 copies for 1,802 leaves,
+    measured; docs/performance.md). The update is computed either way; a skipped
     step's values (NaN included) are never selected, so the result is bitwise ``old``."""
     take = ok == 0
     return jax.tree.map(lambda n, o: jnp.where(take, n, o), new, old)
