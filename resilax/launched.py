@@ -25,7 +25,7 @@
 See docs/multiprocess.md.
 """
 
-from resilax._src.runtime.launched import (  # noqa: F401
+from resilax._src.runtime.worker import (  # noqa: F401
     LaunchEnv as LaunchEnv,
     Reform as Reform,
     env as env,

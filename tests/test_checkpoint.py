@@ -122,7 +122,7 @@ def test_unwritable_checkpoint_dir(tmp_path):
 
 def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monkeypatch):
     """Bytes that decode fine but differ from what was saved (silent corruption) fail verification."""
-    from resilax._src.protect import checkpoint as _checkpoint
+    from resilax._src.protect import checkpoints as _checkpoint
     run(tmp_path, 5, every=5)
     template = ex.make_state(SMALL)
     cfg = resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path), every=5))
@@ -186,7 +186,7 @@ def test_save_blocks_only_for_a_snapshot_that_is_a_real_copy(tmp_path):
     checkpoint must hold the state as it was at save(), even when the source buffers are
     overwritten or deleted right after save() returned."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from resilax._src.protect.checkpoint import CheckpointStore
+    from resilax._src.protect.checkpoints import CheckpointStore
 
     mesh = TOPO.mesh([list(d) for d in TOPO.domains()])
     sh = NamedSharding(mesh, P(("data", "fsdp")))
@@ -218,7 +218,7 @@ def test_an_uncopied_save_builds_the_shard_lists_before_the_persister_reads_them
     shards). The lists must be built on the caller's thread, before the persister runs: it
     is held here on the Orbax lock, so nothing else has read the arrays."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from resilax._src.protect import checkpoint as ck
+    from resilax._src.protect import checkpoints as ck
 
     mesh = TOPO.mesh([list(d) for d in TOPO.domains()])
     fresh = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), out_shardings=NamedSharding(mesh, P()))
@@ -237,7 +237,7 @@ def test_an_uncopied_save_builds_the_shard_lists_before_the_persister_reads_them
 def test_a_failed_background_save_is_a_storage_error_at_the_next_call(tmp_path):
     """The persister's error is not lost: the next save()/wait() raises it as StorageError."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from resilax._src.protect.checkpoint import CheckpointStore
+    from resilax._src.protect.checkpoints import CheckpointStore
 
     mesh = TOPO.mesh([list(d) for d in TOPO.domains()])
     x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("data")))
@@ -262,7 +262,7 @@ def test_a_failed_background_save_is_a_storage_error_at_the_next_call(tmp_path):
 _EXIT_AFTER_CLOSE = """
 import sys, threading, time
 import jax, jax.numpy as jnp
-from resilax._src.protect.checkpoint import CheckpointStore
+from resilax._src.protect.checkpoints import CheckpointStore
 
 def chain(x):  # unrolled: XLA:CPU needs a while to compile it
     for i in range(300):
@@ -305,7 +305,7 @@ def test_a_save_neither_compiles_nor_waits_for_the_warm_up(tmp_path):
     import threading
 
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from resilax._src.protect.checkpoint import CheckpointStore
+    from resilax._src.protect.checkpoints import CheckpointStore
 
     mesh = TOPO.mesh([list(d) for d in TOPO.domains()])
     sh = NamedSharding(mesh, P(("data", "fsdp")))

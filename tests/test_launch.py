@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from resilax._src.runtime import jaxdist
-from resilax._src.runtime.launched import LaunchEnv
+from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools.launch import PROCESSES_JSON, Supervisor, heartbeats, spare_heartbeats
 
 STEPS, EVERY = 48, 5
@@ -314,14 +314,14 @@ def test_supervisor_ends_cleanly_when_workers_exit_0_and_sets_their_env(tmp_path
 # spares are ready again (refilled); generation 0 process 0 waits to be stopped.
 SPARE_WORKER = r"""
 import json, os, sys, time
-from resilax._src.runtime import launched
-was_spare = launched.is_spare()
+from resilax._src.runtime import worker
+was_spare = worker.is_spare()
 if was_spare:
     print("warm and waiting", flush=True)
-e = launched.wait_for_assignment(prefetch=False)
-assert launched.env() == e and os.environ["RESILAX_PROCESS_ID"] == str(e.process_id) and not launched.is_spare()
+e = worker.wait_for_assignment(prefetch=False)
+assert worker.env() == e and os.environ["RESILAX_PROCESS_ID"] == str(e.process_id) and not worker.is_spare()
 print(f"assigned: g{e.generation} p{e.process_id}", flush=True)
-hb = launched._Heartbeat(e)
+hb = worker._Heartbeat(e)
 hb.first_step_t = time.time()
 hb.beat()
 
@@ -512,7 +512,7 @@ def test_the_public_launched_module_is_the_worker_side():
     """`resilax.launched` (named in resilax's errors and docs) is the runtime's worker API,
     and outside a launch it does nothing: no place, primary, no re-form pending."""
     import resilax
-    from resilax._src.runtime import launched as rt
+    from resilax._src.runtime import worker as rt
 
     assert resilax.launched.Reform is rt.Reform and resilax.launched.reattach is rt.reattach
     assert resilax.launched.env() is None and resilax.launched.is_primary()

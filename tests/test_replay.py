@@ -12,7 +12,8 @@ from flax.training import train_state
 
 import resilax
 from resilax.tools import example as ex
-from resilax._src.protect.replay_log import ReplayLog, SelectivePolicy, decode_entry, encode_entry, replay
+from resilax._src.protect.disk_log import DiskLog, SelectivePolicy, decode_entry, encode_entry
+from resilax._src.protect.replay import replay
 
 SPEC = ex.ExampleSpec(features=16, hidden=32, depth=2, batch=16, examples=512)
 TOPO = resilax.Topology.emulated(slices=2, devices_per_slice=4)
@@ -155,7 +156,7 @@ def _log_run(tmp_path, steps=6):
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_damaged_entry_stops_replay_there_naming_the_step(tmp_path, damage):
     cfg, _ = _log_run(tmp_path)
-    log = ReplayLog(tmp_path / "log")
+    log = DiskLog(tmp_path / "log")
     path = log.directory / "0000000003.grads.rxl"
     raw = bytearray(path.read_bytes())
     if damage == "flip":
@@ -173,7 +174,7 @@ def test_damaged_entry_stops_replay_there_naming_the_step(tmp_path, damage):
     assert ev.fields["unreplayable"][0]["step"] == 3
     assert "sha256 mismatch" in ev.fields["unreplayable"][0]["reason"]
     with pytest.raises(resilax.ReplayLogError, match=r"could not replay steps 3\.\.5"):
-        replay(state, ReplayLog(tmp_path / "log"), 3, 6, update=lambda *a: a[0])
+        replay(state, DiskLog(tmp_path / "log"), 3, 6, update=lambda *a: a[0])
     # Nothing deleted: the bad entry (and the ones after it) are in quarantine.
     assert any(p.name.startswith("0000000003.grads") for p in (log.directory / "quarantine").iterdir())
     step.close()
@@ -199,7 +200,7 @@ def test_entry_format_roundtrip_and_no_overwrite(tmp_path):
     data = encode_entry({"step": 7, "kind": "grads"}, arrays)
     h, back = decode_entry(data, where="x")
     assert h["step"] == 7 and all(np.array_equal(a, b) for a, b in zip(arrays, back))
-    log = ReplayLog(tmp_path)
+    log = DiskLog(tmp_path)
     log.append(0, data_state={"next_index": 0})
     log.wait()
     first = (tmp_path / "0000000000.inputs.rxl").read_bytes()
@@ -218,7 +219,7 @@ def test_selective_policy_keeps_newest_grads_within_budget(tmp_path):
     cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log"), budget_bytes=int(3.5 * per),
                                                          grads_budget=None))
     final, step = train("adamw", cfg, 8)
-    log = ReplayLog(tmp_path / "log")
+    log = DiskLog(tmp_path / "log")
     assert log.steps("grads") == [5, 6, 7] and log.steps("inputs") == list(range(8))
     assert log.nbytes("grads") <= 3.5 * per
     rows = SelectivePolicy.tradeoff(steps=8, grads_bytes=per, inputs_bytes=300, update_s=0.001, step_s=0.01)
@@ -236,7 +237,7 @@ def test_selective_policy_keeps_newest_grads_within_budget(tmp_path):
 def test_truncate_after_checkpoint(tmp_path):
     cfg = resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path / "ck"), every=3))
     train("adamw", cfg, 10)
-    log = ReplayLog(tmp_path / "ck" / "record_log")
+    log = DiskLog(tmp_path / "ck" / "record_log")
     # Saves at 3, 6, 9: at the save of 9 the log was truncated before 6 (checkpoint 6 committed).
     assert log.steps() == list(range(6, 10))
 
@@ -247,7 +248,7 @@ def test_wrong_start_state_is_refused(tmp_path):
     other = ex.make_state(ex.ExampleSpec(**{**SPEC.__dict__, "seed": 1}))
     with pytest.raises(resilax.ReplayLogError, match="belongs to another run"):
         step.init(other)
-    assert ReplayLog(tmp_path / "log").steps() == [0, 1], "nothing in the log was touched"
+    assert DiskLog(tmp_path / "log").steps() == [0, 1], "nothing in the log was touched"
     step.close()
 
 
@@ -267,7 +268,7 @@ def test_grads_budget_writes_few_grads_entries_and_resume_stays_bitwise(tmp_path
     assert cad["grads_entries"] >= 1 and cad["inputs_only_entries"] >= 6, cad
     assert cad["grads_cost_s"] > 0 and cad["share"] is not None
     assert cad["meets_budget"] == (cad["share"] <= 0.01)
-    log = ReplayLog(tmp_path / "ck" / "record_log")
+    log = DiskLog(tmp_path / "ck" / "record_log")
     assert log.steps("inputs") == list(range(12)) and 0 in log.steps("grads")
     assert len(log.steps("grads")) == cad["grads_entries"]
     data = ex.make_iterator(SPEC)
@@ -294,4 +295,4 @@ def test_grads_budget_is_ignored_without_a_data_iterator(tmp_path):
         for _ in range(5):
             state, _ = step(state, next(data))
         assert step.log_cadence()["inputs_only_entries"] == 0
-    assert ReplayLog(tmp_path / "log").steps("grads") == list(range(5))
+    assert DiskLog(tmp_path / "log").steps("grads") == list(range(5))

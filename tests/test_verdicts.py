@@ -210,9 +210,10 @@ def test_recorded_verdict_is_checked():
 
 
 def test_replay_passes_the_recorded_verdicts(tmp_path):
-    from resilax._src.protect.replay_log import ReplayLog, replay
+    from resilax._src.protect.disk_log import DiskLog
+    from resilax._src.protect.replay import replay
 
-    log = ReplayLog(tmp_path / "log")
+    log = DiskLog(tmp_path / "log")
     for s, v in enumerate((0, 1, 2)):
         log.append(s, recorded={"g": np.full(2, s, np.float32)}, scalars={"verdict": v, "value": 1.0})
     log.append(3, recorded={"g": np.zeros(2, np.float32)}, scalars={"value": 1.0})  # no verdict

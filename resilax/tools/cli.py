@@ -13,7 +13,7 @@ def _cmd_train(args) -> int:
 
     # before any backend starts (XLA reads the flags once): bitwise on GPU needs it
     os.environ["XLA_FLAGS"] = xlaflags.with_deterministic(os.environ.get("XLA_FLAGS"))
-    from resilax._src.runtime import launched
+    from resilax._src.runtime import worker
     from resilax.tools.runner import train
 
     while True:
@@ -27,17 +27,17 @@ def _cmd_train(args) -> int:
                 curve=args.curve,
             )
             break
-        except launched.Reform:  # under `resilax launch --in-place`: the job re-forms; join it in this process
+        except worker.Reform:  # under `resilax launch --in-place`: the job re-forms; join it in this process
             pass  # (outside the handler: the traceback would keep the old backend's arrays alive)
-        e = launched.reattach()
+        e = worker.reattach()
         print(f"re-attached as process {e.process_id} of {e.num_processes} (generation {e.generation})", flush=True)
 
-    if args.summary and launched.is_primary():  # one summary per job, from process 0
+    if args.summary and worker.is_primary():  # one summary per job, from process 0
         from resilax._src.io import write_json
 
         write_json(args.summary, summary)
     print(f"done: {summary['steps']} steps, loss {summary['final_loss']:.4f}, {summary['wall_s']:.1f} s", flush=True)
-    launched.exit_if_shrunk(0)
+    worker.exit_if_shrunk(0)
     return 0
 
 

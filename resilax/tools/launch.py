@@ -74,8 +74,8 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore
-from resilax._src.runtime import launched, xlaflags
-from resilax._src.runtime.launched import LaunchEnv
+from resilax._src.runtime import worker, xlaflags
+from resilax._src.runtime.worker import LaunchEnv
 
 PROCESSES_JSON = "processes.json"
 HEARTBEATS = "heartbeats"  # D/heartbeats/g<generation>.p<process id>.json; spares: spare<k>.json
@@ -135,7 +135,7 @@ def heartbeat_file(run_dir, generation: int, process_id: int) -> pathlib.Path:
 
 def heartbeats(run_dir, generation: int) -> dict[int, dict]:
     """``{process id: heartbeat record}`` of the workers of ``generation`` that wrote one (see
-    `launched._Heartbeat`: pid, phase, step, step_t, step_s, joined_t, first_step_t,
+    `worker._Heartbeat`: pid, phase, step, step_t, step_s, joined_t, first_step_t,
     started). A file that cannot be read or parsed right now is left out."""
     out = {}
     for f in (pathlib.Path(run_dir) / HEARTBEATS).glob(f"g{int(generation)}.p*.json"):
@@ -382,7 +382,7 @@ class Supervisor:
         (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.workers, self.departed, self.epoch = [], [], 0
-        (self.run_dir / launched.MEMBERSHIP_JSON).unlink(missing_ok=True)
+        (self.run_dir / worker.MEMBERSHIP_JSON).unlink(missing_ok=True)
         ready = self._ready_spares()
         carried = {w.slot: w for w in carry or ()}
         smaller = m < self.n
@@ -400,7 +400,7 @@ class Supervisor:
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
             if slot in carried:  # a live worker of the generation that re-formed: it re-attaches without restarting
                 w = carried[slot]  # (its assignment is named by its process id in that generation)
-                write_json(launched.reform_assignment(self.run_dir, g, w.process_id), env.to_dict())
+                write_json(worker.reform_assignment(self.run_dir, g, w.process_id), env.to_dict())
                 w._pump.relabel(prefix, log)
                 self.workers.append(_Worker(i, env, w.proc, w._pump))
                 continue
@@ -442,8 +442,8 @@ class Supervisor:
         hb = self.run_dir / HEARTBEATS / f"spare{k}.json"
         for f in (assignment, hb):
             f.unlink(missing_ok=True)
-        proc = self._popen({launched.SPARE_ENV: str(assignment), launched.SPARE_HEARTBEAT_ENV: str(hb),
-                            launched.SPARE_HEARTBEAT_S_ENV: str(self.heartbeat_s), "PYTHONUNBUFFERED": "1"})
+        proc = self._popen({worker.SPARE_ENV: str(assignment), worker.SPARE_HEARTBEAT_ENV: str(hb),
+                            worker.SPARE_HEARTBEAT_S_ENV: str(self.heartbeat_s), "PYTHONUNBUFFERED": "1"})
         self.spares.append(_Spare(k, proc, _Output(proc, f"[spare{k}] ", self.run_dir / "logs" / f"spare{k}.log"),
                                   hb, assignment))
         return proc.pid
@@ -650,7 +650,7 @@ class Supervisor:
         missing = self.n - len(alive)
         # warm spares for every dead place, or --shrink reform: re-form at once
         reform = self.shrink == "reform" or len(ready) >= missing
-        write_json(self.run_dir / launched.MEMBERSHIP_JSON, {
+        write_json(self.run_dir / worker.MEMBERSHIP_JSON, {
             "generation": self.generation, "epoch": self.epoch, "alive": alive,
             "dead": sorted(x.process_id for x in self.departed), **({"reform": self.generation + 1} if reform else {})})
         died = f"process {w.process_id} (pid {w.proc.pid}) {why}"
@@ -690,10 +690,10 @@ class Supervisor:
     def _detach_live_workers(self) -> list | None:
         """The job re-forms: ``"reform"`` in the membership file tells the live workers to
         leave (after a death, from their failed step; to grow back, at a step boundary they
-        agree on, `launched.reform_due`). Waits until each has detached from the service;
+        agree on, `worker.reform_due`). Waits until each has detached from the service;
         returns them, or None if one exited, hung or did not detach in time."""
-        membership = _read_json(self.run_dir / launched.MEMBERSHIP_JSON) or {}
-        write_json(self.run_dir / launched.MEMBERSHIP_JSON, {
+        membership = _read_json(self.run_dir / worker.MEMBERSHIP_JSON) or {}
+        write_json(self.run_dir / worker.MEMBERSHIP_JSON, {
             "generation": self.generation, "epoch": self.epoch, **membership, "reform": self.generation + 1})
         limit = time.time() + self.collective_timeout_s + self.min_deadline
         while True:

@@ -49,9 +49,9 @@ def configure_cpu_devices(n: int) -> None:
     """
     import jax
 
-    from resilax._src.runtime import launched
+    from resilax._src.runtime import worker
 
-    e = launched.initialize()
+    e = worker.initialize()
     if e is not None:
         if e.job_processes * e.devices_per_process != n:  # (a generation smaller than the job: its full size)
             import resilax
@@ -138,11 +138,11 @@ def train(
     import resilax
     from resilax.tools import example as ex
 
-    from resilax._src.runtime import launched
+    from resilax._src.runtime import worker
 
     topo = resilax.Topology.load(topology) if not isinstance(topology, resilax.Topology) else topology
     configure_cpu_devices(topo.num_devices)
-    job = launched.env()
+    job = worker.env()
     if job is not None:
         # Under `resilax launch` a restarted generation resumes from durable state only: the
         # checkpoints default to the run directory. The record log's disk sink and the peer
@@ -154,7 +154,7 @@ def train(
                   "(not yet supported); a restart resumes from the newest checkpoint", flush=True)
         log, log_mode, peers, peers_every = False, None, False, None
         health = False  # replica checks and the liveness watchdog read other processes' domains: one process only
-    if deterministic and layout == "sharded" and not launched.env():
+    if deterministic and layout == "sharded" and not worker.env():
         print("layout sharded: the bit-exact mode (default) holds the state whole in every slice, sharded over the "
               "slice's devices; --no-deterministic shards it over every device", flush=True)
     spec = spec or ex.ExampleSpec()
@@ -255,7 +255,7 @@ def write_state(out: str, state) -> None:
 
     import jax
 
-    from resilax._src.runtime import launched
+    from resilax._src.runtime import worker
 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -271,7 +271,7 @@ def write_state(out: str, state) -> None:
         from resilax.tools.example import flat_state
 
         flat = flat_state(state)
-    if not launched.is_primary():
+    if not worker.is_primary():
         return
     tmp = f"{out}.tmp.npz"
     np.savez(tmp, **flat)

@@ -1,15 +1,583 @@
-"""Checkpoint protection: the persistent tier (`checkpoint.CheckpointStore`, Orbax async)
-as a part of the pipeline. Saves every ``CheckpointConfig.every`` steps (state, the anomaly
-detector's state, data position, seed), offers the newest good checkpoint to the planner,
-and tells the record log where its host and disk entries may be truncated."""
+"""Checkpoints: the persistent tier. `CheckpointStore` (Orbax async checkpoints with checksums, and
+newest-good restore) and `Checkpoints`, the protection that puts it in the pipeline: it saves every
+``CheckpointConfig.every`` steps (state, the anomaly detector's state, data position, seed),
+offers the newest good checkpoint to the planner, and tells the record log where its host and
+disk entries may be truncated.
+
+Each checkpoint is one Orbax step directory (committed atomically by Orbax: written under
+a temporary name, then renamed) holding three items:
+
+- ``state``: the train state (tensorstore arrays, sharded as they are);
+- ``checksums``: per-leaf checksums computed on device when the save was dispatched;
+- ``meta``: JSON with the step, RNG seed, data-iterator state and the state's signature.
+
+On restore the newest step is read and its checksums recomputed; a checkpoint that cannot
+be read or does not match is moved into ``quarantine/`` (never deleted) and the next older
+one is tried, with a warning that names both.
+
+Saving is snapshot-then-persist (CheckFreq's split): the training thread only dispatches
+one compiled program that copies the state on device (an asynchronous dispatch: the copy
+runs on the device queue, in order, before the next step may reuse the donated buffers),
+or hands the live state itself when the next step keeps its input; a persister thread
+computes the checksums, hands the copy to Orbax (which copies it to host and writes it in
+its own background thread; Orbax's ``save`` waits there for the previous save, never on the
+loop) and drops the device copy as soon as Orbax holds the host copy. Orbax's start-up
+(handlers, thread pools, the first directory) and the programs' compilation happen off the
+loop (`warm`); a save due before they are compiled copies with the runtime's buffer copy
+instead of compiling or waiting. The loop waits for the previous save only when it is still
+writing as the next one is due (`in_flight`; the driver books that wait and reports it).
+"""
 
 from __future__ import annotations
 
-import jax
+import base64
+import dataclasses
+import errno
+import os
+import pathlib
+import queue
+import shutil
+import threading
+import time
+import warnings
+from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from resilax._src.protect.checksum import tree_checksums
+from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError
 from resilax._src.protect import base
-from resilax._src.protect.checkpoint import CheckpointStore, encode_data_state
 from resilax._src.protect.planner import Candidate, Copy
+
+FORMAT = 1
+QUARANTINE = "quarantine"
+
+
+def state_signature(tree) -> list[list]:
+    """``[[path, shape, dtype], ...]`` of a pytree of arrays or ShapeDtypeStructs."""
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out.append([jax.tree_util.keystr(path), list(np.shape(x)), str(x.dtype)])
+    return out
+
+
+def _shards_built(tree):
+    """``tree``, with every array's list of per-device shards built on this thread.
+
+    jaxlib 0.10.2 builds an array's per-device buffers (``Array._arrays``, which
+    ``addressable_shards`` reads) lazily, on first use; two threads doing that at once can
+    see a part-built list, and ``addressable_shards`` then caches it for good. Orbax reads
+    ``addressable_shards`` on the persister thread, and an uncopied save hands it the live
+    state, which the loop reads at the same time (after a rejoin the cross-check's
+    ``device_put`` of a fresh state raised "safe_zip() argument 1 has length 8 but argument
+    0 has length 5": 5 of 8 shards cached). Built here, before the hand-off, both threads
+    only read the finished lists. Costs one shard object per device and leaf, once.
+    """
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            x.addressable_shards  # noqa: B018  built and cached on the array
+    return tree
+
+
+def encode_data_state(s):
+    """Iterator states are JSON dicts (grain datasets) or bytes (grain DataLoader)."""
+    if s is None or isinstance(s, (dict, list, int, float, str)):
+        return {"kind": "json", "value": s}
+    if isinstance(s, (bytes, bytearray)):
+        return {"kind": "bytes", "value": base64.b64encode(bytes(s)).decode()}
+    raise CheckpointError(
+        f"resilax: the data iterator's get_state() must return a JSON-able value or bytes, but got {type(s).__name__}"
+    )
+
+
+def decode_data_state(d):
+    if d["kind"] == "bytes":
+        return base64.b64decode(d["value"])
+    return d["value"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    step: int
+    state: Any
+    meta: dict
+    skipped: tuple[tuple[int, str], ...]  # (step, reason) of newer checkpoints that failed
+
+
+# Orbax calls from several threads at once (two runs' persisters saving together) raced in
+# Orbax's directory creation: "100.orbax-checkpoint-tmp/meta.orbax-checkpoint-tmp/metadata:
+# No such file or directory". Every Orbax call of every store goes through this one lock.
+_ORBAX_LOCK = threading.RLock()
+
+
+def _snapshot_fn(tree):
+    # jnp.copy of a non-donated input is a new buffer (XLA never aliases an output to an
+    # input that was not donated), so the snapshot survives the next step's donation.
+    return jax.tree.map(jnp.copy, tree)
+
+
+_snapshot_jit = jax.jit(_snapshot_fn)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class CheckpointStore:
+    """Orbax ``CheckpointManager`` with checksums, newest-good restore, and saves that block
+    the caller only for dispatching an on-device snapshot.
+
+    Args:
+      directory: checkpoint root (created if missing).
+      keep: complete checkpoints kept by Orbax.
+      async_save: persist in the background (the caller blocks only to dispatch the
+        snapshot); ``False``: `save` returns once the checkpoint is committed.
+
+    Thread-safety: every Orbax call runs under one process-wide lock; the persister thread
+    makes the saves, the caller's thread everything else (after waiting for queued saves).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+        self.directory = pathlib.Path(directory).absolute()
+        self._keep = keep
+        self._async = async_save
+        self._abandoned = False
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"resilax checkpoints: cannot create checkpoint_dir {str(self.directory)!r}: {e}") from e
+        self._mgr = self._open()
+        self.blocking_s: list[float] = []  # seconds the caller blocked per save
+        self.persist_s: list[float] = []  # seconds from handing a snapshot to Orbax to its commit (persister thread)
+        self._lock = _ORBAX_LOCK
+        self._q: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
+        self._compiled = None  # (abstract tree, compiled snapshot program)
+        self._sums = None  # (abstract tree, compiled checksum program)
+        self._warming: threading.Thread | None = None
+        self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
+        self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
+        self.last_step: int | None = None  # the newest save handed to the persister
+
+    def _open(self):
+        opts = ocp.CheckpointManagerOptions(
+            max_to_keep=self._keep,
+            enable_async_checkpointing=self._async,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "checksums", "meta"))
+
+    # ------------------------------------------------------------------ warm-up
+    def warm(self, tree, also: Callable[[], None] | None = None) -> None:
+        """Compiles the snapshot and checksum programs for ``tree``'s shapes and shardings on a
+        background thread (lowering and compiling are thread-safe), then ``also`` (the
+        caller's own warm-up), so no save compiles on the loop."""
+        abstract = _abstract(tree)
+        if self._compiled is not None and self._compiled[0] == abstract and also is None:
+            return
+
+        def compile_it():
+            # the loop's own program first (a save due before it is ready copies without it),
+            # then the persister's checksums, then the caller's (the update that keeps its
+            # input: until it is ready a save copies instead)
+            try:
+                self._compiled = (abstract, _snapshot_jit.lower(abstract).compile())
+                self._sums = (abstract, tree_checksums.lower(abstract).compile())
+                if also is not None:
+                    also()
+            except Exception:  # a save copies without the program; the persister compiles the sums
+                pass
+
+        # Not a daemon, and `close` joins it: a daemon thread still compiling when the
+        # interpreter finalizes is killed (pthread_exit) as XLA's compile wait re-takes the
+        # GIL, and that unwinds through a noexcept jaxlib frame: std::terminate, SIGABRT at
+        # exit ("terminate called after throwing an instance of ''" / "FATAL: exception not
+        # rethrown"; seen under `resilax launch` with a cold compilation cache).
+        self._warming = threading.Thread(target=compile_it, name="resilax-ckpt-warm")
+        self._warming.start()
+        self._warmers = [t for t in self._warmers if t.is_alive()] + [self._warming]
+        self._start_thread()
+
+    def _join_warming(self, *, every: bool = False):
+        """Waits for the newest warm-up (``every``: for all, an older one may still run after
+        a restart warmed again)."""
+        t, self._warming = self._warming, None
+        for w in (self._warmers if every else [t] if t is not None else []):
+            w.join()
+        if every:
+            self._warmers = []
+
+    def _snapshot(self, tree):
+        """An on-device copy of ``tree`` that survives the next step's donation. Never compiles
+        and never waits for the warm-up (issue 26: joining it stalled a GPU's first save for
+        29 s): the compiled copy when it is ready, else the runtime's buffer copy
+        (``device_put(..., may_alias=False)``: no XLA program, the same shardings; on a GPU a
+        device-to-device copy, on CPU a memcpy, about the host copy's time)."""
+        compiled = self._compiled
+        if compiled is not None and _abstract(tree) == compiled[0]:
+            return compiled[1](tree)
+        return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree), may_alias=False)
+
+    def in_flight(self) -> bool:
+        """A save (or a chore after it) is still on the persister: a `save` now waits for it."""
+        return self._thread is not None and self._q.unfinished_tasks > 0
+
+    def _checksums(self, tree):
+        if self._sums is not None and _abstract(tree) == self._sums[0]:
+            return self._sums[1](tree)
+        return tree_checksums(tree)
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state, meta: dict, *, after_dispatch: Callable[[], None] | None = None,
+             copy: bool = True) -> float:
+        """Starts saving ``state`` as checkpoint ``step``; returns the seconds the caller blocked
+        (with ``copy``: dispatching the on-device snapshot; with ``async_save=False``, the whole
+        commit).
+
+        ``copy=False`` is the caller's promise that ``state``'s buffers stay untouched (not
+        donated, not deleted) until `settle` returns: then nothing is copied on device and
+        the caller blocks for nothing but the hand-off (the driver runs the next step
+        without donating its input). The checksums are computed on the persister thread,
+        from the very buffers Orbax writes.
+
+        Raises:
+          StorageError: an earlier background save failed (full disk, permissions), or this
+            one failed with ``async_save=False``. Checkpoints already committed are untouched.
+        """
+        t0 = time.perf_counter()
+        if jax.process_count() > 1:
+            return self._save_collectively(t0, step, state, meta, after_dispatch)
+        # One checkpoint in flight at a time, as with Orbax alone: a save waits for the previous
+        # one to commit (at a usual cadence it did long ago), which bounds the device memory
+        # held by snapshots to one copy and keeps "the newest committed checkpoint is at most
+        # one save behind".
+        self.settle()
+        self._raise_error()
+        snap = self._snapshot(state) if copy else _shards_built(state)  # uncopied: the loop reads it too
+        meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
+        self._start_thread()
+        self._handed.clear()
+        self._q.put((int(step), snap, meta))
+        self.last_step = int(step)
+        del snap
+        if not self._async:
+            self.wait()
+        dt = time.perf_counter() - t0
+        self.blocking_s.append(dt)
+        if after_dispatch is not None:
+            # chaos hook ("during_save"): fire once Orbax's write is really in flight (its
+            # temporary directory exists), not while the snapshot is still queued
+            self._handed.wait()
+            after_dispatch()
+        return dt
+
+    def _save_collectively(self, t0, step, state, meta, after_dispatch) -> float:
+        """A multi-process save, on the caller's thread. The checksums are a collective over
+        every process's devices, and every process must issue its collectives in the same
+        order: from a persister thread they interleaved with the training step's own (under
+        `resilax launch`: gloo mismatches, then Orbax timing out on 'step_directory_creation').
+        Orbax's ``save`` copies the local shards to host before it returns and commits in its
+        own background threads, as it does for plain Orbax users."""
+        self.settle()
+        self._raise_error()
+        meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
+        with self._lock:
+            try:
+                self._mgr.wait_until_finished()  # one save in flight, as on one process
+            except Exception as e:
+                self._deferred = []
+                raise _storage_error(f"finishing the checkpoint before {step}", self.directory, e) from e
+        self._run_deferred()
+        with self._lock:
+            try:
+                sums = self._checksums(state)
+                self._mgr.save(int(step), args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    checksums=ocp.args.StandardSave({"sums": sums}),
+                    meta=ocp.args.JsonSave(meta)))
+            except Exception as e:  # Orbax re-raises a failed background commit here too
+                raise _storage_error(f"saving checkpoint {step}", self.directory, e) from e
+        if not self._async:
+            self.wait()
+        dt = time.perf_counter() - t0
+        self.blocking_s.append(dt)
+        if after_dispatch is not None:
+            after_dispatch()
+        return dt
+
+    def _start_thread(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._persist, name="resilax-ckpt-persist", daemon=True)
+            self._thread.start()
+
+    def _persist(self):
+        while True:
+            job = self._q.get()
+            try:
+                if job is None:
+                    return
+                if job[0] == "call":
+                    try:
+                        job[1]()
+                    except BaseException as e:
+                        self._error = e if isinstance(e, StorageError) else StorageError(
+                            f"resilax checkpoints: a chore after a save failed: {type(e).__name__}: {e}")
+                    continue
+                step, snap, meta = job
+                job = None
+                if self._error is not None:
+                    self._handed.set()
+                    continue  # a failed save stops the later ones: the caller is told at its next call
+                t0 = time.perf_counter()
+                with self._lock:
+                    try:
+                        sums = self._checksums(snap)
+                        self._mgr.save(step, args=ocp.args.Composite(
+                            state=ocp.args.StandardSave(snap),
+                            checksums=ocp.args.StandardSave({"sums": sums}),
+                            meta=ocp.args.JsonSave(meta)))
+                        del snap, sums  # Orbax holds its host copy now: the device copy can go
+                        self._handed.set()
+                        self._mgr.wait_until_finished()  # committed (tmp dir renamed) before the next save
+                    except BaseException as e:  # Orbax re-raises a failed background commit here too
+                        self._error = _storage_error(f"saving checkpoint {step}", self.directory, e)
+                    finally:
+                        self._handed.set()
+                self.persist_s.append(time.perf_counter() - t0)
+            finally:
+                self._q.task_done()
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` on the persister thread once the save in flight is committed (host-side
+        chores that need not block the loop: log truncation, goodput files). An exception
+        from it is reported like a failed save. In a multi-process run (the save is Orbax's
+        own async commit) it runs once that commit is known: at the next save or `wait`."""
+        if jax.process_count() > 1:
+            self._deferred.append(fn)
+            return
+        self._start_thread()
+        self._q.put(("call", fn))
+
+    def _run_deferred(self):
+        chores, self._deferred = self._deferred, []
+        for fn in chores:
+            try:
+                fn()
+            except Exception as e:
+                raise StorageError(f"resilax checkpoints: a chore after a save failed: {type(e).__name__}: {e}") from e
+
+    def _raise_error(self):
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def settle(self) -> None:
+        """Blocks until the save in flight (if any) is committed or failed: after this no
+        resilax thread reads a device buffer of a snapshot."""
+        if self._thread is not None:
+            self._q.join()
+
+    def wait(self):
+        """Blocks until the background save (if any) is committed.
+
+        Raises:
+          StorageError: a background save failed (the message says why; a full disk says so).
+        """
+        self.settle()
+        try:
+            with self._lock:
+                self._mgr.wait_until_finished()
+        except Exception as e:
+            self._error = None
+            self._deferred = []  # the save they followed did not commit
+            raise _storage_error("finishing a checkpoint save", self.directory, e) from e
+        self._raise_error()
+        self._run_deferred()
+
+    def abandon(self) -> None:
+        """Nothing more goes through this store, and nothing waits for it: a process of the
+        job died (an in-place shrink under `resilax launch`), so a save in flight waits on
+        barriers it never reaches and never commits. `close` returns at once."""
+        self._abandoned = True
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread = None
+
+    def close(self):
+        """Waits for the last save, stops the persister, waits for a warm-up still compiling
+        (its thread must not outlive the store: see `warm`), closes Orbax."""
+        if self._abandoned:
+            self._join_warming(every=True)  # compiling only: it ends
+            return
+        try:
+            self.wait()
+        finally:
+            if self._thread is not None:
+                self._q.put(None)
+                self._thread.join()
+                self._thread = None
+            self._join_warming(every=True)
+            with self._lock:
+                try:
+                    self._mgr.close()
+                except Exception as e:  # Orbax re-raises a failed background write here too (a full disk)
+                    raise _storage_error("closing the checkpoint manager", self.directory, e) from e
+
+    def steps(self) -> list[int]:
+        return sorted(self._mgr.all_steps())
+
+    # ------------------------------------------------------------------ restore
+    def restore_newest(self, abstract_state) -> Restored | None:
+        """Restores the newest checkpoint that reads back and matches its checksums.
+
+        Args:
+          abstract_state: pytree of ``jax.ShapeDtypeStruct`` with shardings (the target layout).
+
+        Returns:
+          ``Restored`` or ``None`` when the directory holds no checkpoint.
+
+        Raises:
+          CheckpointError: a checkpoint was written for a differently shaped state (nothing
+            is moved; the caller passed the wrong state).
+          CorruptCheckpointError: checkpoints exist but none is good (all were quarantined).
+        """
+        self.settle()
+        with self._lock:
+            return self._restore_newest(abstract_state)
+
+    def _restore_newest(self, abstract_state):
+        self._mgr.reload()
+        want_sig = state_signature(abstract_state)
+        skipped: list[tuple[int, str]] = []
+        for step in sorted(self._mgr.all_steps(), reverse=True):
+            try:
+                meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("step") != step:
+                    raise CorruptCheckpointError(f"meta of checkpoint {step} is malformed")
+            except Exception as e:
+                skipped.append((step, _reason(e)))
+                continue
+            if meta["signature"] != want_sig:
+                raise CheckpointError(_signature_mismatch(self.directory, step, meta["signature"], want_sig))
+            try:
+                leaves = len(want_sig)
+                abs_sums = jax.ShapeDtypeStruct((leaves, 2), np.uint32, sharding=_sums_sharding())
+                out = self._mgr.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state),
+                        checksums=ocp.args.StandardRestore({"sums": abs_sums}),
+                    ),
+                )
+                state = out["state"]
+                got = np.asarray(tree_checksums(state))
+                saved = np.asarray(out["checksums"]["sums"])
+                if got.shape != saved.shape or not np.array_equal(got, saved):
+                    bad = [want_sig[i][0] for i in range(min(len(got), len(saved))) if not np.array_equal(got[i], saved[i])]
+                    raise CorruptCheckpointError(f"checksum mismatch in leaves {bad[:5]}")
+            except Exception as e:
+                skipped.append((step, _reason(e)))
+                continue
+            if skipped:
+                moved = self._quarantine(skipped)
+                warnings.warn(
+                    f"resilax: checkpoint(s) {[s for s, _ in skipped]} in {str(self.directory)!r} failed verification "
+                    f"({'; '.join(f'{s}: {r}' for s, r in skipped)}); restored the previous good checkpoint {step} "
+                    f"instead. The bad ones were moved to {moved}, not deleted.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return Restored(step, state, meta, tuple(skipped))
+        if skipped:
+            moved = self._quarantine(skipped)
+            raise CorruptCheckpointError(
+                f"resilax: no good checkpoint in {str(self.directory)!r}: "
+                f"{'; '.join(f'{s}: {r}' for s, r in skipped)}. They were moved to {moved}, not deleted."
+            )
+        return None
+
+    def _quarantine(self, skipped) -> list[str]:
+        """Moves failed step directories aside so new saves never collide with them."""
+        qdir = self.directory / QUARANTINE
+        qdir.mkdir(exist_ok=True)
+        moved = []
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for step, _ in skipped:
+            src = self.directory / str(step)
+            if not src.exists():
+                continue
+            dst = qdir / f"{step}.{stamp}"
+            n = 0
+            while dst.exists():
+                n += 1
+                dst = qdir / f"{step}.{stamp}.{n}"
+            os.rename(src, dst)
+            moved.append(str(dst))
+        self._mgr.close()
+        self._mgr = self._open()
+        return moved
+
+
+def _sums_sharding():
+    """Where restored checksums go: one device, or replicated over every process's devices
+    in a multi-process run (another process's device is not addressable here)."""
+    if jax.process_count() == 1:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _reason(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg[:200]}"
+
+
+def _signature_mismatch(directory, step, saved, want) -> str:
+    diffs = []
+    saved_d = {p: (s, d) for p, s, d in saved}
+    want_d = {p: (s, d) for p, s, d in want}
+    for p in sorted(set(saved_d) | set(want_d)):
+        if saved_d.get(p) != want_d.get(p):
+            diffs.append(f"{p}: checkpoint {saved_d.get(p)} vs state {want_d.get(p)}")
+    return (
+        f"resilax: checkpoint {step} in {str(directory)!r} was written for a different state "
+        f"({len(diffs)} leaves differ, e.g. {diffs[:3]}); pass the state this run was started with, "
+        f"or use a new checkpoint_dir"
+    )
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in the chain: an OSError, or tensorstore's RESOURCE_EXHAUSTED text."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        text = str(e)
+        if "No space left on device" in text or "os_error_code='28'" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _storage_error(what, directory, e) -> StorageError:
+    if _is_disk_full(e):
+        try:
+            free = shutil.disk_usage(directory).free
+        except OSError:
+            free = 0
+        return StorageError(
+            errno.ENOSPC,
+            f"resilax checkpoints: {what} in {str(directory)!r} failed: the disk is full ({free} bytes free); "
+            f"committed checkpoints are intact",
+        )
+    return StorageError(f"resilax checkpoints: {what} in {str(directory)!r} failed: {type(e).__name__}: {e}")
 
 
 class Checkpoints(base.Protection):

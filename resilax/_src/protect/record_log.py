@@ -9,7 +9,7 @@ checksum)``, with three sinks.
   a step whose device entry died can be recomputed, whatever the layout; and each step's
   verdict and watched value (replicated device scalars; host copies after a recovery):
   every redo of a step, from any source, is gated by its recorded verdict.
-- **disk** (`replay_log.ReplayLog`, when a directory is known): grads or inputs entries
+- **disk** (`disk_log.DiskLog`, when a directory is known): grads or inputs entries
   written in the background and checksummed (sha256); a restart replays them.
 
 One replay (`ResilientStep._redo`) serves slice recovery and crash resume.
@@ -27,7 +27,7 @@ import numpy as np
 from resilax._src.protect import base
 from resilax._src.protect.planner import LogStep
 from resilax._src.protect.checksum import tree_checksums
-from resilax._src.protect.replay_log import ReplayLog, SelectivePolicy, batch_signature
+from resilax._src.protect.disk_log import DiskLog, SelectivePolicy, batch_signature
 
 
 @dataclasses.dataclass
@@ -53,7 +53,7 @@ class RecordLog(base.Protection):
         self.covered = 0  # newest step a peer copy holds
         self.ckpt_step = None  # newest checkpoint step
         self.now = 0  # steps completed
-        self.disk = ReplayLog(directory, policy=SelectivePolicy(cfg.budget_bytes), max_lag=cfg.max_lag) \
+        self.disk = DiskLog(directory, policy=SelectivePolicy(cfg.budget_bytes), max_lag=cfg.max_lag) \
             if directory else None
         self._batch_sig = None
         self._anchor = None  # (step, device checksums of (state, guard) at that step)

@@ -158,9 +158,9 @@ class Topology:
         """
         import jax
 
-        from resilax._src.runtime import launched
+        from resilax._src.runtime import worker
 
-        job = launched.initialize()  # under `resilax launch`: join the job before JAX lists devices
+        job = worker.initialize()  # under `resilax launch`: join the job before JAX lists devices
         where = f"resilax.Topology {self.name!r}"
         if devices is None and job is not None and job.num_slots and job.num_slots != job.num_processes:
             return self._slot_domains(job, list(jax.devices()), where)

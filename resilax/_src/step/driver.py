@@ -29,16 +29,16 @@ from resilax._src.protect import base as _base
 from resilax._src.protect import hoststore as _hoststore
 from resilax._src.protect import planner as _planner
 from resilax._src.protect import ring as _ring
-from resilax._src.protect.checkpoint import decode_data_state, encode_data_state
+from resilax._src.protect.checkpoints import decode_data_state, encode_data_state
 from resilax._src.protect.checkpoints import Checkpoints
 from resilax._src.protect.crosscheck import CrossCheck
 from resilax._src.protect.sdc import SdcCheck
 from resilax._src.protect.checksum import tree_checksums
 from resilax._src.protect.peers import Peers
 from resilax._src.protect.record_log import RecordLog
-from resilax._src.protect.replay_log import batch_template, scalar_value
+from resilax._src.protect.disk_log import batch_template, scalar_value
 from resilax._src.runtime.faults import FaultPlan
-from resilax._src.runtime import launched
+from resilax._src.runtime import worker
 from resilax._src.runtime.goodput import GoodputRecorder
 from resilax._src.runtime import xlaflags as _xlaflags
 from resilax._src.step import sharding as _sh
@@ -143,7 +143,7 @@ class ResilientStep:
         batch_sharding = _sh.from_logical(batch_sharding, logical_axis_rules)
         _sh.check_axes(state_sharding, topology.axis_names, "state_sharding", topology.name)
         _sh.check_axes(batch_sharding, topology.axis_names, "batch_sharding", topology.name)
-        launched.initialize()  # under `resilax launch`: join the job before anything touches JAX devices
+        worker.initialize()  # under `resilax launch`: join the job before anything touches JAX devices
         functools.update_wrapper(self, train_step, updated=())
         self.train_step = train_step
         self.topology = topology
@@ -255,7 +255,7 @@ class ResilientStep:
         # after_step order: the log records the step, peers snapshot it (and tell the log),
         # the watcher reads the previous verdict; checkpoints are saved by the driver.
         check = CrossCheck(cfg.verify) if cfg.verify is not None else None
-        job = launched.env()
+        job = worker.env()
         store = (_hoststore.HostStore(job.host_store, job.slot, job.job_processes, job.host_store_every,
                                       alive=job.slot_list)
                  if job is not None and job.host_store else None)
@@ -277,7 +277,7 @@ class ResilientStep:
             # under `resilax launch`: the hosts' copies first (newer than any checkpoint, which
             # would only be read to be thrown away); every process takes the same branch
             placed = _hoststore.resume(self, store, _sh.place_copy(state, self._state_sh), want,
-                                       lambda ok: launched.agree(ok, f"host_store/{want}"))
+                                       lambda ok: worker.agree(ok, f"host_store/{want}"))
             if self.step == want:
                 state, from_store = placed, True
         if self._ckpt is not None and not from_store:
@@ -495,8 +495,8 @@ class ResilientStep:
                             f"Start a new ResilientStep and init() it (it restores the newest checkpoint)")
         if state is not self.live:
             self.live = state  # the caller's state is the one to use (e.g. after init)
-        if launched.reform_due(self.step):  # the job, smaller than -n, grows back now
-            e = launched.env()
+        if worker.reform_due(self.step):  # the job, smaller than -n, grows back now
+            e = worker.env()
             if self._store is not None and self._store.newest() != self.step:  # the store's cadence skipped it
                 self._store.write(self.step, self.live, self.guard, self._data_pos)
             if self._ckpt is not None and self._ckpt.paused is None:
@@ -537,7 +537,7 @@ class ResilientStep:
         with the host store (the step the survivors agree on is read back from it) and no
         protection that holds device copies across processes (record log, peers, replica
         checks)."""
-        e = launched.env()
+        e = worker.env()
         return (e is not None and e.in_place_wait_s > 0 and self.config.deterministic is not None
                 and self._store is not None and self._log is None and self._peers is None and self._sdc is None
                 and bool(self._domains)
@@ -550,19 +550,19 @@ class ResilientStep:
         store, restore it onto the mesh of the live domains, redo the steps after it up to
         ``entry`` from the data iterator, and run this call's step. Without a verdict the
         error is raised: the supervisor then restarts the job (a new generation)."""
-        e = launched.env()
+        e = worker.env()
         t_err = time.perf_counter()
-        launched.set_phase("recover")  # not a step: the supervisor's step deadline does not apply
-        launched.say(f"step {entry + 1} failed ({type(err).__name__}: {str(err)[:160]}); waiting up to "
+        worker.set_phase("recover")  # not a step: the supervisor's step deadline does not apply
+        worker.say(f"step {entry + 1} failed ({type(err).__name__}: {str(err)[:160]}); waiting up to "
                      f"{e.in_place_wait_s:.0f} s for the supervisor's verdict (--in-place)")
-        m = launched.wait_membership(launched.epoch(), e.in_place_wait_s)
-        launched.say(f"verdict: {m}")
+        m = worker.wait_membership(worker.epoch(), e.in_place_wait_s)
+        worker.say(f"verdict: {m}")
         if m is None or jax.process_index() not in m["alive"]:
-            launched.say("no process was declared dead (or this one was): the error stands")
+            worker.say("no process was declared dead (or this one was): the error stands")
             self._broken_if_lost()
             raise err
         if m.get("reform"):  # the others re-form (with warm spares, or alone as a smaller job): leave
-            launched.shrunk(m)  # (threads may wait on the dead for good: see launched.exit_if_shrunk)
+            worker.shrunk(m)  # (threads may wait on the dead for good: see worker.exit_if_shrunk)
             if self._ckpt is not None:
                 self._ckpt.store.abandon()  # a save in flight waits on the dead: nothing waits for it
             self._leave_for_reform(m["reform"], f"processes {m['dead']} died: the others re-form on a new backend",
@@ -573,7 +573,7 @@ class ResilientStep:
                 try:  # a step this call completed before the error (in its save) is not redone
                     fields = self._shrink(m, entry, entry + (finished is not None), t_err)
                     break
-                except launched.MembershipChanged as changed:  # another died meanwhile: agree again without it
+                except worker.MembershipChanged as changed:  # another died meanwhile: agree again without it
                     m = changed.membership
                     if jax.process_index() not in m["alive"]:
                         raise err from changed
@@ -599,20 +599,20 @@ class ResilientStep:
 
     def _leave_for_reform(self, generation: int, why: str, cause: BaseException | None = None, **fields):
         """This step object is done: the job re-forms as ``generation`` (``why``), with every
-        step this process completed in its host store. Raises `launched.Reform` for the
-        worker command to rejoin in this process (`launched.reattach`)."""
+        step this process completed in its host store. Raises `worker.Reform` for the
+        worker command to rejoin in this process (`worker.reattach`)."""
         self._broken = "left to re-form as the next generation"
         self._reforming = True
         held = self._store.newest() if self._store is not None else None  # (a failed step's update never landed)
-        launched.say(f"leaving at step {self.step}: {why}; this process rejoins generation {generation} without "
+        worker.say(f"leaving at step {self.step}: {why}; this process rejoins generation {generation} without "
                      f"restarting (its host store holds step {held})")
         self.event("reform", self.step, generation=generation, **fields)
-        raise launched.Reform(generation, self.step) from cause
+        raise worker.Reform(generation, self.step) from cause
 
     def _shrink(self, m: dict, entry: int, upto: int, t_err: float) -> dict:
         t0 = time.perf_counter()
         alive_p = set(m["alive"])
-        launched.shrunk(m)
+        worker.shrunk(m)
         failed = [i for i in self._alive if any(d.process_index not in alive_p for d in self._domains[i])]
         for i in failed:
             self._dead |= set(self._domains[i])
@@ -621,7 +621,7 @@ class ResilientStep:
             self._broken = "every failure domain is lost"
             raise StateLostError(f"resilax: processes {m['dead']} died and no failure domain is left")
         own = self._store.newest()
-        target = launched.agree_min(min(upto, -1 if own is None else own), "in_place/step")
+        target = worker.agree_min(min(upto, -1 if own is None else own), "in_place/step")
         t_agree = time.perf_counter()
         for k in [k for k in self._ahead if not set(k) <= set(survivors)]:
             self._ahead.pop(k).cancel()
@@ -632,7 +632,7 @@ class ResilientStep:
         tree = (prog.abstract_state(), self._abstract_guard(prog.mesh))
         abstract, treedef = jax.tree.flatten(tree)
         got = None if target < 0 else self._store.restore(target, abstract, [a.sharding for a in abstract])
-        if not launched.agree(got is not None, f"in_place/restore/{target}"):
+        if not worker.agree(got is not None, f"in_place/restore/{target}"):
             self._broken = "in-place shrink: no host copy"
             raise StateLostError(
                 f"resilax: processes {m['dead']} died; going on in place needs step {target} from every live "
@@ -647,10 +647,10 @@ class ResilientStep:
         self._keep_input = False
         for p in self._protections:
             p.shrunk(self, state, sorted(alive_p))
-        launched.say(f"agreed on step {target} (own newest {own}, at most {upto}); restored it; at the barrier")
-        launched.barrier("in_place")  # nobody enters the new mesh's first collective alone
-        launched.say(f"past the barrier; mesh {dict(prog.mesh.shape)}")
-        launched.resumed(target)
+        worker.say(f"agreed on step {target} (own newest {own}, at most {upto}); restored it; at the barrier")
+        worker.barrier("in_place")  # nobody enters the new mesh's first collective alone
+        worker.say(f"past the barrier; mesh {dict(prog.mesh.shape)}")
+        worker.resumed(target)
         return {"in_place": True, "failed_domains": failed, "dead_processes": m["dead"], "epoch": m["epoch"],
                 "source": "host_store", "copy": source, "restored_step": target, "target_step": upto,
                 "steps_recomputed": max(0, entry - target), "lost_steps": max(0, entry - target),
@@ -670,8 +670,8 @@ class ResilientStep:
             self.program = self._first_program(abstract_batch)
             self._start_protections(self.live)
             self._compile_ahead()
-            launched.offer_in_place(self._in_place)
-            launched.barrier("compiled")  # no worker enters the first collective while another still compiles
+            worker.offer_in_place(self._in_place)
+            worker.barrier("compiled")  # no worker enters the first collective while another still compiles
         elif jax.tree.structure(abstract_batch) != jax.tree.structure(self.program.spec.abstract_batch) or any(
                 a.shape != b.shape or a.dtype != b.dtype for a, b in
                 zip(jax.tree.leaves(abstract_batch), jax.tree.leaves(self.program.spec.abstract_batch))):
@@ -679,7 +679,7 @@ class ResilientStep:
                 f"resilax.ResilientStep: every batch must have the first batch's structure, shapes and dtypes "
                 f"(the compiled step and the record log depend on them), but got {abstract_batch} after "
                 f"{self.program.spec.abstract_batch}")
-        launched.step_started(self.step + 1)  # the supervisor tells a hung worker from the ones waiting on it
+        worker.step_started(self.step + 1)  # the supervisor tells a hung worker from the ones waiting on it
         lv = self._liveness
         if lv is not None:
             lv.call_begin()
@@ -720,20 +720,20 @@ class ResilientStep:
         self._fire("during_peer_copy", k)  # the step in flight makes the peer copy
         self._copy_in_flight = False
         self.step_seconds(time.perf_counter() - t0)
-        launched.progress(self.step, self._step_s)  # the supervisor's step deadline (no-op outside a launch)
+        worker.progress(self.step, self._step_s)  # the supervisor's step deadline (no-op outside a launch)
         self._finished = (self.step, gout.metrics)
         self._fire("after_step")
         saved = self._ckpt is not None and self._ckpt.due(self.step)
         if saved:
             self.save(self.live)
-        if launched.preemption_point(self.step):  # SIGTERM reached some worker: every one stops after this step
+        if worker.preemption_point(self.step):  # SIGTERM reached some worker: every one stops after this step
             self._preempt(saved)
         if lv is not None:
             lv.call_end(record=not recovered and not self._failures)
         return self.live, gout.metrics
 
     def _preempt(self, saved: bool) -> None:
-        """Every worker reached the same preemption point (`launched.preemption_point`):
+        """Every worker reached the same preemption point (`worker.preemption_point`):
         checkpoint this step (all processes take part in the save) and wait until it is
         committed; the next call raises `Preempted`."""
         if self._ckpt is not None:
@@ -1402,7 +1402,7 @@ class ResilientStep:
         if self._closed:
             return
         self._closed = True
-        launched.set_phase("close")  # waiting for the last save is not a step: no step deadline
+        worker.set_phase("close")  # waiting for the last save is not a step: no step deadline
         try:
             if self._watch is not None and not self._broken:
                 self._watch.flush(self)

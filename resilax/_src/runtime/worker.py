@@ -674,7 +674,7 @@ def _reset_orbax_process_state() -> None:
             "resilax: re-forming in this process needs Orbax's per-process state reset "
             "(orbax.checkpoint._src.futures.signaling_client.get_signaling_client.cache_clear and "
             "synchronization.OperationIdGenerator._operation_id_counter, as in orbax-checkpoint 0.12.8), and this "
-            "Orbax lacks one; see resilax/_src/runtime/launched.py")
+            "Orbax lacks one; see resilax/_src/runtime/worker.py")
     sc.get_signaling_client.cache_clear()
     gen._operation_id_counter = itertools.count()
     gen._operation_id = next(gen._operation_id_counter)
