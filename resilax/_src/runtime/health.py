@@ -11,7 +11,8 @@
   few calls were measured, a call running longer than ``max(step_deadline_min_s,
   step_deadline_factor x median call time)`` starts a probe round at once, so a hang that
   stops the step is found within deadline + ``hang_detect_s``.
-- **Stragglers**: the answer times of the last ``straggler_rounds`` rounds, per domain. A
+- **Stragglers**: the answer times of the last ``straggler_rounds`` rounds, per domain, once
+  the step is in its steady state (a few calls measured after the first). A
   domain whose median is more than ``straggler_factor`` times the median of the domains'
   medians (and at least 1 ms more) is reported (event ``straggler``), and failed like a
   dead one when ``remove_stragglers``.
@@ -275,9 +276,14 @@ class Liveness:
                 self._cond.notify_all()
             elif why is not None:
                 self._events.append(("step_deadline_missed", {**why, "reason": "every domain answers: a slow step"}))
-            for d, s in ready.items():
-                self.latency[d].append(s)
-            self._find_stragglers([d for d in alive if d in ready])
+            if len(self._calls) >= _MIN_CALLS:
+                # stragglers are judged in the steady state only: while the first calls
+                # compile (and the meshes of the next failure compile in the background) a
+                # probe's answer time says how busy the host is, not how slow a domain is
+                # (a healthy domain was removed so, under load, in the fresh-clone suite)
+                for d, s in ready.items():
+                    self.latency[d].append(s)
+                self._find_stragglers([d for d in alive if d in ready])
         return {d: ready.get(d) for d in alive}
 
     def _find_stragglers(self, alive) -> None:
