@@ -2,7 +2,15 @@
 
 import os
 
-import jax
+# Test speed only: LLVM's optimisation of XLA:CPU's generated code (the backend level; XLA's
+# own HLO passes, which the HLO tests read, are untouched) is most of a compile here, and the
+# suite compiles far more than it runs. Numerics stay those of any XLA:CPU build without
+# fast-math; every comparison in the suite is between runs made under the same flags. The
+# processes tests start inherit it.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -58,7 +58,7 @@ def test_no_program_of_a_failure_free_run_waits_on_the_host(tmp_path):
     compiled ahead; an MLP with dropout and one with BatchNorm), dumped by XLA after
     optimisation, has no conditional, loop or host callback."""
     dump = tmp_path / "hlo"
-    env = dict(child_env(), XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text",
+    env = dict(child_env(), XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip(),
                JAX_ENABLE_COMPILATION_CACHE="false")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "hlo_probe.py"), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=600)
