@@ -74,7 +74,7 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore
-from resilax._src.runtime import worker, xlaflags
+from resilax._src.runtime import membership, worker, xlaflags
 from resilax._src.runtime.worker import LaunchEnv
 
 PROCESSES_JSON = "processes.json"
@@ -382,7 +382,7 @@ class Supervisor:
         (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.workers, self.departed, self.epoch = [], [], 0
-        (self.run_dir / worker.MEMBERSHIP_JSON).unlink(missing_ok=True)
+        (self.run_dir / membership.MEMBERSHIP_JSON).unlink(missing_ok=True)
         ready = self._ready_spares()
         carried = {w.slot: w for w in carry or ()}
         smaller = m < self.n
@@ -400,7 +400,7 @@ class Supervisor:
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
             if slot in carried:  # a live worker of the generation that re-formed: it re-attaches without restarting
                 w = carried[slot]  # (its assignment is named by its process id in that generation)
-                write_json(worker.reform_assignment(self.run_dir, g, w.process_id), env.to_dict())
+                write_json(membership.reform_assignment(self.run_dir, g, w.process_id), env.to_dict())
                 w._pump.relabel(prefix, log)
                 self.workers.append(_Worker(i, env, w.proc, w._pump))
                 continue
@@ -650,7 +650,7 @@ class Supervisor:
         missing = self.n - len(alive)
         # warm spares for every dead place, or --shrink reform: re-form at once
         reform = self.shrink == "reform" or len(ready) >= missing
-        write_json(self.run_dir / worker.MEMBERSHIP_JSON, {
+        write_json(self.run_dir / membership.MEMBERSHIP_JSON, {
             "generation": self.generation, "epoch": self.epoch, "alive": alive,
             "dead": sorted(x.process_id for x in self.departed), **({"reform": self.generation + 1} if reform else {})})
         died = f"process {w.process_id} (pid {w.proc.pid}) {why}"
@@ -690,11 +690,11 @@ class Supervisor:
     def _detach_live_workers(self) -> list | None:
         """The job re-forms: ``"reform"`` in the membership file tells the live workers to
         leave (after a death, from their failed step; to grow back, at a step boundary they
-        agree on, `worker.reform_due`). Waits until each has detached from the service;
+        agree on, `membership.reform_due`). Waits until each has detached from the service;
         returns them, or None if one exited, hung or did not detach in time."""
-        membership = _read_json(self.run_dir / worker.MEMBERSHIP_JSON) or {}
-        write_json(self.run_dir / worker.MEMBERSHIP_JSON, {
-            "generation": self.generation, "epoch": self.epoch, **membership, "reform": self.generation + 1})
+        current = _read_json(self.run_dir / membership.MEMBERSHIP_JSON) or {}
+        write_json(self.run_dir / membership.MEMBERSHIP_JSON, {
+            "generation": self.generation, "epoch": self.epoch, **current, "reform": self.generation + 1})
         limit = time.time() + self.collective_timeout_s + self.min_deadline
         while True:
             now = time.time()
