@@ -1,5 +1,8 @@
-"""The supervisor's child processes (`resilax launch`): starting them tied to its life, copying
-their output, reading their heartbeat files, and the handles of its workers and warm spares."""
+"""The child processes of `resilax launch`'s supervisor: spawn, output, heartbeats, kill.
+
+Starting them tied to its life, copying their output, reading their heartbeat files, and the
+handles of its workers and warm spares.
+"""
 
 from __future__ import annotations
 

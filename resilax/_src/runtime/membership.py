@@ -1,7 +1,9 @@
-"""The job's membership under `resilax launch --in-place`: the supervisor's verdict after a
-worker died (who is alive, at which epoch), the key-value votes and barriers among the live
-workers (`agree`, `agree_min`, `barrier`), and re-forming as the next generation (`Reform`,
-`reform_due`). Outside a launch (no job joined: `joined`) every vote is this process's own.
+"""The job's membership under `resilax launch --in-place`: verdicts, votes, re-forming.
+
+The supervisor's verdict after a worker died (who is alive, at which epoch), the key-value
+votes and barriers among the live workers (`agree`, `agree_min`, `barrier`), and re-forming
+as the next generation (`Reform`, `reform_due`). Outside a launch (no job joined: `joined`)
+every vote is this process's own.
 
 The worker's set-up (`worker.initialize`) tells this module the job it joined (`joined`);
 leaving a generation (`worker.reattach`) forgets it (`reset`).

@@ -1,9 +1,12 @@
-"""Going on in place under `resilax launch --in-place` when another process of the job dies,
-and leaving a step object for the job to re-form as its next generation (`membership.Reform`).
+"""Going on in place, and leaving to re-form, under `resilax launch --in-place`.
+
+Going on when another process of the job dies, and leaving a step object for the job to
+re-form as its next generation (`membership.Reform`).
 
 Functions of the step (`ResilientStep`): they read it through its public attributes and
 read-only properties and change it through its hooks (``moved``, ``resume_at``,
-``mark_broken``, ``compile_ahead``)."""
+``mark_broken``, ``compile_ahead``).
+"""
 
 from __future__ import annotations
 

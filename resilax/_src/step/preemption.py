@@ -1,6 +1,9 @@
-"""Preemption under `resilax launch`: every worker stops after the same step (the agreed
-preemption point, `worker.preemption_point`), that step is checkpointed, and the next call
-raises `Preempted`. Functions of the step (`ResilientStep`), through its public surface."""
+"""Preemption under `resilax launch`: stop every worker after one step, checkpointed.
+
+Every worker stops after the same step (the agreed preemption point,
+`worker.preemption_point`), that step is checkpointed, and the next call raises `Preempted`.
+Functions of the step (`ResilientStep`), through its public surface.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""The run's step programs, one per mesh: the first one (with the checks of the user's step),
-the degraded meshes' built on demand or ahead of need on a background thread, and `make`,
-which picks the default mode's `Program` or the bit-exact mode's `DeterministicProgram`."""
+"""The run's step programs: one per mesh, built when needed or compiled ahead.
+
+The first one (with the checks of the user's step), the degraded meshes' built on demand or
+ahead of need on a background thread, and `make`, which picks the default mode's `Program`
+or the bit-exact mode's `DeterministicProgram`.
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,13 @@
-"""Resuming a run at `ResilientStep.init`: the newest copy of the state (the hosts' copies
-under `resilax launch`, else the newest good checkpoint, else the given state placed), then
-the disk record log's entries after it replayed (crash resume).
+"""Where `ResilientStep.init` resumes: the newest copy of the state, then the disk log.
+
+The newest copy of the state (the hosts' copies under `resilax launch`, else the newest good
+checkpoint, else the given state placed), then the disk record log's entries after it
+replayed (crash resume).
 
 Functions of the step (`ResilientStep`), read through its public attributes and read-only
 properties; they set the run's public state (``step``, ``guard``, ``data_position``,
-``program``)."""
+``program``).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""Checkpointing the run from the step loop (`ResilientStep.save`): the one wait a save may
-make, the health checks before anything is persisted (hung domains, corrupted replicas),
-whether the live buffers can be persisted uncopied, and what the record log does with a
-new checkpoint (its anchor, and its entries before the previous one dropped)."""
+"""Checkpointing from the step loop: the body of `ResilientStep.save`.
+
+The one wait a save may make, the health checks before anything is persisted (hung domains,
+corrupted replicas), whether the live buffers can be persisted uncopied, and what the record
+log does with a new checkpoint (its anchor, and its entries before the previous one
+dropped).
+"""
 
 from __future__ import annotations
 
