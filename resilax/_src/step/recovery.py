@@ -1,9 +1,9 @@
 """Recovery from a lost, corrupted, hung or returning failure domain (`Recovery`).
 
 It holds the failure bookkeeping (dead devices, pending failures, the buffers held at the
-failure), the emulated domain faults, the liveness watchdog's step boundary, the plan-
-restore-redo recovery on the survivors' mesh, rejoining a domain, and the rebuilt witness
-state of the replica check.
+failure), the emulated domain faults, the liveness watchdog's step boundary, the
+plan-restore-redo recovery on the survivors' mesh, rejoining a domain, and the rebuilt
+witness state of the replica check.
 
 `Recovery` holds a reference to the step (`ResilientStep`) and reads it through its public
 attributes and read-only properties; it changes the run only through the step's public state
