@@ -238,7 +238,7 @@ class Supervisor:
                 s.out.relabel(prefix, log)
                 self.workers.append(WorkerProcess(i, env, s.proc, s.out, spare=s.index))
                 continue
-            proc = popen(self.cmd, {**env.to_env(), "PYTHONUNBUFFERED": "1"})
+            proc = self._popen({**env.to_env(), "PYTHONUNBUFFERED": "1"})
             self.workers.append(WorkerProcess(i, env, proc, Output(proc, prefix, log)))
         self._t_gen = time.time()
         self._write_processes("running")
@@ -251,6 +251,9 @@ class Supervisor:
                 f"{[w.spare for w in self.workers if w.spare is not None]}" if from_spares else "")
              + (f"; processes {sorted(carried)} re-attached without restarting" if carried else ""))
 
+    def _popen(self, env: dict):
+        return popen(self.cmd, env)  # (`processes.popen`: from the main thread only)
+
     # ------------------------------------------------------------------ warm spares
     def _start_spare(self):
         k = self._spare_count
@@ -259,7 +262,7 @@ class Supervisor:
         hb = self.run_dir / HEARTBEATS / f"spare{k}.json"
         for f in (assignment, hb):
             f.unlink(missing_ok=True)
-        proc = popen(self.cmd, {worker.SPARE_ENV: str(assignment), worker.SPARE_HEARTBEAT_ENV: str(hb),
+        proc = self._popen({worker.SPARE_ENV: str(assignment), worker.SPARE_HEARTBEAT_ENV: str(hb),
                             worker.SPARE_HEARTBEAT_S_ENV: str(self.heartbeat_s), "PYTHONUNBUFFERED": "1"})
         self.spares.append(SpareProcess(k, proc, Output(proc, f"[spare{k}] ", self.run_dir / "logs" / f"spare{k}.log"),
                                   hb, assignment))
