@@ -19,7 +19,7 @@ def _run(step, mesh):
     live = {"w": jax.device_put(jnp.arange(16.0).reshape(8, 2) + step, sh), "n": jax.device_put(jnp.int32(step), rep)}
     guard = jax.device_put(jnp.float32(step * 0.5), rep)
     ev = []
-    run = types.SimpleNamespace(step=step, live=live, guard=guard, _data_pos={"kind": "json", "value": {"i": step}},
+    run = types.SimpleNamespace(step=step, live=live, guard=guard, data_position={"kind": "json", "value": {"i": step}},
                                 data=None, events=ev)
     run.event = lambda kind, step, **f: ev.append((kind, step, f))
     return run

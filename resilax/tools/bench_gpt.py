@@ -321,7 +321,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
     import jax
 
     from resilax.tools import gpt
-    from resilax.tools.bench_protection import _host_copy_s
+    from resilax.tools.bench_protection import host_copy_s
 
     if every % block:
         raise SystemExit(f"resilax bench gpt: --block {block} must divide --every {every}")
@@ -351,7 +351,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         saves = _save_blocking(samples["default_ckpt"], every, block)
         osaves = _save_blocking(samples["orbax"], every, block)
         state_bytes = _state_bytes(states["plain"])
-        host_copy = _host_copy_s(states["plain"])
+        host_copy = host_copy_s(states["plain"])
         waits = [e.fields for e in runs["default_ckpt"].events if e.kind == "checkpoint_wait"]
         store_blocking = list(runs["default_ckpt"].checkpoints.blocking_s)
         orbax_calls = list(runs["orbax"].blocking_s)

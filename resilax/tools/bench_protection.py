@@ -125,7 +125,7 @@ def _per_device_bytes(arrays, device) -> int:
     return n
 
 
-def _host_copy_s(state, reps=7) -> float:
+def host_copy_s(state, reps=7) -> float:
     """The floor of a checkpoint's blocking time: one host copy of every shard a checkpoint
     needs (replica 0 of each), as numpy arrays."""
     import jax
@@ -297,7 +297,7 @@ def _measure_layout(args, topo, spec, template, batches, layout, variants, tmp, 
         res["retained"] = {k: v for k, v in wrapped["all"].retained().items() if k != "host_batch_steps"}
     else:
         res["protection_bytes_per_device"] = 0
-    res["host_copy_s"] = _host_copy_s(any_state)
+    res["host_copy_s"] = host_copy_s(any_state)
     ob = _orbax_blocking(any_state, os.path.join(tmp, "orbax"))
     res["orbax"] = {"first_blocking_s": ob[0], "blocking_s": statistics.median(ob[1:]), "all_s": ob}
     for v in wrapped.values():
@@ -346,7 +346,7 @@ def _recovery(args, topo, template, batches, layout, tmp, variant):
         if auto and failed_at is None:
             c = step.peer_cadence()
             if c["phase"] == "set" and step.step >= F:
-                cad = step._peers.cadence
+                cad = step.peers.cadence
                 # the anchor (the cadence's first whole copy) is set by the step after the decision
                 if cad.anchor is not None and (step.step - cad.anchor) % cad.every == cad.every - 1:
                     cadence, failed_at = dict(c), step.step

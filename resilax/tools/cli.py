@@ -13,7 +13,7 @@ def _cmd_train(args) -> int:
 
     # before any backend starts (XLA reads the flags once): bitwise on GPU needs it
     os.environ["XLA_FLAGS"] = xlaflags.with_deterministic(os.environ.get("XLA_FLAGS"))
-    from resilax._src.runtime import worker
+    from resilax._src.runtime import membership, worker
     from resilax.tools.runner import train
 
     while True:
@@ -27,7 +27,7 @@ def _cmd_train(args) -> int:
                 curve=args.curve,
             )
             break
-        except worker.Reform:  # under `resilax launch --in-place`: the job re-forms; join it in this process
+        except membership.Reform:  # under `resilax launch --in-place`: the job re-forms; join it in this process
             pass  # (outside the handler: the traceback would keep the old backend's arrays alive)
         e = worker.reattach()
         print(f"re-attached as process {e.process_id} of {e.num_processes} (generation {e.generation})", flush=True)

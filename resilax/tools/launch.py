@@ -61,24 +61,26 @@ measured on jax 0.10.2 (docs/multiprocess.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import signal
-import socket
-import subprocess
 import sys
 import shutil
-import threading
 import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore
-from resilax._src.runtime import worker, xlaflags
+from resilax._src.runtime import membership, worker
 from resilax._src.runtime.worker import LaunchEnv
+from resilax.tools import processes
+from resilax.tools.processes import (HEARTBEATS, Output, SpareProcess, WorkerProcess, exit_reason, heartbeat_file,
+                                     popen, read_json, say, stop_all)
+
+# imported from here by tests and benchmarks
+free_port, heartbeats, spare_heartbeats, _read_json = (processes.free_port, processes.heartbeats,
+                                                       processes.spare_heartbeats, read_json)
 
 PROCESSES_JSON = "processes.json"
-HEARTBEATS = "heartbeats"  # D/heartbeats/g<generation>.p<process id>.json; spares: spare<k>.json
 SPARES = "spares"  # D/spares/spare<k>.json: a spare's assignment
 _STOPPED = "another worker of its generation died"
 # --in-place, a death with no warm spare for every dead place: "reform": the survivors re-form
@@ -86,181 +88,6 @@ _STOPPED = "another worker of its generation died"
 # they go on in the same processes on the backend the failure broke (faster here, but XLA's
 # CPU runtime keeps broken communicators cached: docs/multiprocess.md)
 SHRINK_MODES = ("reform", "backend")
-
-
-def _die_with_parent():  # runs in the child between fork and exec
-    """Linux: the worker gets SIGKILL when the supervisor dies (even by SIGKILL), so no
-    worker outlives the process that owns its coordination service."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _read_json(path) -> dict | None:
-    """A heartbeat or similar record, or None when it cannot be read or parsed right now
-    (missing, or replaced while read)."""
-    try:
-        with open(path) as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):
-        return None
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL to the child's session (it has its own: grain workers and the like go too)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _exit_reason(rc: int) -> str:
-    return f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
-
-
-def heartbeat_file(run_dir, generation: int, process_id: int) -> pathlib.Path:
-    """Where worker ``process_id`` of ``generation`` writes its heartbeat."""
-    return pathlib.Path(run_dir) / HEARTBEATS / f"g{generation}.p{process_id}.json"
-
-
-def heartbeats(run_dir, generation: int) -> dict[int, dict]:
-    """``{process id: heartbeat record}`` of the workers of ``generation`` that wrote one (see
-    `worker._Heartbeat`: pid, phase, step, step_t, step_s, joined_t, first_step_t,
-    started). A file that cannot be read or parsed right now is left out."""
-    out = {}
-    for f in (pathlib.Path(run_dir) / HEARTBEATS).glob(f"g{int(generation)}.p*.json"):
-        hb = _read_json(f)
-        if hb is None:
-            continue
-        out[hb["process_id"]] = hb
-    return out
-
-
-def spare_heartbeats(run_dir) -> dict[int, dict]:
-    """``{spare index: heartbeat record}`` (pid, t, phase ``warming``/``spare``/``assigned``)
-    of the spares that wrote one; unreadable files are left out."""
-    out = {}
-    for f in (pathlib.Path(run_dir) / HEARTBEATS).glob("spare*.json"):
-        hb = _read_json(f)
-        if hb is not None:
-            out[int(f.stem[len("spare"):])] = hb
-    return out
-
-
-def _say(msg: str) -> None:
-    print(f"[resilax launch {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class _Output(threading.Thread):
-    """Copies a child's output to its log file and, prefixed, to the supervisor's stdout. The
-    prefix and the log change when a spare becomes a worker (`relabel`)."""
-
-    def __init__(self, proc: subprocess.Popen, prefix: str, log_path: pathlib.Path):
-        super().__init__(daemon=True)
-        self.proc = proc
-        self._lock = threading.Lock()
-        self._label = (prefix, log_path)
-        self.start()
-
-    def relabel(self, prefix: str, log_path: pathlib.Path):
-        open(log_path, "ab").close()  # every worker has its log, output or not
-        with self._lock:
-            self._label = (prefix, log_path)
-
-    def run(self):
-        path = self._label[1]
-        log = open(path, "ab")
-        try:
-            for line in iter(self.proc.stdout.readline, b""):
-                with self._lock:
-                    prefix, want = self._label
-                if want != path:
-                    if log is not None:
-                        log.close()
-                    log, path = open(want, "ab"), want
-                log.write(line)
-                log.flush()
-                try:
-                    sys.stdout.write(prefix + line.decode(errors="replace"))
-                    sys.stdout.flush()
-                except (OSError, ValueError):
-                    pass
-        finally:
-            if log is not None:
-                log.close()
-
-
-class _Spare:
-    """A warm process of the worker command waiting for its assignment."""
-
-    def __init__(self, index: int, proc: subprocess.Popen, out: _Output, heartbeat_file: pathlib.Path,
-                 assignment: pathlib.Path):
-        self.index = index
-        self.proc = proc
-        self.out = out
-        self.heartbeat_file = heartbeat_file
-        self.assignment = assignment
-        self.started = time.time()
-
-    def heartbeat(self) -> dict | None:
-        hb = _read_json(self.heartbeat_file)
-        return hb if hb is not None and hb.get("pid") == self.proc.pid else None
-
-    def ready(self, max_age_s: float) -> bool:
-        """Alive, imported and waiting, with a fresh heartbeat (a SIGSTOPped spare is not)."""
-        hb = self.heartbeat() or {}
-        return self.proc.poll() is None and hb.get("phase") == "spare" and time.time() - hb["t"] <= max_age_s
-
-    def kill(self):
-        _kill_group(self.proc)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-class _Worker:
-    def __init__(self, pid_: int, env: LaunchEnv, proc: subprocess.Popen, out: _Output, spare: int | None = None):
-        self.process_id = pid_
-        self.slot = env.slot  # the job's process index (== process_id unless the generation is smaller)
-        self.env = env
-        self.proc = proc
-        self._pump = out
-        self.spare = spare  # the spare index it was, or None (started fresh)
-        self.started = time.time()
-        self.rc: int | None = None
-        self.killed_for: str | None = None
-
-    def heartbeat(self) -> dict | None:
-        hb = _read_json(self.env.heartbeat_file)
-        return hb if hb is not None and hb.get("pid") == self.proc.pid and hb.get("generation") == self.env.generation \
-            else None
-
-    def kill(self, why: str | None = None):
-        if self.proc.poll() is None and why and self.killed_for is None:
-            self.killed_for = why
-        _kill_group(self.proc)
-
-    def reap(self, why: str) -> str:
-        """Kills it if it still runs (hung), waits for it; returns why it counts as dead."""
-        if self.proc.poll() is None:
-            self.kill(why)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        self.rc = self.proc.returncode
-        return self.killed_for or why
 
 
 class Supervisor:
@@ -322,7 +149,7 @@ class Supervisor:
         self.store_root: pathlib.Path | None = None
         self.store_step: int | None = None
         self.generation = -1
-        self.workers: list[_Worker] = []
+        self.workers: list[WorkerProcess] = []
         self.history: list[dict] = []
         self._term: int | None = None
         self._dead_process: int | None = None
@@ -345,9 +172,9 @@ class Supervisor:
         self._restarts = 0
         self._best_step = -1  # the newest step any worker had completed at the last failure
         self._reform_now: str | None = None  # why the job re-forms now (`_shrink_in_place`)
-        self.departed: list[_Worker] = []  # workers of this generation that died while the others went on
+        self.departed: list[WorkerProcess] = []  # workers of this generation that died while the others went on
         self.num_spares = spares
-        self.spares: list[_Spare] = []
+        self.spares: list[SpareProcess] = []
         self._spare_count = 0  # spare indices are never reused within a job
         self._spare_backoff_until = 0.0
         self._spare_failures = 0
@@ -382,7 +209,7 @@ class Supervisor:
         (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.workers, self.departed, self.epoch = [], [], 0
-        (self.run_dir / worker.MEMBERSHIP_JSON).unlink(missing_ok=True)
+        (self.run_dir / membership.MEMBERSHIP_JSON).unlink(missing_ok=True)
         ready = self._ready_spares()
         carried = {w.slot: w for w in carry or ()}
         smaller = m < self.n
@@ -400,23 +227,23 @@ class Supervisor:
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
             if slot in carried:  # a live worker of the generation that re-formed: it re-attaches without restarting
                 w = carried[slot]  # (its assignment is named by its process id in that generation)
-                write_json(worker.reform_assignment(self.run_dir, g, w.process_id), env.to_dict())
-                w._pump.relabel(prefix, log)
-                self.workers.append(_Worker(i, env, w.proc, w._pump))
+                write_json(membership.reform_assignment(self.run_dir, g, w.process_id), env.to_dict())
+                w.out.relabel(prefix, log)
+                self.workers.append(WorkerProcess(i, env, w.proc, w.out))
                 continue
             if ready:  # a warm spare: tell it its place (it then joins like a fresh worker)
                 s = ready.pop(0)
                 self.spares.remove(s)
                 write_json(s.assignment, env.to_dict())
                 s.out.relabel(prefix, log)
-                self.workers.append(_Worker(i, env, s.proc, s.out, spare=s.index))
+                self.workers.append(WorkerProcess(i, env, s.proc, s.out, spare=s.index))
                 continue
             proc = self._popen({**env.to_env(), "PYTHONUNBUFFERED": "1"})
-            self.workers.append(_Worker(i, env, proc, _Output(proc, prefix, log)))
+            self.workers.append(WorkerProcess(i, env, proc, Output(proc, prefix, log)))
         self._t_gen = time.time()
         self._write_processes("running")
         from_spares = [w.process_id for w in self.workers if w.spare is not None]
-        _say(f"generation {g}: {m} workers x {self.k} devices"
+        say(f"generation {g}: {m} workers x {self.k} devices"
              + (f" (processes {self.slots} of the job's {self.n}: no replacement for the others yet)" if smaller else "")
              + f", coordinator 127.0.0.1:{port}, pids "
              f"{[w.proc.pid for w in self.workers]}"
@@ -424,15 +251,8 @@ class Supervisor:
                 f"{[w.spare for w in self.workers if w.spare is not None]}" if from_spares else "")
              + (f"; processes {sorted(carried)} re-attached without restarting" if carried else ""))
 
-    def _popen(self, env: dict) -> subprocess.Popen:
-        # From the main thread only: PR_SET_PDEATHSIG fires when the *thread* that forked the
-        # child exits, so a child started from a short-lived thread would die with it.
-        env = {**os.environ, **env}
-        # bitwise on GPU needs deterministic XLA (runtime/xlaflags.py); the user's flags are kept
-        env["XLA_FLAGS"] = xlaflags.with_deterministic(env.get("XLA_FLAGS"))
-        return subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    def _popen(self, env: dict):
+        return popen(self.cmd, env)  # (`processes.popen`: from the main thread only)
 
     # ------------------------------------------------------------------ warm spares
     def _start_spare(self):
@@ -444,7 +264,7 @@ class Supervisor:
             f.unlink(missing_ok=True)
         proc = self._popen({worker.SPARE_ENV: str(assignment), worker.SPARE_HEARTBEAT_ENV: str(hb),
                             worker.SPARE_HEARTBEAT_S_ENV: str(self.heartbeat_s), "PYTHONUNBUFFERED": "1"})
-        self.spares.append(_Spare(k, proc, _Output(proc, f"[spare{k}] ", self.run_dir / "logs" / f"spare{k}.log"),
+        self.spares.append(SpareProcess(k, proc, Output(proc, f"[spare{k}] ", self.run_dir / "logs" / f"spare{k}.log"),
                                   hb, assignment))
         return proc.pid
 
@@ -467,7 +287,7 @@ class Supervisor:
             why = None
             phase = (hb or {}).get("phase")
             if rc is not None:
-                why = _exit_reason(rc)
+                why = exit_reason(rc)
             elif phase != "spare" and now - s.started > self.startup_timeout_s:  # importing may hold the GIL
                 why = f"not ready within --startup-timeout {self.startup_timeout_s:g} s (phase {phase})"
             elif phase == "spare" and now - hb["t"] > self.heartbeat_timeout_s:
@@ -481,12 +301,12 @@ class Supervisor:
             if phase != "spare":  # never got ready: back off before the next one
                 self._spare_failures += 1
                 self._spare_backoff_until = now + min(60.0, 2.0 ** self._spare_failures)
-            _say(f"spare {s.index} (pid {s.proc.pid}) {why}; replacing it"
+            say(f"spare {s.index} (pid {s.proc.pid}) {why}; replacing it"
                  + (f" in {self._spare_backoff_until - now:.0f} s" if self._spare_backoff_until > now else ""))
         if self._term is None and len(self.spares) < self.num_spares and now >= self._spare_backoff_until \
                 and self._settled(now):
             pids = [self._start_spare() for _ in range(self.num_spares - len(self.spares))]
-            _say(f"started {len(pids)} warm spare(s): pids {pids}")
+            say(f"started {len(pids)} warm spare(s): pids {pids}")
             changed = True
         for s in self.spares:
             if self._spare_failures and s.ready(self.heartbeat_timeout_s):
@@ -499,39 +319,29 @@ class Supervisor:
         return [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
 
     def _kill_spares(self):
-        for s in self.spares:
-            s.kill()
-        for s in self.spares:
-            s.out.join(timeout=2)
+        stop_all(self.spares)
         self.spares = []
 
     def _join_departed(self):
         """Lets the output threads of the workers that died in this generation finish."""
         for w in self.departed:
-            w._pump.join(timeout=2)
+            w.out.join(timeout=2)
 
     def _stop_generation(self, why: str):
         self._join_departed()
-        for w in self.workers:
-            w.kill(why)
-        for w in self.workers:
-            try:
-                w.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            w._pump.join(timeout=2)
+        stop_all(self.workers, why)
         if self._service is not None:
             self._service.shutdown()
             self._service = None
 
-    def _check(self, w: _Worker, now: float) -> str | None:
+    def _check(self, w: WorkerProcess, now: float) -> str | None:
         """Why ``w`` counts as dead now, or None."""
         rc = w.proc.poll()
         if rc is not None:
             w.rc = rc
             if rc == 0:
                 return None
-            return _exit_reason(rc)
+            return exit_reason(rc)
         hb = w.heartbeat()
         if hb is None:
             if now - w.started > self.startup_timeout_s:
@@ -548,7 +358,7 @@ class Supervisor:
                         f"{deadline:.1f} s: max(--min-step-deadline, {self.factor:g} x {hb['step_s'] * 1e3:.1f} ms))")
         return None
 
-    def _culprit(self, w: "_Worker", why: str) -> tuple["_Worker", str]:
+    def _culprit(self, w: "WorkerProcess", why: str) -> tuple["WorkerProcess", str]:
         """Past the step deadline every worker waiting in a collective looks hung; the one
         that never started the step the others are in is the cause (ties: ``w``)."""
         started = {x.process_id: (x.heartbeat() or {}).get("started") for x in self.workers}
@@ -571,7 +381,7 @@ class Supervisor:
                 return "reform", 0, why
             if self._term is not None and forwarded is None:
                 forwarded = now
-                _say(f"{signal.Signals(self._term).name}: forwarding SIGTERM to the workers (they save at the next "
+                say(f"{signal.Signals(self._term).name}: forwarding SIGTERM to the workers (they save at the next "
                      f"preemption sync point and exit)")
                 for w in self.workers:
                     if w.proc.poll() is None:
@@ -605,7 +415,7 @@ class Supervisor:
                 return "failed", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
             time.sleep(0.05)
 
-    def _in_place_refused(self, w: _Worker) -> str | None:
+    def _in_place_refused(self, w: WorkerProcess) -> str | None:
         """Why the workers other than ``w`` cannot go on in place (None: they can)."""
         if not self.in_place:
             return "--in-place is off"
@@ -630,7 +440,7 @@ class Supervisor:
                 return f"process {x.process_id} has not completed a step of this generation"
         return None
 
-    def _shrink_in_place(self, w: _Worker, why: str, now: float) -> bool:
+    def _shrink_in_place(self, w: WorkerProcess, why: str, now: float) -> bool:
         """Path A: ``w`` is dead (or killed here as hung); the others go on in place when they
         can, or re-form at once when warm spares are ready for every dead place (`_watch`
         then returns "reform"). Returns False when they cannot (the caller starts a new
@@ -638,7 +448,7 @@ class Supervisor:
         refused = self._in_place_refused(w)
         if refused is not None:
             if self.in_place:
-                _say(f"process {w.process_id} {why}; not going on in place: {refused}")
+                say(f"process {w.process_id} {why}; not going on in place: {refused}")
             return False
         why = w.reap(why)
         self._lose_host_store(w.slot)
@@ -650,7 +460,7 @@ class Supervisor:
         missing = self.n - len(alive)
         # warm spares for every dead place, or --shrink reform: re-form at once
         reform = self.shrink == "reform" or len(ready) >= missing
-        write_json(self.run_dir / worker.MEMBERSHIP_JSON, {
+        write_json(self.run_dir / membership.MEMBERSHIP_JSON, {
             "generation": self.generation, "epoch": self.epoch, "alive": alive,
             "dead": sorted(x.process_id for x in self.departed), **({"reform": self.generation + 1} if reform else {})})
         died = f"process {w.process_id} (pid {w.proc.pid}) {why}"
@@ -660,12 +470,12 @@ class Supervisor:
                    f"as {len(alive) + len(ready)} of the job's {self.n} processes ({len(ready)} warm spare(s) ready; "
                    f"it grows back when more are)")
             self._reform_now = f"{died}; re-forming {how}"
-            _say(f"generation {self.generation}: {died}; processes {alive} re-form {how} as generation "
+            say(f"generation {self.generation}: {died}; processes {alive} re-form {how} as generation "
                  f"{self.generation + 1} without restarting")
             return True
         self.history.append({"generation": self.generation, "outcome": "shrunk", "epoch": self.epoch,
                              "why": died, "alive": alive, "started": self._t_gen, "ended": now})
-        _say(f"generation {self.generation}: {died}; processes {alive} go on in place (epoch {self.epoch})")
+        say(f"generation {self.generation}: {died}; processes {alive} go on in place (epoch {self.epoch})")
         return True
 
     def _grow_ready(self) -> str | None:
@@ -690,11 +500,11 @@ class Supervisor:
     def _detach_live_workers(self) -> list | None:
         """The job re-forms: ``"reform"`` in the membership file tells the live workers to
         leave (after a death, from their failed step; to grow back, at a step boundary they
-        agree on, `worker.reform_due`). Waits until each has detached from the service;
+        agree on, `membership.reform_due`). Waits until each has detached from the service;
         returns them, or None if one exited, hung or did not detach in time."""
-        membership = _read_json(self.run_dir / worker.MEMBERSHIP_JSON) or {}
-        write_json(self.run_dir / worker.MEMBERSHIP_JSON, {
-            "generation": self.generation, "epoch": self.epoch, **membership, "reform": self.generation + 1})
+        current = read_json(self.run_dir / membership.MEMBERSHIP_JSON) or {}
+        write_json(self.run_dir / membership.MEMBERSHIP_JSON, {
+            "generation": self.generation, "epoch": self.epoch, **current, "reform": self.generation + 1})
         limit = time.time() + self.collective_timeout_s + self.min_deadline
         while True:
             now = time.time()
@@ -702,14 +512,14 @@ class Supervisor:
             for w in self.workers:
                 hb = w.heartbeat() or {}
                 if w.proc.poll() is not None or now - hb.get("t", 0) > self.heartbeat_timeout_s:
-                    how = _exit_reason(w.proc.returncode) if w.proc.poll() is not None else "stale heartbeat"
-                    _say(f"process {w.process_id} did not re-form ({how})")
+                    how = exit_reason(w.proc.returncode) if w.proc.poll() is not None else "stale heartbeat"
+                    say(f"process {w.process_id} did not re-form ({how})")
                     return None
                 states.append(hb.get("phase"))
             if all(p == "detached" for p in states):
                 return list(self.workers)
             if now > limit:
-                _say(f"the workers did not all detach within {self.collective_timeout_s + self.min_deadline:g} s "
+                say(f"the workers did not all detach within {self.collective_timeout_s + self.min_deadline:g} s "
                      f"(phases {states})")
                 return None
             time.sleep(0.05)
@@ -738,7 +548,7 @@ class Supervisor:
                                      "processes": list(self.slots), "started": t_gen, "ended": t_end})
                 if outcome in ("regrow", "reform"):
                     if outcome == "regrow":
-                        _say(f"generation {self.generation}: {why}; the live workers leave at the next step boundary")
+                        say(f"generation {self.generation}: {why}; the live workers leave at the next step boundary")
                     carry = self._detach_live_workers()
                     if carry is not None:
                         self._join_departed()
@@ -760,10 +570,10 @@ class Supervisor:
                     self._kill_spares()
                     self._stop_generation("generation ended")
                     self._write_processes("done" if outcome == "done" else "preempted")
-                    _say(f"generation {self.generation}: all {len(self.workers)} workers exited 0"
+                    say(f"generation {self.generation}: all {len(self.workers)} workers exited 0"
                          + (" after SIGTERM (preempted; relaunch to resume)" if outcome == "term" else ""))
                     return 0
-                _say(f"generation {self.generation} failed: {why}; stopping the other workers")
+                say(f"generation {self.generation} failed: {why}; stopping the other workers")
                 reached = max([(w.heartbeat() or {}).get("step") or -1 for w in self.workers + self.departed] + [-1])
                 self._stop_generation(_STOPPED)
                 # a worker killed by a signal it did not get from this supervisor (two killed
@@ -774,7 +584,7 @@ class Supervisor:
                         self._lose_host_store(w.slot)
                 if self.store_root is not None:
                     self.store_step = hoststore.restorable_step(self.store_root, self.n)
-                    _say(f"host stores hold every process's shards up to step {self.store_step}"
+                    say(f"host stores hold every process's shards up to step {self.store_step}"
                          if self.store_step is not None else "host stores hold no complete step")
                 if self._term is not None:
                     self._kill_spares()
@@ -786,7 +596,7 @@ class Supervisor:
                 if self._restarts > self.max_restarts:
                     self._kill_spares()
                     self._write_processes("failed")
-                    _say(f"giving up: {self.max_restarts} restarts in a row without getting past step "
+                    say(f"giving up: {self.max_restarts} restarts in a row without getting past step "
                          f"{self._best_step} (--max-restarts {self.max_restarts}); exit {rc}")
                     return rc
                 self._write_processes("restarting")
@@ -817,7 +627,7 @@ class Supervisor:
             return
         shutil.rmtree(self.store_root / f"host{process_id}", ignore_errors=True)
         (self.store_root / f"host{process_id}").mkdir(parents=True, exist_ok=True)
-        _say(f"host {process_id}'s state store deleted with its worker")
+        say(f"host {process_id}'s state store deleted with its worker")
 
     def _on_signal(self, signum, frame):
         self._term = signum

@@ -10,7 +10,7 @@ from resilax._src.runtime.goodput import BUCKETS, ML_GOODPUT_NAMES, GoodputFileE
 
 __all__ = ["report", "format_report", "plot_timeline", "plot_sweep", "register_cli"]
 
-_COLORS = {
+COLORS = {
     "productive": "#2ca02c", "protection": "#98df8a", "checkpoint_save": "#1f77b4",
     "checkpoint_restore": "#aec7e8", "detection": "#d62728", "recovery": "#ff7f0e",
     "replay": "#ffbb78", "compile": "#9467bd", "lost": "#8c564b", "idle": "#c7c7c7",
@@ -60,7 +60,7 @@ def plot_timeline(rec, path: str) -> str:
     for s in segs:
         by_bucket.setdefault(s["bucket"], []).append((s["start"], s["end"] - s["start"]))
     for b, bars in by_bucket.items():
-        ax1.broken_barh(bars, (rows[b] - 0.4, 0.8), facecolors=_COLORS[b])
+        ax1.broken_barh(bars, (rows[b] - 0.4, 0.8), facecolors=COLORS[b])
     ax1.set_yticks(range(len(BUCKETS)))
     ax1.set_yticklabels(BUCKETS, fontsize=7)
     ax1.invert_yaxis()
@@ -69,10 +69,10 @@ def plot_timeline(rec, path: str) -> str:
         ax1.annotate(str(e.get("kind", "")), (e["t"], -0.6), fontsize=7, rotation=30,
                      ha="left", va="bottom", annotation_clip=False)
     ax1.set_title("goodput timeline", pad=18)
-    ax1.legend(handles=[Patch(color=_COLORS[b], label=b) for b in BUCKETS if b in by_bucket],
+    ax1.legend(handles=[Patch(color=COLORS[b], label=b) for b in BUCKETS if b in by_bucket],
                fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ts, gp = _cumulative_goodput(segs, wall)
-    ax2.plot(ts, 100 * gp, color=_COLORS["productive"])
+    ax2.plot(ts, 100 * gp, color=COLORS["productive"])
     for e in events:
         ax2.axvline(e["t"], color="k", lw=0.8, ls="--", alpha=0.6)
     ax2.set_ylim(0, 100)
@@ -117,7 +117,7 @@ def plot_demo(curve: dict, ref_curve: dict, events: list[dict], rec, path: str) 
     ax2.set_yscale("log")
     ax2.grid(alpha=0.3)
     ts, gp = _cumulative_goodput(rec.segments(), rec.wall())
-    ax3.plot(ts, 100 * gp, color=_COLORS["productive"])
+    ax3.plot(ts, 100 * gp, color=COLORS["productive"])
     ax3.set_ylim(0, 100)
     ax3.set_ylabel("cumulative goodput (%)")
     ax3.set_xlabel("wall time (s)")

@@ -236,7 +236,7 @@ def train(
         "checkpoint_blocking_s": sum(step.checkpoints.blocking_s) if step.checkpoints else 0.0,
         "events": [e.to_json() for e in step.events],
         # steps whose update was not applied (NaN/Inf or spike), recorded across restarts
-        "skipped_steps": sorted(step._watch.skipped) if step._watch is not None else [],
+        "skipped_steps": sorted(step.watch.skipped) if step.watch is not None else [],
         "faults_settled": [f.spec() for f in step.faults.settled],
     }
     if curve:

@@ -180,7 +180,7 @@ class _Ledger:
         self.s[dst] += sec
 
 
-def _restart_phases(cm: CostModel, restore_s: float, detect: bool = True) -> list:
+def restart_phases(cm: CostModel, restore_s: float, detect: bool = True) -> list:
     ph = [("detection", cm.detection_s)] if detect else []
     return ph + [("recovery", cm.restart_s), ("checkpoint_restore", restore_s),
                  ("compile", cm.compile_s)]
@@ -241,11 +241,11 @@ def _cyclic(trace: FailureTrace, horizon: float, cm: CostModel, tau: float, delt
                 None if corrupt is None else corrupt - ready)
         if kind == "planned":
             led.planned += 1
-            phases = [("checkpoint_save", delta + persist)] + _restart_phases(
+            phases = [("checkpoint_save", delta + persist)] + restart_phases(
                 cm, restore_s, detect=False)
         else:
             led.failures += 1
-            phases = _restart_phases(cm, restore_s)
+            phases = restart_phases(cm, restore_s)
         rec_start = t
         ready = t + sum(s for _, s in phases)
     if horizon < ready:
@@ -319,7 +319,7 @@ def _resilax(trace: FailureTrace, horizon: float, cm: CostModel,
         down.clear()
         rejoins.clear()
         last_fail.clear()
-        pause(t, _restart_phases(cm, cm.restore_persistent_s))
+        pause(t, restart_phases(cm, cm.restore_persistent_s))
         run_since_restart = 0.0
 
     events = [(float(t), k, int(d)) for t, k, d in zip(trace.times, trace.kinds, trace.domains)]

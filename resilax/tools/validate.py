@@ -302,10 +302,10 @@ def _model_failure_times(job: dict, cm: CostModel) -> list[float]:
     way what is validated is the accounting of launch, restarts, restores, compiles, saves,
     the persist window and lost work, against the measured wall time.
     """
-    from resilax.tools.simulate import _restart_phases
+    from resilax.tools.simulate import restart_phases
 
     every = job["checkpoint_every"]
-    restart = sum(sec for _, sec in _restart_phases(cm, cm.restore_persistent_s))
+    restart = sum(sec for _, sec in restart_phases(cm, cm.restore_persistent_s))
     ready, times = cm.launch_s, []
     for p in job["processes"]:
         if not p["killed"]:
@@ -532,7 +532,7 @@ def plot_validation(r: dict, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from resilax.tools.report import _COLORS
+    from resilax.tools.report import COLORS
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 2.4]})
     vals = [100 * r["measured_goodput"], 100 * r["simulated_goodput"]]
@@ -543,7 +543,7 @@ def plot_validation(r: dict, path: str) -> str:
     ax1.set_ylim(0, 100)
     ax1.set_title(f"relative error {r['relative_error']:.1%}")
     names = list(BUCKETS) + ["outside"]
-    colors = dict(_COLORS, outside="#e0e0e0")
+    colors = dict(COLORS, outside="#e0e0e0")
     for row, key in enumerate(("simulated", "measured")):
         left = 0.0
         for b in names:

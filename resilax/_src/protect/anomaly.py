@@ -230,7 +230,7 @@ class Watch(Protection):
         # the host: its probes and step deadlines assume the previous step is done when the
         # next is dispatched (with the host running ahead, probes queued behind a running step
         # made a healthy domain look like a straggler in the fresh-clone suite).
-        stop = self.cfg.on_anomaly == "stop" or getattr(run, "_liveness", None) is not None
+        stop = self.cfg.on_anomaly == "stop" or getattr(run, "liveness", None) is not None
         while self._queue:
             step, ok, value = self._queue[0]
             late = len(self._queue) > (1 if stop else self.MAX_LAG)

@@ -597,8 +597,8 @@ class Checkpoints(base.Protection):
         input (the step after a save runs one: the persister reads that state, uncopied)."""
         prog = run.program
         variants = {None}
-        if run._peers is not None and prog.protects:
-            variants.update(run._peers.variants())
+        if run.peers is not None and prog.protects:
+            variants.update(run.peers.variants())
 
         def keep_variants():
             for v in variants:
@@ -630,8 +630,8 @@ class Checkpoints(base.Protection):
         meta = {"seed": run.config.seed, "topology": run.topology.name}
         if run.data is not None:
             meta["data_state"] = encode_data_state(run.data.get_state())
-        if run._watch is not None:  # the steps skipped so far (reads the newest verdict: the snapshot waits for it anyway)
-            meta["verdicts"] = run._watch.record(run)
+        if run.watch is not None:  # the steps skipped so far (reads the newest verdict: the snapshot waits for it anyway)
+            meta["verdicts"] = run.watch.record(run)
         return self.store.save(run.step, self.tree(state, run.guard), meta, after_dispatch=after_dispatch, copy=copy)
 
     def candidates(self, run):

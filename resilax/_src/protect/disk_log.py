@@ -281,7 +281,7 @@ class DiskLog:
         # joining and writing it (tensorstore writes on its own threads)
         self.grads_cost_s: float | None = None
         self.grads_cost_total_s = 0.0
-        for step, kind in self._files():
+        for step, kind in self.files():
             if kind == "grads":
                 self._grads_sizes[step] = (self.directory / entry_name(step, kind)).stat().st_size
 
@@ -434,7 +434,8 @@ class DiskLog:
                 self._thread = None
 
     # ---------------------------------------------------------- reading
-    def _files(self) -> list[tuple[int, str]]:
+    def files(self) -> list[tuple[int, str]]:
+        """``(step, kind)`` of every entry file in the directory."""
         out = []
         for name in os.listdir(self.directory):
             p = parse_name(name)
@@ -444,7 +445,7 @@ class DiskLog:
 
     def steps(self, kind: str | None = None) -> list[int]:
         """Steps with an entry file of ``kind`` (any kind when None), oldest first."""
-        return sorted({s for s, k in self._files() if kind is None or k == kind})
+        return sorted({s for s, k in self.files() if kind is None or k == kind})
 
     def read(self, step: int, kind: str) -> LogEntry:
         """Reads and verifies entry ``step``. Raises ReplayLogError naming the step."""
@@ -469,7 +470,7 @@ class DiskLog:
 
     def nbytes(self, kind: str | None = None) -> int:
         return sum((self.directory / entry_name(s, k)).stat().st_size
-                   for s, k in self._files() if kind is None or k == kind)
+                   for s, k in self.files() if kind is None or k == kind)
 
     # ---------------------------------------------------------- truncation
     def truncate_before(self, step: int) -> int:
@@ -477,7 +478,7 @@ class DiskLog:
         makes them unnecessary). Returns how many files were removed."""
         n = 0
         with self._lock:
-            for s, k in self._files():
+            for s, k in self.files():
                 if s < step:
                     (self.directory / entry_name(s, k)).unlink(missing_ok=True)
                     self._grads_sizes.pop(s, None)
@@ -489,8 +490,8 @@ class DiskLog:
         rollback or a resume they describe steps that will be run again."""
         self.wait()
         with self._lock:
-            paths = [self.directory / entry_name(s, k) for s, k in self._files() if s >= step]
-            for s, _ in self._files():
+            paths = [self.directory / entry_name(s, k) for s, k in self.files() if s >= step]
+            for s, _ in self.files():
                 if s >= step:
                     self._grads_sizes.pop(s, None)
         return self._quarantine(paths, reason)

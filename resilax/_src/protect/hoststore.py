@@ -168,21 +168,21 @@ class HostStore(base.Protection):
         """Processes outside ``alive`` are gone (an in-place shrink): mirror to the next live
         host from now on, and store the restored step at once."""
         self.alive = sorted(alive)
-        self.write(run.step, state, run.guard, run._data_pos)
+        self.write(run.step, state, run.guard, run.data_position)
 
     def after_step(self, run, rec) -> None:
         if run.step % self.every:
             return
-        self.write(run.step, run.live, run.guard, run._data_pos)
+        self.write(run.step, run.live, run.guard, run.data_position)
 
     def start(self, run, state) -> None:
         """Re-protects a restored state at once (own host and the neighbour's mirror): until
         this generation's first stored step, a second death would otherwise find the dead
         hosts' copies gone and fall back to the checkpoint."""
-        watch = getattr(run, "_watch", None)
+        watch = getattr(run, "watch", None)
         self._record = (lambda: watch.record(run)) if watch is not None else None
         if run.step > 0 and run.step not in committed_steps(self._targets()[0]):
-            self.write(run.step, state, run.guard, run._data_pos)
+            self.write(run.step, state, run.guard, run.data_position)
 
     def write(self, step: int, state, guard, data_pos) -> None:
         t0 = time.perf_counter()
@@ -243,11 +243,12 @@ def resume(run, store: HostStore, state, step: int | None, agree):
 
     if run.data is not None and meta.get("data_state") is not None:
         run.data.set_state(decode_data_state(meta["data_state"]))
-    run._data_pos = meta.get("data_state")
-    if getattr(run, "_watch", None) is not None:
-        run._watch.restored(meta.get("verdicts"))
+    run.data_position = meta.get("data_state")
+    watch = getattr(run, "watch", None)
+    if watch is not None:
+        watch.restored(meta.get("verdicts"))
     from_step, run.step, run.guard = run.step, step, guard
-    store.write(step, state, guard, run._data_pos)  # re-protected before anything else can fail
+    store.write(step, state, guard, run.data_position)  # re-protected before anything else can fail
     run.event("restore", step, source="host_store", copy=source, from_step=from_step,
               seconds=time.perf_counter() - t0)
     return state

@@ -144,7 +144,7 @@ class RecordLog(base.Protection):
             return True
         # the last step's own time: a smoothed one still held the first step's compile many
         # steps later, and at 1% of a compile-inflated step every entry seemed paid for
-        step_s = run._steady_dt or 0.0
+        step_s = run.steady_step_s or 0.0
         self._step_time += step_s
         cost = self.disk.grads_cost_s
         take = False

@@ -69,7 +69,7 @@ def replay(
     """
     t0 = time.perf_counter()
     step, modes, failed, data_next = start, [], [], None
-    files = set(log._files())
+    files = set(log.files())
     have = {s for s, _ in files}
     limit = stop if stop is not None else (max(have) + 1 if have else start)
     first = True

@@ -87,7 +87,7 @@ class SdcCheck(Protection):
         step, each step and check timed), ``set``."""
         if not self.auto or self.phase in ("set", "fixed", "calibrate"):
             return
-        if run._ckpt is None or run._log is None:
+        if run.checkpointer is None or run.record_log is None:
             self.phase, self.every = "fixed", 1
             self.why = ("no checkpoint and record log to rebuild a late find from: the replicas are checked "
                         "before every step")
@@ -98,7 +98,7 @@ class SdcCheck(Protection):
         """Whether a checkpoint is committed (a late find is rebuilt from one): until then
         the auto cadence checks every step."""
         if not self._ckpt_seen:
-            self._ckpt_seen = bool(run._ckpt.store.steps())
+            self._ckpt_seen = bool(run.checkpoints.steps())
         return self._ckpt_seen
 
     def due(self, step: int) -> bool:

@@ -57,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilax._src.errors import WrapError
 from resilax._src.step import sharding as _sh
-from resilax._src.step.program import GradOut, Program, combine, combine_metrics, gate, _watched
+from resilax._src.step.program import GradOut, Program, combine, combine_metrics, gate, watched_metric
 
 
 def strip_axis(specs, axis: str):
@@ -167,7 +167,7 @@ class DeterministicProgram(Program):
             if "nan" in faults:
                 rec = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else x, rec)
             if "spike" in faults and isinstance(metrics, dict):
-                metrics = {k: (v * 1000.0 if k == _watched(spec) else v) for k, v in metrics.items()}
+                metrics = {k: (v * 1000.0 if k == watched_metric(spec) else v) for k, v in metrics.items()}
             if spec.anomaly_check is not None:
                 ok, loss, guard = spec.anomaly_check(guard, rec, metrics)
             else:

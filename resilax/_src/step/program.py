@@ -139,15 +139,6 @@ class ProgramSpec:
     cache: dict = dataclasses.field(default_factory=dict)  # the bit-exact mode's per-domain executables
 
 
-def make(spec: ProgramSpec, mesh, *, full_mesh: bool) -> "Program":
-    """The program of ``mesh``: the default mode's, or the bit-exact mode's
-    (`resilax._src.step.deterministic`) when ``spec.replicas`` is set."""
-    if spec.replicas is not None:
-        from resilax._src.step.deterministic import DeterministicProgram
-        return DeterministicProgram(spec, mesh, full_mesh=full_mesh)
-    return Program(spec, mesh, full_mesh=full_mesh)
-
-
 class Program:
     """The executables of one mesh (see the module docstring). Variants are compiled on
     first use: ``grad(log_ring)``, ``update(copy)`` with copy in (None, "ring", "ring+local")."""
@@ -254,7 +245,7 @@ class Program:
             if "nan" in faults:  # chaos: NaN where real ones appear
                 rec = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else x, rec)
             if "spike" in faults and isinstance(metrics, dict):
-                metrics = {k: (v * 1000.0 if k == _watched(spec) else v) for k, v in metrics.items()}
+                metrics = {k: (v * 1000.0 if k == watched_metric(spec) else v) for k, v in metrics.items()}
             rec = jax.lax.with_sharding_constraint(rec, rec_sh)
             if spec.anomaly_check is not None:
                 ok, loss, guard = spec.anomaly_check(guard, rec, metrics, rec_sh)
@@ -396,7 +387,7 @@ def gate(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(take, n, o), new, old)
 
 
-def _watched(spec) -> str:
+def watched_metric(spec) -> str:
     return getattr(spec, "watched_metric", "loss")
 
 

@@ -1,0 +1,207 @@
+"""The job's membership under `resilax launch --in-place`: verdicts, votes, re-forming.
+
+The supervisor's verdict after a worker died (who is alive, at which epoch), the key-value
+votes and barriers among the live workers (`agree`, `agree_min`, `barrier`), and re-forming
+as the next generation (`Reform`, `reform_due`). Outside a launch (no job joined: `joined`)
+every vote is this process's own.
+
+The worker's set-up (`worker.initialize`) tells this module the job it joined (`joined`);
+leaving a generation (`worker.reattach`) forgets it (`reset`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+_state: dict = {}  # "env": the joined LaunchEnv; "membership": the verdict gone on under; "reform_at"
+_went_on_in_place = False  # this process went on in place at least once (`went_on_in_place`)
+
+
+def joined(e) -> None:
+    """This process joined the job of `LaunchEnv` ``e`` (`worker.initialize`)."""
+    _state["env"] = e
+
+
+def reset() -> None:
+    """This process left its generation (`worker.reattach`): no job, no membership."""
+    _state.clear()
+
+
+MEMBERSHIP_JSON = "membership.json"
+
+
+def read_membership() -> dict | None:
+    """The supervisor's newest verdict for this generation after a worker died while the
+    others could go on in place: ``{"generation", "epoch", "alive", "dead"}``; None before
+    any (or outside a launch)."""
+    e = _state.get("env")
+    if e is None:
+        return None
+    try:
+        with open(os.path.join(e.run_dir, MEMBERSHIP_JSON)) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("generation") == e.generation else None
+
+
+def wait_membership(after_epoch: int, timeout_s: float, poll_s: float = 0.02) -> dict | None:
+    """Waits for a verdict newer than ``after_epoch``; None when none comes within ``timeout_s``."""
+    t0 = time.time()
+    while True:
+        m = read_membership()
+        if m is not None and m.get("epoch", 0) > after_epoch:
+            return m
+        if time.time() - t0 > timeout_s:
+            return None
+        time.sleep(poll_s)
+
+
+def shrunk(m: dict) -> None:
+    """From now on this worker's job is the processes ``m["alive"]``: the key-value votes,
+    barriers and the primary process count only those."""
+    global _went_on_in_place
+    _state["membership"] = m
+    _went_on_in_place = True  # for good: threads left waiting on the dead outlive a re-form too
+
+
+def current() -> dict | None:
+    """The membership this worker went on in place under (`shrunk`), or None."""
+    return _state.get("membership")
+
+
+def went_on_in_place() -> bool:
+    """Whether this process ever went on in place after another died (re-forms included)."""
+    return _went_on_in_place
+
+
+def alive() -> list[int]:
+    """The processes of this worker's job (all of the generation until an in-place shrink)."""
+    e = _state.get("env")
+    if e is None:
+        return [0]
+    m = _state.get("membership")
+    return sorted(m["alive"]) if m is not None else list(range(e.num_processes))
+
+
+def epoch() -> int:
+    m = _state.get("membership")
+    return 0 if m is None else int(m["epoch"])
+
+
+class MembershipChanged(Exception):
+    """The supervisor named another dead process while the live ones were agreeing."""
+
+    def __init__(self, membership: dict):
+        super().__init__(f"membership changed: epoch {membership.get('epoch')}, alive {membership.get('alive')}")
+        self.membership = membership
+
+
+def _votes(value: str, what: str) -> list[str]:
+    """Publishes ``value`` for ``what`` and reads every live worker's. Waits up to the init
+    timeout; after an in-place shrink, a newer verdict from the supervisor meanwhile (another
+    worker died) raises `MembershipChanged` instead of waiting for a vote that never comes."""
+    e = _state["env"]
+    from resilax._src.runtime import jaxdist
+
+    c = jaxdist.client()
+    prefix = f"resilax/agree/g{e.generation}/e{epoch()}/{what}"
+    c.key_value_set(f"{prefix}/{e.process_id}", value)
+    if _state.get("membership") is None:
+        return [c.blocking_key_value_get(f"{prefix}/{i}", e.init_timeout_s * 1000) for i in alive()]
+    out, deadline = [], time.time() + e.init_timeout_s
+    for i in alive():
+        while True:
+            try:
+                out.append(c.blocking_key_value_get(f"{prefix}/{i}", 500))
+                break
+            except Exception:  # noqa: BLE001 (a timeout: the vote is not there yet)
+                m = read_membership()
+                if m is not None and m.get("epoch", 0) > epoch():
+                    raise MembershipChanged(m) from None
+                if time.time() > deadline:
+                    raise
+    return out
+
+
+def agree(ok: bool, what: str) -> bool:
+    """True when every worker of this job passed ``ok=True`` for ``what`` (through the
+    coordination service's key-value store; waits up to the init timeout)."""
+    if _state.get("env") is None:
+        return ok
+    return all(v == "1" for v in _votes("1" if ok else "0", what))
+
+
+def agree_min(value: int, what: str) -> int:
+    """The smallest ``value`` any worker of this job passed for ``what``."""
+    if _state.get("env") is None:
+        return value
+    return min(int(v) for v in _votes(str(int(value)), what))
+
+
+def barrier(name: str) -> None:
+    """Every worker of this job waits here (a coordination-service barrier, not an XLA
+    collective: its timeout is the init timeout, not the short collective timeout). Used
+    before the first step: a worker still compiling must not make the others' first
+    collective time out."""
+    e = _state.get("env")
+    if e is None:
+        return
+    from resilax._src.runtime import jaxdist
+
+    if _state.get("membership") is not None:  # after an in-place shrink: votes (they notice a further death)
+        _votes("1", f"barrier/{name}")
+        return
+    jaxdist.client().wait_at_barrier(f"resilax/g{e.generation}/{name}", e.init_timeout_s * 1000)
+
+
+# ------------------------------------------------------------------ re-forming (growing back)
+class Reform(Exception):
+    """Raised by `ResilientStep` when the job re-forms with warm spares: after a step failed
+    because a process died (the spares take the dead places), or at the step boundary the
+    job agreed on to grow back to ``-n`` after it shrank in place. Every step this process
+    completed is in its host store. The worker command catches it, calls `reattach` (this
+    process joins the next generation without restarting) and runs its set-up again;
+    `resilax train` does."""
+
+    def __init__(self, generation: int, step: int):
+        super().__init__(f"the job re-forms as generation {generation} after step {step}")
+        self.generation, self.step = generation, step
+
+
+def reform_assignment(run_dir, generation: int, process_id: int) -> str:
+    """Where the supervisor writes a re-forming worker's place in ``generation``."""
+    return os.path.join(run_dir, "spares", f"reform-g{generation}-p{process_id}.json")
+
+
+def reform_due(step: int) -> bool:
+    """Whether this worker leaves the job now, at the boundary after ``step`` completed
+    steps, to re-form (call it before every step, with the same step numbers on all
+    workers; False at once unless the job went on in place).
+
+    The supervisor asks by adding ``"reform"`` to the membership file; the lowest live
+    process reads it here and publishes ``step + 1`` as the boundary in the key-value
+    store before it dispatches step ``step + 1``. Any other worker completes that step only
+    after the lowest one dispatched it, so each finds the boundary before it passes it."""
+    m = _state.get("membership")
+    e = _state.get("env")
+    if e is None or (m is None and e.job_processes == e.num_processes):
+        return False  # neither shrunk in place nor a generation smaller than the job: nothing to grow
+    from resilax._src.runtime import jaxdist
+
+    key = f"resilax/reform/g{e.generation}"
+    if "reform_at" not in _state:
+        c = jaxdist.client()
+        if e.process_id == alive()[0]:  # the primary process
+            cur = read_membership() or {}
+            if cur.get("reform"):
+                c.key_value_set(key, str(int(step) + 1))
+                _state["reform_at"] = int(step) + 1
+        else:
+            try:
+                _state["reform_at"] = int(c.key_value_try_get(key))
+            except Exception:  # noqa: BLE001 (not published yet)
+                pass
+    return _state.get("reform_at") == int(step)

@@ -1,0 +1,152 @@
+"""Where `ResilientStep.init` resumes: the newest copy of the state, then the disk log.
+
+The newest copy of the state (the hosts' copies under `resilax launch`, else the newest good
+checkpoint, else the given state placed), then the disk record log's entries after it
+replayed (crash resume).
+
+Functions of the step (`ResilientStep`), read through its public attributes and read-only
+properties; they set the run's public state (``step``, ``guard``, ``data_position``,
+``program``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from resilax._src.errors import ReplayLogError
+from resilax._src.protect import hoststore as _hoststore
+from resilax._src.protect.checkpoints import decode_data_state
+from resilax._src.protect.checksum import tree_checksums
+from resilax._src.protect.disk_log import batch_template, scalar_value
+from resilax._src.runtime import membership
+from resilax._src.step import sharding as _sh
+from resilax._src.step.recovery import apply_logged, gated
+
+
+def newest_state(run, state, state_sh, job):
+    """The state to start from, placed with ``state_sh``: the host store's step ``job``
+    names (under `resilax launch`, when no checkpoint is newer), else the newest good
+    checkpoint, else ``state`` itself. Sets ``run.step`` (and guard, data position) to it."""
+    store, ckpt, data = run.host_store, run.checkpointer, run.data
+    from_store = restored = None
+    want = job.host_store_step if store is not None and job.host_store_step >= 0 else None
+    if want is not None and not (ckpt is not None and max(ckpt.store.steps(), default=-1) > want):
+        # under `resilax launch`: the hosts' copies first (newer than any checkpoint, which
+        # would only be read to be thrown away); every process takes the same branch
+        placed = _hoststore.resume(run, store, _sh.place_copy(state, state_sh), want,
+                                   lambda ok: membership.agree(ok, f"host_store/{want}"))
+        if run.step == want:
+            state, from_store = placed, True
+    if ckpt is not None and not from_store:
+        t0 = time.perf_counter()
+        abstract = ckpt.tree(_sh.abstract(state, state_sh), run.abstract_guard(run.mesh))
+        with run.goodput_recorder.span("checkpoint_restore"):
+            restored = ckpt.store.restore_newest(abstract)
+        if restored is not None:
+            run.step = restored.step
+            if data is not None and restored.meta.get("data_state") is not None:
+                data.set_state(decode_data_state(restored.meta["data_state"]))
+            run.event("restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
+                      skipped=[{"step": s, "reason": r} for s, r in restored.skipped])
+            state = restored.state["state"]
+            run.guard = restored.state.get("guard")
+            if run.record_log is not None:
+                run.record_log.checkpointed(restored.step)
+            if run.watch is not None:
+                run.watch.restored(restored.meta.get("verdicts"))
+    if restored is None and not from_store:
+        state = _sh.place_copy(state, state_sh)
+    return state
+
+
+def replay_disk_log(run, state, first_program):
+    """Replays the disk log after the restored step, as far as it has good entries.
+
+    ``first_program(abstract_batch)``: builds the run's first program (from an entry's batch
+    signature when no step ran yet). Returns the state of the step reached (``run.step``)."""
+    log = run.record_log.disk if run.record_log is not None else None
+    if log is None:
+        return state
+    start = run.step
+    steps = set(log.steps())
+    if start in steps:  # a foreign log is refused before anything in it is touched
+        try:
+            first = log.read(start, "grads") if start in set(log.steps("grads")) else log.read(start, "inputs")
+        except ReplayLogError:
+            first = None  # damaged: handled (and named) below
+        if first is not None:
+            _start_mismatch(run, first, state)
+    log.truncate_before(start)
+    if start not in steps:
+        log.discard_from(start, f"resumed at step {start}; later entries will be recomputed")
+        return state
+    t0 = time.perf_counter()
+    s, failed, modes = start, [], []
+    data = run.data
+    with run.goodput_recorder.span("replay"):
+        while s in steps:
+            try:
+                entry = log.read(s, "grads") if s in set(log.steps("grads")) else log.read(s, "inputs")
+            except ReplayLogError as e:
+                entry = None
+                if data is not None and s in set(log.steps("inputs")):
+                    try:  # a damaged grads entry: the step is recomputed from its inputs entry
+                        entry = log.read(s, "inputs")
+                    except ReplayLogError:
+                        pass
+                if entry is None:
+                    failed.append((s, str(e)))
+                    break
+            if s == start:  # raises for a foreign log (the ReplayLogError below is for damage)
+                why = _start_mismatch(run, entry, state)
+                if why:
+                    failed.append((s, why))
+                    break
+            if run.program is None:
+                if entry.batch_sig is None:
+                    failed.append((s, "the entry has no batch signature"))
+                    break
+                run.program = first_program(batch_template(entry.batch_sig))
+            if entry.kind == "grads":
+                state, run.guard = apply_logged(run, state, run.guard, s, entry.recorded,
+                                                entry.scalars.get("verdict"),
+                                                scalar_value(entry.scalars.get("value")))
+            else:
+                if data is None:
+                    failed.append((s, "an inputs entry needs the data iterator (init(state, data=...))"))
+                    break
+                data.set_state(decode_data_state(entry.data_state))
+                prog = run.program
+                gout = prog.grad(False)(state, run.guard, prog.put_batch(next(data)), np.uint32(s))
+                # recomputed from the data, gated by the verdict the step had (a fault, a
+                # spike judged on a window, anything outside the step is not recomputed)
+                state, run.guard = gated(run, state, run.guard, s, gout.rec, entry.scalars.get("verdict"),
+                                         scalar_value(entry.scalars.get("value")))
+            if data is not None and entry.data_next is not None:
+                data.set_state(decode_data_state(entry.data_next))
+                run.data_position = entry.data_next
+            if run.watch is not None:
+                run.watch.replayed(run, s, entry.scalars.get("verdict"))
+            modes.append(entry.kind)
+            s += 1
+    run.step = s
+    run.event("replay", s, source="record_log", from_step=start, steps=s - start,
+              grads_steps=modes.count("grads"), inputs_steps=modes.count("inputs"),
+              seconds=time.perf_counter() - t0, unreplayable=[{"step": a, "reason": b} for a, b in failed])
+    log.discard_from(s, f"resumed at step {s}; later entries will be recomputed")
+    return state
+
+
+def _start_mismatch(run, entry, state) -> str | None:
+    """Why the log's first entry may not be replayed onto ``state`` (None: it may)."""
+    if entry.state_sums is None:
+        return "the entry does not record the state it started from, so it cannot be checked against this one"
+    got = np.asarray(tree_checksums((state, run.guard)))
+    if got.shape != entry.state_sums.shape or not np.array_equal(got, entry.state_sums):
+        raise ReplayLogError(
+            f"resilax: the record log in {str(run.record_log.disk.directory)!r} was recorded from another state at "
+            f"step {entry.step} than the one init() has (checksums differ): it belongs to another run or initial "
+            f"state. Nothing was changed; move the log away or give this run another LogConfig.directory")
+    return None

@@ -1,0 +1,222 @@
+"""The child processes of `resilax launch`'s supervisor: spawn, output, heartbeats, kill.
+
+Starting them tied to its life, copying their output, reading their heartbeat files, and the
+handles of its workers and warm spares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from resilax._src.runtime import xlaflags
+from resilax._src.runtime.worker import LaunchEnv
+
+HEARTBEATS = "heartbeats"  # D/heartbeats/g<generation>.p<process id>.json; spares: spare<k>.json
+
+
+def die_with_parent():  # runs in the child between fork and exec
+    """Linux: the worker gets SIGKILL when the supervisor dies (even by SIGKILL), so no
+    worker outlives the process that owns its coordination service."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def popen(cmd, env: dict) -> subprocess.Popen:
+    """Starts ``cmd`` with ``env`` added, in a session of its own, its output piped, killed
+    when the supervisor dies. From the main thread only: PR_SET_PDEATHSIG fires when the
+    *thread* that forked the child exits, so a child started from a short-lived thread would
+    die with it."""
+    env = {**os.environ, **env}
+    # bitwise on GPU needs deterministic XLA (runtime/xlaflags.py); the user's flags are kept
+    env["XLA_FLAGS"] = xlaflags.with_deterministic(env.get("XLA_FLAGS"))
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=die_with_parent if sys.platform == "linux" else None)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_json(path) -> dict | None:
+    """A heartbeat or similar record, or None when it cannot be read or parsed right now
+    (missing, or replaced while read)."""
+    try:
+        with open(path) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the child's session (it has its own: grain workers and the like go too)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def exit_reason(rc: int) -> str:
+    return f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
+
+
+def heartbeat_file(run_dir, generation: int, process_id: int) -> pathlib.Path:
+    """Where worker ``process_id`` of ``generation`` writes its heartbeat."""
+    return pathlib.Path(run_dir) / HEARTBEATS / f"g{generation}.p{process_id}.json"
+
+
+def heartbeats(run_dir, generation: int) -> dict[int, dict]:
+    """``{process id: heartbeat record}`` of the workers of ``generation`` that wrote one (see
+    `worker._Heartbeat`: pid, phase, step, step_t, step_s, joined_t, first_step_t,
+    started). A file that cannot be read or parsed right now is left out."""
+    out = {}
+    for f in (pathlib.Path(run_dir) / HEARTBEATS).glob(f"g{int(generation)}.p*.json"):
+        hb = read_json(f)
+        if hb is None:
+            continue
+        out[hb["process_id"]] = hb
+    return out
+
+
+def spare_heartbeats(run_dir) -> dict[int, dict]:
+    """``{spare index: heartbeat record}`` (pid, t, phase ``warming``/``spare``/``assigned``)
+    of the spares that wrote one; unreadable files are left out."""
+    out = {}
+    for f in (pathlib.Path(run_dir) / HEARTBEATS).glob("spare*.json"):
+        hb = read_json(f)
+        if hb is not None:
+            out[int(f.stem[len("spare"):])] = hb
+    return out
+
+
+def say(msg: str) -> None:
+    print(f"[resilax launch {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Output(threading.Thread):
+    """Copies a child's output to its log file and, prefixed, to the supervisor's stdout. The
+    prefix and the log change when a spare becomes a worker (`relabel`)."""
+
+    def __init__(self, proc: subprocess.Popen, prefix: str, log_path: pathlib.Path):
+        super().__init__(daemon=True)
+        self.proc = proc
+        self._lock = threading.Lock()
+        self._label = (prefix, log_path)
+        self.start()
+
+    def relabel(self, prefix: str, log_path: pathlib.Path):
+        open(log_path, "ab").close()  # every worker has its log, output or not
+        with self._lock:
+            self._label = (prefix, log_path)
+
+    def run(self):
+        path = self._label[1]
+        log = open(path, "ab")
+        try:
+            for line in iter(self.proc.stdout.readline, b""):
+                with self._lock:
+                    prefix, want = self._label
+                if want != path:
+                    if log is not None:
+                        log.close()
+                    log, path = open(want, "ab"), want
+                log.write(line)
+                log.flush()
+                try:
+                    sys.stdout.write(prefix + line.decode(errors="replace"))
+                    sys.stdout.flush()
+                except (OSError, ValueError):
+                    pass
+        finally:
+            if log is not None:
+                log.close()
+
+
+class SpareProcess:
+    """A warm process of the worker command waiting for its assignment."""
+
+    def __init__(self, index: int, proc: subprocess.Popen, out: Output, heartbeat_file: pathlib.Path,
+                 assignment: pathlib.Path):
+        self.index = index
+        self.proc = proc
+        self.out = out
+        self.heartbeat_file = heartbeat_file
+        self.assignment = assignment
+        self.started = time.time()
+
+    def heartbeat(self) -> dict | None:
+        hb = read_json(self.heartbeat_file)
+        return hb if hb is not None and hb.get("pid") == self.proc.pid else None
+
+    def ready(self, max_age_s: float) -> bool:
+        """Alive, imported and waiting, with a fresh heartbeat (a SIGSTOPped spare is not)."""
+        hb = self.heartbeat() or {}
+        return self.proc.poll() is None and hb.get("phase") == "spare" and time.time() - hb["t"] <= max_age_s
+
+    def kill(self, why: str | None = None):
+        kill_group(self.proc)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class WorkerProcess:
+    def __init__(self, pid_: int, env: LaunchEnv, proc: subprocess.Popen, out: Output, spare: int | None = None):
+        self.process_id = pid_
+        self.slot = env.slot  # the job's process index (== process_id unless the generation is smaller)
+        self.env = env
+        self.proc = proc
+        self.out = out
+        self.spare = spare  # the spare index it was, or None (started fresh)
+        self.started = time.time()
+        self.rc: int | None = None
+        self.killed_for: str | None = None
+
+    def heartbeat(self) -> dict | None:
+        hb = read_json(self.env.heartbeat_file)
+        return hb if hb is not None and hb.get("pid") == self.proc.pid and hb.get("generation") == self.env.generation \
+            else None
+
+    def kill(self, why: str | None = None):
+        if self.proc.poll() is None and why and self.killed_for is None:
+            self.killed_for = why
+        kill_group(self.proc)
+
+    def reap(self, why: str) -> str:
+        """Kills it if it still runs (hung), waits for it; returns why it counts as dead."""
+        if self.proc.poll() is None:
+            self.kill(why)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.rc = self.proc.returncode
+        return self.killed_for or why
+
+
+def stop_all(procs, why: str | None = None) -> None:
+    """Kills the workers or spares ``procs`` (``why``: what a worker is recorded as killed
+    for), then waits for each (up to 10 s) and for its output to be copied."""
+    for p in procs:
+        p.kill(why)
+    for p in procs:
+        try:
+            p.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        p.out.join(timeout=2)
