@@ -1,0 +1,454 @@
+"""The rendezvous of a job across hosts: agent leases and agreement on each generation, in a shared directory.
+
+One agent per host (``resilax launch --nodes N --node-rank R``) registers here; the agents
+agree on each *generation* of the job: its number, its hosts (members), the host that runs
+the coordination service (``service_node``), the service's address and each host's process
+ids. Nothing but files in a directory every host sees (a Slurm cluster's shared file
+system, a Kubernetes PVC): no server of its own that could be a single point of failure.
+It relies on what POSIX file systems (NFS included) give: ``os.replace`` of a whole file is
+atomic, and ``os.link`` to an existing name fails (create-once).
+
+Files, under ``<run_dir>/rendezvous/`` (every record JSON with a ``sha256`` of its other
+fields; a record that does not parse or whose checksum does not match raises
+`CorruptRecordError` naming the file; no pickle):
+
+- ``leases/node<R>.json``: agent R's lease ``{rank, incarnation, pid, host, address,
+  workers, t, expires}``, rewritten every ``lease_s / 3`` by a thread. A lease whose
+  ``expires`` has passed is dead (wall clocks of the hosts must agree to well within
+  ``lease_s``: NTP). ``incarnation`` is new for every agent process: a replacement with a
+  dead agent's rank takes the rank over once the old lease expired (never while it is
+  live: `RankTakenError`), and the old agent, should it wake up (SIGSTOP, SIGCONT), finds
+  another incarnation in its lease, stops renewing and is *fenced* (`LeaseLostError`).
+- ``generations/g<k>.proposal.json``: the proposal for generation k, created once (a
+  temporary file, then ``os.link``: of concurrent proposers exactly one wins and the
+  others read its record). Only the lowest rank with a live lease proposes, and it names
+  itself the service node: a proposer is alive when it proposes, so the service never
+  lands on a dead host, and it publishes the coordinator address (``address:port``, a port
+  free on its host) in the record. Members are the ranks with live leases, in rank order;
+  each node's process ids are consecutive, ``workers`` of them per node (from its lease).
+- ``generations/g<k>.ack.node<R>.json``: member R read proposal k (the proposal's sha256
+  and R's incarnation in it).
+- ``generations/g<k>.outcome.json``: ``committed`` (every member acked) or ``abandoned``
+  (a member that had not acked lost its lease or was replaced, or the acks did not all come
+  within ``ack_timeout_s``), created once by whichever agent sees it first: every agent
+  reads the same outcome, so none can take a generation as committed that another takes
+  as abandoned.
+- ``requests/g<k>.node<R>.json``: agent R asks for a generation after k (its workers died:
+  every host must restart its workers); the proposer reads it through `Rendezvous.changed`.
+
+A generation is only proposed after the previous one has an outcome, so generation
+numbers are dense and each has at most one proposal. The agent layer (`resilax launch
+--nodes`) calls `Rendezvous.agree` to get a committed generation, `Rendezvous.changed`
+while it runs to learn that it must end (a member lost, replaced or asking, an agent
+joined, a newer proposal), then `agree(after=k)` again.
+
+Cost: one small file write per agent per ``lease_s / 3``; reading the directory
+(``N`` leases) per `changed` call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import re
+import socket
+import threading
+import time
+import uuid
+
+from resilax._src.errors import ResilaxError
+
+RENDEZVOUS = "rendezvous"  # <run_dir>/rendezvous
+COMMITTED, ABANDONED = "committed", "abandoned"
+_LEASE_RE = re.compile(r"node(\d+)\.json")
+_PROPOSAL_RE = re.compile(r"g(\d+)\.proposal\.json")
+
+
+class RendezvousError(ResilaxError):
+    """The agents could not agree on a generation (timeout, fewer live agents than needed)."""
+
+
+class CorruptRecordError(RendezvousError):
+    """A rendezvous record does not parse or fails its checksum."""
+
+
+class RankTakenError(RendezvousError):
+    """Another live agent holds this node rank."""
+
+
+class LeaseLostError(RendezvousError):
+    """This agent's lease expired and another agent took its rank over: it must stop."""
+
+
+# ------------------------------------------------------------------ records
+def _digest(rec: dict) -> str:
+    body = {k: v for k, v in rec.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _sealed(rec: dict) -> bytes:
+    return json.dumps({**rec, "sha256": _digest(rec)}, sort_keys=True, indent=1).encode()
+
+
+def _tmp(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _write_tmp(path: pathlib.Path, rec: dict) -> pathlib.Path:
+    tmp = _tmp(path)
+    with open(tmp, "wb") as f:
+        f.write(_sealed(rec))
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def write_record(path, rec: dict) -> None:
+    """Writes ``rec`` with its checksum, atomically (a reader sees the old record or the new)."""
+    path = pathlib.Path(path)
+    os.replace(_write_tmp(path, rec), path)
+
+
+def create_record(path, rec: dict) -> bool:
+    """Creates ``path`` holding ``rec`` unless it exists; True if this call created it.
+    Whole or absent to any reader; of concurrent callers exactly one gets True."""
+    path = pathlib.Path(path)
+    tmp = _write_tmp(path, rec)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_record(path) -> dict | None:
+    """The record at ``path`` (checksum verified), or None when there is none.
+
+    Raises:
+      CorruptRecordError: it does not parse, or it has no or a wrong ``sha256``.
+    """
+    path = pathlib.Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        rec = json.loads(raw)
+    except ValueError as e:
+        raise CorruptRecordError(f"resilax rendezvous: {path} is not valid JSON ({e}); expected a record written by "
+                                 f"resilax.rendezvous (a torn write on the shared file system, or another writer)") \
+            from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str):
+        raise CorruptRecordError(f"resilax rendezvous: {path} has no sha256 field; expected a checksummed record, "
+                                 f"got {type(rec).__name__} with keys {sorted(rec) if isinstance(rec, dict) else []}")
+    if rec["sha256"] != _digest(rec):
+        raise CorruptRecordError(f"resilax rendezvous: {path} fails its checksum (recorded {rec['sha256'][:12]}..., "
+                                 f"computed {_digest(rec)[:12]}...): the record was changed after it was written")
+    return rec
+
+
+# ------------------------------------------------------------------ a generation
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """A proposed (or committed) generation. ``process_ids[r]``: node r's global process ids."""
+
+    generation: int
+    members: tuple[int, ...]
+    incarnations: dict[int, str]
+    service_node: int
+    coordinator: str
+    process_ids: dict[int, tuple[int, ...]]
+    num_processes: int
+    proposed_t: float
+    sha256: str
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "Generation":
+        return cls(generation=int(rec["generation"]), members=tuple(int(r) for r in rec["members"]),
+                   incarnations={int(r): i for r, i in rec["incarnations"].items()},
+                   service_node=int(rec["service_node"]), coordinator=rec["coordinator"],
+                   process_ids={int(r): tuple(p) for r, p in rec["process_ids"].items()},
+                   num_processes=int(rec["num_processes"]), proposed_t=float(rec["t"]), sha256=rec["sha256"])
+
+
+# ------------------------------------------------------------------ the rendezvous
+class Rendezvous:
+    """Agent ``rank``'s view of the rendezvous in ``<run_dir>/rendezvous``.
+
+    Args:
+      run_dir: the job's directory, shared by every host.
+      rank: this node's rank (0 <= rank); ``workers``: how many worker processes it runs.
+      lease_s: a lease not renewed for this long is dead (renewed every ``lease_s / 3``).
+      address: how other hosts reach this one (the coordinator address when it is the
+        service node); loopback by default.
+      ack_timeout_s: a proposal not acked by every member within this is abandoned.
+      port_fn: picks the coordination service's port on this host (default: a free one).
+      clock: wall clock (tests inject one); the renewal thread is off when ``renew=False``
+        is passed to `register`.
+    """
+
+    def __init__(self, run_dir, rank: int, *, workers: int, lease_s: float = 5.0, address: str = "127.0.0.1",
+                 ack_timeout_s: float = 60.0, port_fn=None, clock=time.time, poll_s: float = 0.05):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"resilax rendezvous: rank must be an integer >= 0, got {rank!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"resilax rendezvous: workers must be an integer >= 1, got {workers!r}")
+        if not lease_s > 0:
+            raise ValueError(f"resilax rendezvous: lease_s must be > 0, got {lease_s!r}")
+        self.root = pathlib.Path(run_dir).absolute() / RENDEZVOUS
+        self.rank, self.workers, self.lease_s, self.address = rank, workers, float(lease_s), address
+        self.ack_timeout_s, self.poll_s, self.clock = float(ack_timeout_s), poll_s, clock
+        self.port_fn = port_fn or _free_port
+        self.incarnation = uuid.uuid4().hex
+        self.lost = False  # fenced: another incarnation holds this rank
+        self._acked: set[str] = set()  # the proposals (sha256) this agent acknowledged
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        for d in ("leases", "generations", "requests"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+
+    # -------------------------------------------------------------- leases
+    def _lease_path(self, rank: int) -> pathlib.Path:
+        return self.root / "leases" / f"node{rank}.json"
+
+    def _write_lease(self):
+        now = self.clock()
+        write_record(self._lease_path(self.rank), {
+            "rank": self.rank, "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
+            "address": self.address, "workers": self.workers, "t": now, "expires": now + self.lease_s})
+
+    def register(self, *, renew: bool = True) -> None:
+        """Takes this rank's lease and (``renew``) starts the thread that keeps it.
+
+        Raises:
+          RankTakenError: another agent holds a live lease on this rank.
+        """
+        cur = read_record(self._lease_path(self.rank))
+        if cur is not None and cur["incarnation"] != self.incarnation and cur["expires"] > self.clock():
+            raise RankTakenError(
+                f"resilax rendezvous: node rank {self.rank} is held by a live agent (pid {cur['pid']} on "
+                f"{cur['host']}, lease expires in {cur['expires'] - self.clock():.1f} s); expected a free rank or "
+                f"an expired lease (a replacement waits for the dead agent's lease to expire)")
+        self._write_lease()
+        if renew:
+            self._thread = threading.Thread(target=self._renew_loop, name=f"resilax-lease-{self.rank}", daemon=True)
+            self._thread.start()
+
+    def renew(self) -> None:
+        """Extends this agent's lease.
+
+        Raises:
+          LeaseLostError: another incarnation took the rank over (this agent is fenced).
+        """
+        if self.lost:
+            raise LeaseLostError(f"resilax rendezvous: node {self.rank} lost its lease to another agent")
+        cur = read_record(self._lease_path(self.rank))
+        if cur is not None and cur["incarnation"] != self.incarnation:
+            self.lost = True
+            raise LeaseLostError(f"resilax rendezvous: node {self.rank}'s lease is now held by pid {cur['pid']} on "
+                                 f"{cur['host']} (this agent's lease expired and a replacement took the rank)")
+        self._write_lease()
+
+    def _renew_loop(self):
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self.renew()
+            except LeaseLostError:
+                return
+            except (OSError, CorruptRecordError):
+                continue  # a transient shared-file-system error: the lease ages; the next try may work
+
+    def close(self, *, release: bool = True) -> None:
+        """Stops renewing; ``release``: removes the lease now (the others see this agent gone at
+        once instead of after ``lease_s``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.lease_s)
+        if release and not self.lost:
+            try:
+                cur = read_record(self._lease_path(self.rank))
+            except CorruptRecordError:
+                cur = None
+            if cur is not None and cur["incarnation"] == self.incarnation:
+                self._lease_path(self.rank).unlink(missing_ok=True)
+
+    def leases(self) -> dict[int, dict]:
+        """Every lease record, live or dead, by rank."""
+        out = {}
+        for p in (self.root / "leases").iterdir():
+            m = _LEASE_RE.fullmatch(p.name)
+            if m:
+                rec = read_record(p)
+                if rec is not None:
+                    out[int(m.group(1))] = rec
+        return out
+
+    def live(self, leases: dict | None = None) -> dict[int, dict]:
+        """The leases that have not expired, by rank."""
+        now = self.clock()
+        return {r: l for r, l in (self.leases() if leases is None else leases).items() if l["expires"] > now}
+
+    # -------------------------------------------------------------- generations
+    def _gen_path(self, g: int, what: str) -> pathlib.Path:
+        return self.root / "generations" / f"g{g}.{what}.json"
+
+    def latest(self) -> int | None:
+        """The newest generation with a proposal, or None."""
+        gs = [int(m.group(1)) for p in (self.root / "generations").iterdir()
+              if (m := _PROPOSAL_RE.fullmatch(p.name))]
+        return max(gs) if gs else None
+
+    def proposal(self, g: int) -> Generation | None:
+        rec = read_record(self._gen_path(g, "proposal"))
+        return None if rec is None else Generation.from_record(rec)
+
+    def outcome(self, g: int) -> dict | None:
+        """``{"outcome": "committed" | "abandoned", "why"}`` of generation ``g``, or None (pending)."""
+        return read_record(self._gen_path(g, "outcome"))
+
+    def propose(self, g: int, live: dict[int, dict]) -> Generation:
+        """Proposes generation ``g`` with the agents ``live`` (rank -> lease) as members and this
+        node as the service node; returns the proposal of ``g`` that won (this one or a
+        concurrent proposer's)."""
+        members = sorted(live)
+        ids, nxt = {}, 0
+        for r in members:
+            ids[str(r)] = list(range(nxt, nxt + int(live[r]["workers"])))
+            nxt += int(live[r]["workers"])
+        create_record(self._gen_path(g, "proposal"), {
+            "generation": g, "members": members, "incarnations": {str(r): live[r]["incarnation"] for r in members},
+            "service_node": self.rank, "coordinator": f"{self.address}:{self.port_fn()}", "process_ids": ids,
+            "num_processes": nxt, "proposer_pid": os.getpid(), "t": self.clock()})
+        return self.proposal(g)
+
+    def _member(self, gen: Generation) -> bool:
+        return gen.incarnations.get(self.rank) == self.incarnation
+
+    def ack(self, gen: Generation) -> None:
+        """Acknowledges proposal ``gen`` (no-op unless this agent, this incarnation, is a member)."""
+        if self._member(gen) and gen.sha256 not in self._acked:
+            self._acked.add(gen.sha256)
+            create_record(self._gen_path(gen.generation, f"ack.node{self.rank}"), {
+                "generation": gen.generation, "rank": self.rank, "incarnation": self.incarnation,
+                "proposal_sha256": gen.sha256, "t": self.clock()})
+
+    def decide(self, gen: Generation) -> str | None:
+        """The outcome of ``gen``: records it when this agent can tell (every member acked:
+        committed; a member that did not ack lost its lease, was replaced, or the acks are
+        overdue: abandoned), then returns the recorded outcome (None: still pending)."""
+        out = self.outcome(gen.generation)
+        if out is not None:
+            return out["outcome"]
+        leases = self.leases()
+        now = self.clock()
+        missing, why = [], None
+        for r in gen.members:
+            ack = read_record(self._gen_path(gen.generation, f"ack.node{r}"))
+            if ack is not None and ack["proposal_sha256"] == gen.sha256 and ack["incarnation"] == gen.incarnations[r]:
+                continue
+            missing.append(r)
+            lease = leases.get(r)
+            if lease is None or lease["expires"] <= now:
+                why = why or f"node {r} lost its lease before it acknowledged"
+            elif lease["incarnation"] != gen.incarnations[r]:
+                why = why or f"node {r} was replaced by another agent before it acknowledged"
+        if not missing:
+            rec = {"generation": gen.generation, "outcome": COMMITTED, "why": "every member acknowledged"}
+        elif why is None and now > gen.proposed_t + self.ack_timeout_s:
+            rec = {"generation": gen.generation, "outcome": ABANDONED,
+                   "why": f"nodes {missing} did not acknowledge within {self.ack_timeout_s:g} s"}
+        elif why is not None:
+            rec = {"generation": gen.generation, "outcome": ABANDONED, "why": why}
+        else:
+            return None
+        create_record(self._gen_path(gen.generation, "outcome"), {**rec, "decided_by": self.rank, "t": now})
+        return self.outcome(gen.generation)["outcome"]
+
+    def request(self, after: int, why: str) -> None:
+        """Asks for a generation after ``after`` (e.g. this node's workers died)."""
+        write_record(self.root / "requests" / f"g{after}.node{self.rank}.json",
+                     {"after": after, "rank": self.rank, "incarnation": self.incarnation, "why": why,
+                      "t": self.clock()})
+
+    def _requests(self, after: int) -> list[dict]:
+        out = []
+        for p in (self.root / "requests").glob(f"g{after}.node*.json"):
+            rec = read_record(p)
+            if rec is not None:
+                out.append(rec)
+        return out
+
+    def changed(self, gen: Generation) -> str | None:
+        """Why generation ``gen`` must end (a newer proposal; a member's lease expired or another
+        agent took its rank; a live agent is not a member; a member asked), or None."""
+        g = self.latest()
+        if g is not None and g > gen.generation:
+            return f"generation {g} was proposed"
+        leases = self.leases()
+        live = self.live(leases)
+        for r in gen.members:
+            lease = leases.get(r)
+            if lease is not None and lease["incarnation"] != gen.incarnations[r]:
+                return f"node {r} was replaced (another agent holds its rank)"
+            if r not in live:
+                return f"node {r}'s lease expired" if lease is not None else f"node {r} left"
+        joined = sorted(set(live) - set(gen.members))
+        if joined:
+            return f"node(s) {joined} joined"
+        for req in self._requests(gen.generation):
+            return f"node {req['rank']} asked for a new generation: {req['why']}"
+        return None
+
+    def agree(self, after: int = -1, *, min_nodes: int = 1, timeout_s: float = 300.0) -> Generation:
+        """Waits for a committed generation newer than ``after`` that has this agent as a
+        member, taking part as it goes: acks proposals that name it, decides outcomes it can
+        see, and, as the lowest live rank, proposes the next generation once the newest has
+        an outcome (or none exists) and at least ``min_nodes`` agents are live. Asks for a new
+        generation (`request`) when the newest committed one is not newer than ``after``.
+
+        Raises:
+          RendezvousError: no such generation within ``timeout_s`` (the message says what
+            it waited for).
+          LeaseLostError: this agent was fenced.
+          CorruptRecordError: a record it read is corrupt.
+        """
+        deadline = time.monotonic() + timeout_s
+        asked = False
+        while True:
+            if self.lost:
+                raise LeaseLostError(f"resilax rendezvous: node {self.rank} lost its lease to another agent")
+            g = self.latest()
+            state = "no generation proposed yet"
+            need_new = g is None
+            if g is not None:
+                gen = self.proposal(g)
+                self.ack(gen)
+                out = self.decide(gen)
+                state = f"generation {g} {out or 'pending'} (members {list(gen.members)})"
+                if out == COMMITTED and g > after and self._member(gen):
+                    return gen
+                need_new = out is not None
+                if out == COMMITTED and self._member(gen) and not asked:
+                    self.request(g, f"node {self.rank} needs a generation after {after}")
+                    asked = True
+            if need_new:
+                live = self.live()
+                if len(live) >= min_nodes and min(live) == self.rank:
+                    self.propose(0 if g is None else g + 1, live)
+                    continue
+                state += f"; live nodes {sorted(live)} (need {min_nodes}, the lowest proposes)"
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"resilax rendezvous: node {self.rank} got no committed generation after "
+                                      f"{after} within {timeout_s:g} s: {state}")
+            time.sleep(self.poll_s)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
