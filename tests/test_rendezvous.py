@@ -183,6 +183,8 @@ def test_a_live_rank_is_refused_an_expired_one_is_taken_over_and_the_old_agent_f
         new.register(renew=False)
     clock.t += 1.0  # the old lease expired (its agent stopped, say)
     new.register(renew=False)
+    with pytest.raises(RankTakenError, match=r"waited 0\.05 s"):  # a third agent waits, then gives up
+        Rendezvous(tmp_path, 1, workers=1, clock=clock, poll_s=0.01).register(renew=False, wait_s=0.05)
     with pytest.raises(LeaseLostError, match="held by pid"):
         old.renew()
     assert old.lost

@@ -72,7 +72,7 @@ from resilax._src.io import write_json
 from resilax._src.protect import hoststore
 from resilax._src.runtime import membership, worker
 from resilax._src.runtime.worker import LaunchEnv
-from resilax.tools import processes
+from resilax.tools import agent, processes
 from resilax.tools.processes import (HEARTBEATS, Output, SpareProcess, WorkerProcess, exit_reason, heartbeat_file,
                                      popen, read_json, say, stop_all)
 
@@ -673,6 +673,7 @@ def register_cli(sub) -> None:
     p.add_argument("--min-in-place", type=int, default=None, metavar="M",
                    help="go on in place only while at least M workers are left (default: half of -n, rounded up); "
                         "below that a new generation brings the job back to -n workers")
+    agent.add_arguments(p)  # --nodes, --node-rank: one agent of a job across hosts (tools/agent.py)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     p.set_defaults(func=_cmd_launch)
 
@@ -681,6 +682,8 @@ def _cmd_launch(args) -> int:
     cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
     if cmd and cmd[0] == "resilax":  # the same interpreter and resilax as the supervisor
         cmd = [sys.executable, "-m", "resilax", *cmd[1:]]
+    if args.nodes is not None:
+        return agent.main(cmd, args)
     try:
         sup = Supervisor(cmd, n=args.n, devices_per_process=args.devices_per_process, run_dir=args.run_dir,
                          max_restarts=args.max_restarts, heartbeat_s=args.heartbeat,

@@ -222,18 +222,25 @@ class Rendezvous:
             "rank": self.rank, "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
             "address": self.address, "workers": self.workers, "t": now, "expires": now + self.lease_s})
 
-    def register(self, *, renew: bool = True) -> None:
-        """Takes this rank's lease and (``renew``) starts the thread that keeps it.
+    def register(self, *, renew: bool = True, wait_s: float = 0.0) -> None:
+        """Takes this rank's lease and (``renew``) starts the thread that keeps it. A live lease
+        of another agent on this rank (one just killed, whose lease has not expired yet) is
+        waited for, up to ``wait_s``.
 
         Raises:
-          RankTakenError: another agent holds a live lease on this rank.
+          RankTakenError: another agent still holds a live lease on this rank after ``wait_s``.
         """
-        cur = read_record(self._lease_path(self.rank))
-        if cur is not None and cur["incarnation"] != self.incarnation and cur["expires"] > self.clock():
-            raise RankTakenError(
-                f"resilax rendezvous: node rank {self.rank} is held by a live agent (pid {cur['pid']} on "
-                f"{cur['host']}, lease expires in {cur['expires'] - self.clock():.1f} s); expected a free rank or "
-                f"an expired lease (a replacement waits for the dead agent's lease to expire)")
+        deadline = time.monotonic() + wait_s
+        while True:
+            cur = read_record(self._lease_path(self.rank))
+            if cur is None or cur["incarnation"] == self.incarnation or cur["expires"] <= self.clock():
+                break
+            if time.monotonic() >= deadline:
+                raise RankTakenError(
+                    f"resilax rendezvous: node rank {self.rank} is held by a live agent (pid {cur['pid']} on "
+                    f"{cur['host']}, lease expires in {cur['expires'] - self.clock():.1f} s); expected a free rank or "
+                    f"an expired lease (waited {wait_s:g} s for it to expire)")
+            time.sleep(self.poll_s)
         self._write_lease()
         if renew:
             self._thread = threading.Thread(target=self._renew_loop, name=f"resilax-lease-{self.rank}", daemon=True)
