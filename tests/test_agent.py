@@ -75,7 +75,8 @@ def test_launch_cli_rejects_bad_node_options(tmp_path, child_env):
     base = [sys.executable, "-m", "resilax", "launch", "-n", "1", "--run-dir", str(tmp_path), "--nodes", "2"]
     for extra, want in ((["--", "true"], "--nodes needs --node-rank"),
                         (["--node-rank", "2", "--", "true"], "0 <= --node-rank < --nodes, got --nodes 2 --node-rank 2"),
-                        (["--node-rank", "0", "--spares", "1", "--", "true"], "--spares cannot be combined with --nodes")):
+                        (["--node-rank", "0", "--spares", "1", "--", "true"],
+                         "--spares cannot be combined with --nodes")):
         r = subprocess.run(base + extra, env=child_env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and want in r.stderr, (extra, r.stderr)
 

@@ -215,8 +215,11 @@ def test_a_member_that_dies_before_it_acknowledges_abandons_the_proposal(tmp_pat
     for a in agents.values():
         a.ack(nxt)  # node 2 is no member: its ack is a no-op
     assert agents[1].decide(nxt) == COMMITTED and agents[1].changed(nxt) is None
+    agents[1].request(1, "its workers died")  # a member asks for the next generation
+    assert agents[0].changed(nxt) == "node 1 asked for a new generation: its workers died"
     # a member that never acknowledges (alive but stuck) abandons it after the ack timeout
     stuck = agents[0].propose(2, agents[0].live())
+    assert agents[1].changed(nxt) == "generation 2 was proposed"
     agents[0].ack(stuck)
     clock.t += 0.5
     agents[0].renew()
