@@ -150,24 +150,33 @@ def test_token_weighted_loss_combines_by_record_weight():
     # control: the same microbatches combined as a plain mean of means are measurably off
     case = CASES[name]
     unweighted = _without_weight(case)
-    got_u, _, _, _ = run(name, ["fail_slice@2:mid_step/1"], config=cfg, case=unweighted)
+    got_u, step_u, _, _ = run(name, ["fail_slice@2:mid_step/1"], config=cfg, case=unweighted)
+    assert recovery(step_u)[0].fields["microbatches"] > 1, "the control must combine microbatches too"
     assert tree_rel_diff(got_u, ref) > 10 * TOL
 
 
 def _without_weight(case):
+    """The token model's step with its record weight dropped: microbatches then combine as a
+    plain mean of means. A step of its own, not a patched `resilax.record` (a global swap
+    made the control depend on what the process had traced before: it passed alone and
+    failed under pytest-xdist)."""
     import dataclasses
 
-    def step(state, batch, rng, _inner=case.train_step):
-        real = resilax.record
+    import jax
+    import optax
 
-        def no_weight(tree, weight=None):
-            return real(tree)
+    def step(state, batch, rng):
+        inputs, targets, mask = batch["tokens"][:, :-1], batch["tokens"][:, 1:], batch["mask"]
+        denom = mask.sum()
 
-        resilax.record = no_weight
-        try:
-            return _inner(state, batch, rng)
-        finally:
-            resilax.record = real
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, inputs, rngs={"dropout": rng})
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+            return (ce * mask).sum() / denom
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        grads = resilax.record(grads)  # no weight
+        return state.apply_gradients(grads=grads), {"loss": loss, "denominator": denom}
 
     return dataclasses.replace(case, train_step=step)
 
