@@ -25,3 +25,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def child_env() -> dict:
     """Environment for `python -m resilax ...` subprocesses: this checkout importable, unbuffered output."""
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+
+
+def kill_tree(p) -> None:
+    """SIGKILLs the process group a test started (``start_new_session=True``) and reaps its leader."""
+    import signal
+
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=10)

@@ -10,25 +10,18 @@ workers), and a relaunch in the same run directory agrees on the next generation
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+from helpers import kill_tree
+
 STEPS = 6
 TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
          "--checkpoint-every", "3", "--log-every", "3"]
 
-
-def _kill_tree(p):
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait(timeout=10)
 
 
 def test_two_agents_run_a_job_across_hosts_equal_to_one_process(tmp_path, child_env):
@@ -52,7 +45,7 @@ def test_two_agents_run_a_job_across_hosts_equal_to_one_process(tmp_path, child_
         rcs = [a.wait(timeout=max(1.0, 240 - (time.time() - t0))) for a in agents]
     finally:
         for a in agents:
-            _kill_tree(a)
+            kill_tree(a)
         for log in logs:
             log.close()
     texts = {r: (tmp_path / f"agent{r}.log").read_text(errors="replace") for r in (0, 1)}
@@ -121,12 +114,12 @@ def test_a_lost_host_stops_the_job_and_a_relaunch_agrees_on_the_next_generation(
             time.sleep(0.05)
         workers = [procs["nodes"][r]["workers"][str(int(r))] for r in ("0", "1")]
         t_kill = time.time()
-        _kill_tree(agents[1])  # the host of node 1 (not the service node)
+        kill_tree(agents[1])  # the host of node 1 (not the service node)
         rc0 = agents[0].wait(timeout=30)
         took = time.time() - t_kill
     finally:
         for a in agents:
-            _kill_tree(a)
+            kill_tree(a)
     text = (tmp_path / "a0.log").read_text()
     assert rc0 == 1 and "generation 0 failed: node 1's lease expired" in text, text
     assert took < 1.5 + 10, took
@@ -139,7 +132,7 @@ def test_a_lost_host_stops_the_job_and_a_relaunch_agrees_on_the_next_generation(
         rcs = [a.wait(timeout=60) for a in agents]
     finally:
         for a in agents:
-            _kill_tree(a)
+            kill_tree(a)
     assert rcs == [0, 0], [(tmp_path / f"b{r}.log").read_text() for r in (0, 1)]
     procs = json.loads((run / "processes.json").read_text())
     assert procs["generation"] == 1 and procs["status"] == "done", procs

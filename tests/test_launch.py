@@ -21,6 +21,8 @@ import sys
 import time
 
 import numpy as np
+
+from helpers import kill_tree
 import pytest
 
 from resilax._src.runtime import jaxdist
@@ -31,14 +33,6 @@ STEPS, EVERY = 48, 5
 TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
          "--checkpoint-every", str(EVERY), "--log-every", "10"]
 
-
-def _kill_tree(p: subprocess.Popen):
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait(timeout=10)
 
 
 def _wait(pred, timeout, what, proc=None):
@@ -194,7 +188,7 @@ def test_in_place_re_forms_with_a_spare_then_without_one_grows_back_and_re_forms
         os.kill(_wait(lambda: (_processes(run) or {}).get("spares", {}).get("2"), 60, "the next spare", p), signal.SIGSTOP)
         rc = p.wait(timeout=300)  # (the supervisor kills the held spare at the end)
     finally:
-        _kill_tree(p)
+        kill_tree(p)
         log.close()
     text = (tmp_path / "launch.log").read_text(errors="replace")
     assert rc == 0, f"{done}\n{text[-6000:]}"
@@ -474,7 +468,7 @@ def test_hung_worker_then_sigterm_to_one_worker_then_relaunch_resumes_exactly(tm
                 os.kill(_processes(run)["workers"][str(random.randrange(2))], signal.SIGTERM)
             rc = p.wait(timeout=180)
         finally:
-            _kill_tree(p)
+            kill_tree(p)
             logs[-1].close()
         text = (tmp_path / f"launch{attempt}.log").read_text(errors="replace")
         assert rc == 0, text[-5000:]
@@ -498,7 +492,7 @@ def test_hung_worker_then_sigterm_to_one_worker_then_relaunch_resumes_exactly(tm
     try:
         assert p.wait(timeout=180) == 0
     finally:
-        _kill_tree(p)
+        kill_tree(p)
     a, b = np.load(out, allow_pickle=False), np.load(ref_out, allow_pickle=False)
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 

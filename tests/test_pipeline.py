@@ -161,24 +161,11 @@ def _without_weight(case):
     made the control depend on what the process had traced before: it passed alone and
     failed under pytest-xdist)."""
     import dataclasses
+    import functools
 
-    import jax
-    import optax
+    from resilax.tools import models
 
-    def step(state, batch, rng):
-        inputs, targets, mask = batch["tokens"][:, :-1], batch["tokens"][:, 1:], batch["mask"]
-        denom = mask.sum()
-
-        def loss_fn(p):
-            logits = state.apply_fn({"params": p}, inputs, rngs={"dropout": rng})
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-            return (ce * mask).sum() / denom
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        grads = resilax.record(grads)  # no weight
-        return state.apply_gradients(grads=grads), {"loss": loss, "denominator": denom}
-
-    return dataclasses.replace(case, train_step=step)
+    return dataclasses.replace(case, train_step=functools.partial(models._token_step, weighted=False))
 
 
 # ------------------------------------------------------------ 3: no false "state lost"

@@ -39,7 +39,7 @@ from resilax._src.io import write_json
 from resilax._src.runtime import rendezvous
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools.processes import (HEARTBEATS, Output, WorkerProcess, exit_reason, heartbeat_file, popen, read_json,
-                                     say, stop_all)
+                                     say, signal_running, stop_all)
 
 PROCESSES_JSON = "processes.json"
 NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
@@ -156,12 +156,7 @@ class Agent:
             if self._term is not None and forwarded is None:
                 forwarded = now
                 say(f"node {self.rank}: {signal.Signals(self._term).name}: forwarding SIGTERM to the workers")
-                for w in self.workers:
-                    if w.proc.poll() is None:
-                        try:
-                            w.proc.send_signal(signal.SIGTERM)
-                        except ProcessLookupError:
-                            pass
+                signal_running(self.workers, signal.SIGTERM)
             for w in self.workers:
                 why = self._check(w, now)
                 if why is not None:

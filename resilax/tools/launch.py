@@ -383,12 +383,7 @@ class Supervisor:
                 forwarded = now
                 say(f"{signal.Signals(self._term).name}: forwarding SIGTERM to the workers (they save at the next "
                      f"preemption sync point and exit)")
-                for w in self.workers:
-                    if w.proc.poll() is None:
-                        try:
-                            w.proc.send_signal(signal.SIGTERM)
-                        except ProcessLookupError:
-                            pass
+                processes.signal_running(self.workers, signal.SIGTERM)
                 if self.spares:
                     self._kill_spares()  # nothing to save; none are started from now on
                     self._write_processes("running")

@@ -147,7 +147,9 @@ class Transformer(nn.Module):
         return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 
 
-def _token_step(state, batch, rng):
+def _token_step(state, batch, rng, weighted=True):
+    """``weighted=False``: the record weight dropped (a test's control: microbatches then
+    combine as a plain mean of means)."""
     inputs, targets, mask = batch["tokens"][:, :-1], batch["tokens"][:, 1:], batch["mask"]
     denom = mask.sum()
 
@@ -157,7 +159,7 @@ def _token_step(state, batch, rng):
         return (ce * mask).sum() / denom  # token-normalised
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    grads = resilax.record(grads, weight=denom)
+    grads = resilax.record(grads, weight=denom) if weighted else resilax.record(grads)
     return state.apply_gradients(grads=grads), {"loss": loss, "denominator": denom}
 
 

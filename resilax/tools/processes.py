@@ -209,6 +209,16 @@ class WorkerProcess:
         return self.killed_for or why
 
 
+def signal_running(procs, sig) -> None:
+    """Sends ``sig`` to every process of ``procs`` (each with a ``proc``) that still runs."""
+    for w in procs:
+        if w.proc.poll() is None:
+            try:
+                w.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
 def stop_all(procs, why: str | None = None) -> None:
     """Kills the workers or spares ``procs`` (``why``: what a worker is recorded as killed
     for), then waits for each (up to 10 s) and for its output to be copied."""
