@@ -47,6 +47,7 @@ __all__ = [
     "CheckpointConfig",
     "LogConfig",
     "PeersConfig",
+    "Preempted",
     "ProgramMismatchError",
     "VerifyConfig",
     "DeterministicConfig",
