@@ -152,6 +152,8 @@ def test_a_hung_service_host_is_found_by_its_lease_and_the_job_grows_back_when_i
         _signal_host(procs, 0, signal.SIGSTOP)
         procs1 = _wait(lambda: _processes(run, 1, (1,)), 30, "generation 1 on node 1 alone", agents[1:])
         took = time.time() - t_stop
+        _wait(lambda: "[g1 n1 p0] slots" in (tmp_path / "a1.log").read_text(), 30, "generation 1's worker",
+              agents[1:])  # (it prints its place in the job; growing back stops it)
         _signal_host(procs, 0, signal.SIGCONT)
         rcs = [a.wait(timeout=60) for a in agents]
     finally:
@@ -209,8 +211,10 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
     which runs the coordination service, and its worker): nodes 1 and 2 see its lease expire,
     stop their workers and re-form as generation 1 without it (processes 1 and 2 of the job's
     3, slice 0 empty), node 1 now the service node; they resume from the newest checkpoint.
-    Once they have stepped, a replacement agent for rank 0 joins and generation 2 has all
-    three again; the run completes bitwise equal to a failure-free single-process run."""
+    Once they have stepped, a replacement agent for rank 0 joins: the agents stop their
+    workers at a step boundary (SIGTERM: JAX's preemption sync, a checkpoint of that step)
+    and generation 2 has all three again, resuming at that step; the run completes bitwise
+    equal to a failure-free single-process run."""
     steps, every = 60, 5
     train = ["resilax", "train", "--topology", _topology(tmp_path), "--layout", "sharded", "--batch", "48",
              "--steps", str(steps), "--checkpoint-every", str(every), "--log-every", "10"]
@@ -254,6 +258,9 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
     ended1 = max(int(ln.split("(newest step ")[1].split(")")[0]) for r in (1, 2) for ln in texts[r].splitlines()
                  if "generation 1 ended: " in ln)
     r2 = _resumed(tmp_path / "r0.log", "[g2 n0 p0]")
+    # growing back redoes no step: the workers stopped after a step they agreed on and saved it
+    assert "growing back at a step boundary" in texts[1] and "the workers saved their step and exited" in texts[1]
+    assert r2 >= ended1, (r2, ended1)
     print(f"\nservice host killed at step {reached}; re-formed in {t_reformed - t_kill:.1f} s; generation 1 resumed "
           f"at step {r1} (checkpoint): {reached - r1} step(s) redone; grown back: generation 1 stopped at step "
           f"{ended1}, generation 2 resumed at step {r2}: {ended1 - r2} redone; {time.time() - t0:.0f} s in all")

@@ -38,7 +38,10 @@ must have one failure domain per process (the dead nodes' domains are empty). At
 the lowest live agent waits for replacements up to ``--rendezvous-timeout``, then every
 waiting agent exits 1. A replacement agent (a new process with a dead node's rank, once that
 lease expired) or a hung agent that wakes up is a live non-member: the running generation
-ends at once and the next one has it back (the job grows back at a restart boundary). After
+ends and the next one has it back (the job grows back at a restart boundary). When nothing
+else is wrong (every member holds its lease, none failed), the agents first send SIGTERM to
+their workers, which stop after a step they all agree on (JAX's preemption sync), save it
+and exit 0, so growing back redoes no step; up to ``grace_s``, else they are killed. After
 ``--max-restarts`` generations in a row that end without this node's workers getting past
 the step they reached before, the agent gives up (exit 1). SIGTERM is forwarded to the
 workers (whole-job preemption: each saves and exits 0) and ends the agent, not a recovery.
@@ -226,6 +229,34 @@ class Agent:
                 return "term", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
             time.sleep(0.05)
 
+    def _growing(self) -> bool:
+        """The generation ends only because agents joined: every member still holds its lease
+        (same incarnation), no member node failed, and a live agent is not a member."""
+        leases = self.rdv.leases()
+        live = self.rdv.live(leases)
+        if any(r not in live or live[r]["incarnation"] != self.gen.incarnations[r] for r in self.gen.members):
+            return False
+        if any(p.get("status") == "failed" for p in self._nodes().values()):
+            return False
+        return bool(set(live) - set(self.gen.members))
+
+    def _drain(self, why: str) -> str:
+        """Grows back at a step boundary instead of killing the workers mid-interval: SIGTERM
+        to this node's workers (JAX's preemption sync stops every worker of the generation
+        after the same step, which they save), then waits until they exited, up to
+        ``grace_s`` or until a member is lost. Returns ``why`` with how the drain ended."""
+        say(f"node {self.rank}, generation {self.gen.generation}: {why}: growing back at a step boundary (SIGTERM "
+            f"to this node's workers: they stop after the step every worker agrees on, save it and exit)")
+        signal_running(self.workers, signal.SIGTERM)
+        deadline = time.time() + self.grace_s
+        while time.time() < deadline and any(w.proc.poll() is None for w in self.workers):
+            if any(r not in self.rdv.live() for r in self.gen.members):
+                break
+            time.sleep(0.05)
+        codes = [w.proc.poll() for w in self.workers]
+        return why + ("; the workers saved their step and exited" if all(c == 0 for c in codes)
+                      else f"; the drain ended with exit codes {codes}")
+
     def _end_generation(self, outcome: str, why: str) -> int:
         """Stops this node's workers and the service it ran; returns the newest step they
         had completed (-1: none)."""
@@ -259,6 +290,8 @@ class Agent:
                     say(f"node {self.rank}: every node's workers exited 0"
                         + (" (after SIGTERM: preempted; relaunch to resume)" if self._term is not None else ""))
                     return 0
+                if outcome == "ended" and self._term is None and self._growing():
+                    why = self._drain(why)
                 reached = self._end_generation(outcome, why)
                 if self._term is not None:
                     say(f"node {self.rank}, generation {g} ended after SIGTERM: {why}; this node's workers stopped")
