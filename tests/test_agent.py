@@ -175,10 +175,12 @@ def test_a_hung_service_host_is_found_by_its_lease_and_the_job_grows_back_when_i
     assert procs["generation"] == 2 and procs["service_node"] == 0 and procs["status"] == "done", procs
 
 
-def _topology(tmp_path):
-    path = tmp_path / "cpu-3x2.toml"
-    path.write_text('name = "cpu-3x2"\nplatform = "cpu"\ndomain = "slice"\nemulated = true\ndomains = 3\n'
-                    'devices_per_domain = 2\n\n[mesh]\naxes = { data = 3, fsdp = 2 }\nelastic_axis = "data"\n\n'
+def _topology(tmp_path, domains=3):
+    """A spec of ``domains`` emulated CPU slices x 2 devices (one per worker process)."""
+    path = tmp_path / f"cpu-{domains}x2.toml"
+    path.write_text(f'name = "cpu-{domains}x2"\nplatform = "cpu"\ndomain = "slice"\nemulated = true\n'
+                    f'domains = {domains}\ndevices_per_domain = 2\n\n[mesh]\naxes = {{ data = {domains}, fsdp = 2 }}\n'
+                    'elastic_axis = "data"\n\n'
                     '[bandwidth]\nici = 10.0\ndcn = 10.0\nhost = 10.0\nstorage = 1.0\n'
                     'sources = { ici = "emulated", dcn = "emulated", host = "emulated", storage = "emulated" }\n')
     return str(path)
@@ -266,5 +268,51 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
           f"{ended1}, generation 2 resumed at step {r2}: {ended1 - r2} redone; {time.time() - t0:.0f} s in all")
     final = json.loads((run / "processes.json").read_text())
     assert final["generation"] == 2 and final["status"] == "done" and final["service_node"] == 0, final
+    a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
+    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tmp_path, child_env):
+    """Whole-job preemption across hosts: SIGTERM to both agents (each its own process group;
+    the workers are in sessions of their own, so only the agents get it) mid-run. Each
+    forwards it to its worker; the workers stop after the step they agree on (JAX's
+    preemption sync), save it and exit 0; both agents exit 0 and processes.json says
+    ``preempted``. The job relaunched in the same run directory resumes at that step and
+    ends bitwise equal to a failure-free single-process run (2 agents x 1 worker x 2 CPU
+    devices, 2 slices x 2 devices, the bit-exact mode)."""
+    steps = 30
+    train = ["resilax", "train", "--topology", _topology(tmp_path, 2), "--layout", "sharded", "--steps", str(steps),
+             "--checkpoint-every", "10", "--log-every", "10"]
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    opts = ("-n", "1", "--devices-per-process", "2", "--lease", "2", "--heartbeat", "0.2", "--heartbeat-timeout", "10")
+    cmd = [*train, "--out", str(out)]
+    agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "p", *opts) for r in (0, 1)]
+    try:
+        _wait(lambda: _processes(run, 0, (0, 1)), 120, "generation 0 on both nodes", agents)
+        _wait(lambda: len(s := _steps(run, 0)) == 2 and min(s.values()) >= 3, 120, "generation 0 stepping", agents)
+        for a in agents:
+            os.killpg(a.pid, signal.SIGTERM)
+        rcs = [a.wait(timeout=60) for a in agents]
+        assert rcs == [0, 0], [(tmp_path / f"p{r}.log").read_text()[-3000:] for r in (0, 1)]
+        assert json.loads((run / "processes.json").read_text())["status"] == "preempted"
+        assert not out.exists()
+        agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "q", *opts) for r in (0, 1)]
+        ref = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir",
+                              str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
+                             env=child_env, capture_output=True, text=True, timeout=240)
+        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+        rcs = [a.wait(timeout=180) for a in agents]
+    finally:
+        for a in agents:
+            kill_tree(a)
+    first = (tmp_path / "p0.log").read_text(errors="replace")
+    again = (tmp_path / "q0.log").read_text(errors="replace")
+    assert rcs == [0, 0], again[-3000:]
+    assert "after SIGTERM (preempted; relaunch to resume)" in first, first[-3000:]
+    stopped = [int(ln.split("stopped after step ")[1].split(",")[0]) for ln in first.splitlines()
+               if ln.startswith("[g0 n0 p0] preempted: every worker stopped after step ")]
+    assert stopped and 3 <= stopped[0] < steps, first[-3000:]
+    assert _resumed(tmp_path / "q0.log", "[g1 n0 p0]") == stopped[0], again[-3000:]
+    assert json.loads((run / "processes.json").read_text())["status"] == "done"
     a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)

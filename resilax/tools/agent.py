@@ -286,9 +286,12 @@ class Agent:
                 outcome, rc, why = self._watch()
                 g = self.gen.generation
                 if outcome == "done":
-                    self._write_processes(self._nodes(), "done")
+                    # SIGTERM to this agent, or to the workers directly (a scheduler's preemption)
+                    preempted = self._term is not None or any(
+                        (w.heartbeat() or {}).get("phase") == "preempted" for w in self.workers)
+                    self._write_processes(self._nodes(), "preempted" if preempted else "done")
                     say(f"node {self.rank}: every node's workers exited 0"
-                        + (" (after SIGTERM: preempted; relaunch to resume)" if self._term is not None else ""))
+                        + (" after SIGTERM (preempted; relaunch to resume)" if preempted else ""))
                     return 0
                 if outcome == "ended" and self._term is None and self._growing():
                     why = self._drain(why)
