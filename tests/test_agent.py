@@ -7,7 +7,8 @@ final state must be bitwise that of a single-process run of the same topology, a
 hosts from the newest checkpoint (tools/agent.py): three agents x 1 worker on a 3-slice
 topology, the service host SIGKILLed mid-run, the other two re-form without it and the
 service moves, a replacement agent joins and the job grows back, bitwise equal to one
-process; and, with stand-in workers (no JAX), a hung host (SIGSTOP) found by its lease.
+process; with stand-in workers (no JAX), a hung host (SIGSTOP) found by its lease; and a
+whole-job SIGTERM (preemption) that a relaunch resumes from, bitwise.
 """
 
 import json
