@@ -4,12 +4,16 @@ Two agents (each its own process group, as two hosts), 2 workers x 2 CPU devices
 `resilax train` on `cpu-4x2` (the bit-exact mode) for a few steps with no failure; the
 final state must be bitwise that of a single-process run of the same topology, and
 ``processes.json`` must name both nodes, the service node and every worker. Recovery across
-hosts is not built yet (tools/agent.py): a lost host stops the job (tested with stand-in
-workers), and a relaunch in the same run directory agrees on the next generation.
+hosts from the newest checkpoint (tools/agent.py): three agents x 1 worker on a 3-slice
+topology, the service host SIGKILLed mid-run, the other two re-form without it and the
+service moves, a replacement agent joins and the job grows back, bitwise equal to one
+process; with stand-in workers (no JAX), a hung host (SIGSTOP) found by its lease; and a
+whole-job SIGTERM (preemption) that a relaunch resumes from, bitwise.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,13 +78,27 @@ def test_launch_cli_rejects_bad_node_options(tmp_path, child_env):
         assert r.returncode == 2 and want in r.stderr, (extra, r.stderr)
 
 
-def _agent(tmp_path, run, r, worker_code, child_env, tag):
-    log = open(tmp_path / f"{tag}{r}.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "resilax", "launch", "--nodes", "2", "--node-rank", str(r),
-                          "--run-dir", str(run), "-n", "1", "--lease", "1.5", "--", sys.executable, "-c", worker_code],
-                         env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    return p
+def _wait(pred, timeout, what, procs=()):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        dead = [p.returncode for p in procs if p.poll() is not None]
+        assert not dead, f"an agent exited ({dead}) while waiting for {what}"
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _processes(run, gen=None, nodes=None):
+    """processes.json once it names generation ``gen`` running with every node of ``nodes`` in it."""
+    try:
+        procs = json.loads((run / "processes.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if gen is not None and (procs["generation"] != gen or procs["status"] != "running"):
+        return None
+    return procs if nodes is None or sorted(procs["nodes"]) == sorted(map(str, nodes)) else None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -93,46 +111,209 @@ def _pid_alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_lost_host_stops_the_job_and_a_relaunch_agrees_on_the_next_generation(tmp_path, child_env):
-    """No recovery across hosts yet: SIGKILL of one agent's host (the agent; its workers die
-    with it) makes the other agent stop its workers and exit 1, naming the lost node; the
-    job relaunched in the same run directory agrees on generation 1 and ends with 0. The
-    workers are stand-ins (no JAX), so this tests the agents only."""
+def _signal_host(procs, r, sig):
+    """``sig`` to host ``r``: its agent's process group and each of its workers' (own sessions)."""
+    node = procs["nodes"][str(r)]
+    for pid in [node["agent"], *node["workers"].values()]:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _launch(tmp_path, run, r, nodes, cmd, child_env, tag, *extra):
+    log = open(tmp_path / f"{tag}{r}.log", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "resilax", "launch", "--nodes", str(nodes), "--node-rank", str(r),
+                          "--run-dir", str(run), *extra, "--", *cmd],
+                         env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return p
+
+
+# a stand-in worker: prints its place in the job, sleeps through generations 0 and 1, ends in 2
+STAND_IN = ("import os, time; e = os.environ; print('slots', repr(e['RESILAX_SLOTS']), 'of', e['RESILAX_NUM_SLOTS'], "
+            "'process', e['RESILAX_PROCESS_ID'], 'of', e['RESILAX_NUM_PROCESSES'], flush=True); "
+            "time.sleep(120 if int(e['RESILAX_GENERATION']) < 2 else 0)")
+
+
+def test_a_hung_service_host_is_found_by_its_lease_and_the_job_grows_back_when_it_wakes(tmp_path, child_env):
+    """SIGSTOP of node 0's agent and worker (the service host hangs): node 1 sees node 0's
+    lease expire, stops its worker and re-forms alone as generation 1 (--min-nodes 1), its
+    worker keeping its place in the job (process 1 of 2); SIGCONT: the woken agent finds a
+    newer generation, stops its stale worker and asks back in, and generation 2 has both
+    nodes again (the job grew back). Stand-in workers (no JAX): this tests the agents."""
     run = tmp_path / "run"
-    agents = [_agent(tmp_path, run, r, "import time; time.sleep(120)", child_env, "a") for r in (0, 1)]
+    opts = ("-n", "1", "--lease", "1.5", "--min-nodes", "1", "--rendezvous-timeout", "60")
+    cmd = [sys.executable, "-c", STAND_IN]
+    agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "a", *opts) for r in (0, 1)]
     try:
-        def running():
-            try:
-                procs = json.loads((run / "processes.json").read_text())
-            except (OSError, ValueError):
-                return None
-            return procs if len(procs["nodes"]) == 2 else None
-
-        t0 = time.time()
-        while (procs := running()) is None:
-            assert time.time() - t0 < 60 and all(a.poll() is None for a in agents), "the agents did not start"
-            time.sleep(0.05)
-        workers = [procs["nodes"][r]["workers"][str(int(r))] for r in ("0", "1")]
-        t_kill = time.time()
-        kill_tree(agents[1])  # the host of node 1 (not the service node)
-        rc0 = agents[0].wait(timeout=30)
-        took = time.time() - t_kill
-    finally:
-        for a in agents:
-            kill_tree(a)
-    text = (tmp_path / "a0.log").read_text()
-    assert rc0 == 1 and "generation 0 failed: node 1's lease expired" in text, text
-    assert took < 1.5 + 10, took
-    time.sleep(0.5)
-    assert not any(_pid_alive(w) for w in workers), workers  # stopped by agent 0 / died with agent 1
-    assert json.loads((run / "processes.json").read_text())["status"] == "failed"
-
-    agents = [_agent(tmp_path, run, r, "pass", child_env, "b") for r in (0, 1)]
-    try:
+        procs = _wait(lambda: _processes(run, 0, (0, 1)), 60, "generation 0 on both nodes", agents)
+        old = procs["nodes"]["0"]["workers"]["0"]
+        t_stop = time.time()
+        _signal_host(procs, 0, signal.SIGSTOP)
+        procs1 = _wait(lambda: _processes(run, 1, (1,)), 30, "generation 1 on node 1 alone", agents[1:])
+        took = time.time() - t_stop
+        _wait(lambda: "[g1 n1 p0] slots" in (tmp_path / "a1.log").read_text(), 30, "generation 1's worker",
+              agents[1:])  # (it prints its place in the job; growing back stops it)
+        _signal_host(procs, 0, signal.SIGCONT)
         rcs = [a.wait(timeout=60) for a in agents]
     finally:
         for a in agents:
             kill_tree(a)
-    assert rcs == [0, 0], [(tmp_path / f"b{r}.log").read_text() for r in (0, 1)]
+    texts = [(tmp_path / f"a{r}.log").read_text() for r in (0, 1)]
+    assert rcs == [0, 0], texts
+    assert took < 1.5 + 10, took
+    assert procs1["service_node"] == 1
+    assert "generation 0 ended: node 0's lease expired" in texts[1], texts[1]
+    assert "[g1 n1 p0] slots '1' of 2 process 0 of 1" in texts[1], texts[1]
+    assert "generation 0 ended: generation 1 was proposed" in texts[0], texts[0]
+    assert "generation 1 ended: node(s) [0] joined" in texts[1] or "generation 1 ended: generation 2 was proposed" \
+        in texts[1], texts[1]
+    assert "[g2 n0 p0] slots '' of 0 process 0 of 2" in texts[0] and "[g2 n1 p1] slots '' of 0 process 1 of 2" \
+        in texts[1], texts
+    assert not _pid_alive(old)
     procs = json.loads((run / "processes.json").read_text())
-    assert procs["generation"] == 1 and procs["status"] == "done", procs
+    assert procs["generation"] == 2 and procs["service_node"] == 0 and procs["status"] == "done", procs
+
+
+def _topology(tmp_path, domains=3):
+    """A spec of ``domains`` emulated CPU slices x 2 devices (one per worker process)."""
+    path = tmp_path / f"cpu-{domains}x2.toml"
+    path.write_text(f'name = "cpu-{domains}x2"\nplatform = "cpu"\ndomain = "slice"\nemulated = true\n'
+                    f'domains = {domains}\ndevices_per_domain = 2\n\n[mesh]\naxes = {{ data = {domains}, fsdp = 2 }}\n'
+                    'elastic_axis = "data"\n\n'
+                    '[bandwidth]\nici = 10.0\ndcn = 10.0\nhost = 10.0\nstorage = 1.0\n'
+                    'sources = { ici = "emulated", dcn = "emulated", host = "emulated", storage = "emulated" }\n')
+    return str(path)
+
+
+def _steps(run, gen):
+    out = {}
+    for f in (run / "heartbeats").glob(f"g{gen}.p*.json"):
+        try:
+            out[f.name] = json.loads(f.read_text()).get("step") or 0
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _resumed(log, prefix):
+    """The step the worker with ``prefix`` in ``log`` resumed at, or None (not yet)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    got = [int(ln.split("resumed at step ")[1].split()[0]) for ln in lines if ln.startswith(prefix) and
+           "resumed at step " in ln]
+    return got[0] if got else None
+
+
+def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, child_env):
+    """Three agents (each its own process group) x 1 worker x 2 CPU devices run `resilax train`
+    on a 3-slice topology in the bit-exact mode. Past a checkpoint, SIGKILL host 0 (its agent,
+    which runs the coordination service, and its worker): nodes 1 and 2 see its lease expire,
+    stop their workers and re-form as generation 1 without it (processes 1 and 2 of the job's
+    3, slice 0 empty), node 1 now the service node; they resume from the newest checkpoint.
+    Once they have stepped, a replacement agent for rank 0 joins: the agents stop their
+    workers at a step boundary (SIGTERM: JAX's preemption sync, a checkpoint of that step)
+    and generation 2 has all three again, resuming at that step; the run completes bitwise
+    equal to a failure-free single-process run."""
+    steps, every = 60, 5
+    train = ["resilax", "train", "--topology", _topology(tmp_path), "--layout", "sharded", "--batch", "48",
+             "--steps", str(steps), "--checkpoint-every", str(every), "--log-every", "10"]
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    opts = ("-n", "1", "--devices-per-process", "2", "--lease", "2", "--heartbeat", "0.2", "--heartbeat-timeout", "10",
+            "--rendezvous-timeout", "120")
+    cmd = [*train, "--out", str(out)]
+    agents = [_launch(tmp_path, run, r, 3, cmd, child_env, "h", *opts) for r in (0, 1, 2)]
+    t0 = time.time()
+    try:
+        procs = _wait(lambda: _processes(run, 0, (0, 1, 2)), 120, "generation 0 on three nodes", agents)
+        _wait(lambda: len(s := _steps(run, 0)) == 3 and min(s.values()) >= every + 2, 120,
+              "generation 0 past a checkpoint", agents)
+        reached = max(_steps(run, 0).values())
+        t_kill = time.time()
+        _signal_host(procs, 0, signal.SIGKILL)
+        agents[0].wait(timeout=10)
+        procs1 = _wait(lambda: _processes(run, 1, (1, 2)), 60, "generation 1 on nodes 1 and 2", agents[1:])
+        t_reformed = time.time()
+        r1 = _wait(lambda: _resumed(tmp_path / "h1.log", "[g1 n1 p0]"), 120, "generation 1 resumed", agents[1:])
+        _wait(lambda: len(s := _steps(run, 1)) == 2 and min(s.values()) > r1, 120, "generation 1 stepping", agents[1:])
+        agents[0] = _launch(tmp_path, run, 0, 3, cmd, child_env, "r", *opts)  # the replacement host
+        _wait(lambda: _processes(run, 2, (0, 1, 2)), 60, "generation 2 on three nodes", agents)
+        # the failure-free reference now (earlier, it would slow generations 0 and 1 down)
+        ref = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir",
+                              str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
+                             env=child_env, capture_output=True, text=True, timeout=240)
+        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+        rcs = [a.wait(timeout=max(1.0, 240 - (time.time() - t0))) for a in agents]
+    finally:
+        for a in agents:
+            kill_tree(a)
+    texts = {r: (tmp_path / f"h{r}.log").read_text(errors="replace") for r in (1, 2)}
+    texts[0] = (tmp_path / "r0.log").read_text(errors="replace")
+    assert rcs == [0, 0, 0], texts
+    assert procs1["service_node"] == 1 and procs1["coordinator"] != procs["coordinator"], (procs, procs1)
+    for r in (1, 2):
+        assert f"node {r}, generation 0 ended: " in texts[r], texts[r]
+        assert f"node {r}, generation 1: nodes [1, 2], coordination service on node 1" in texts[r], texts[r]
+    assert r1 >= every and r1 % every == 0 and f"[g1 n1 p0] resumed at step {r1} (checkpoint)" in texts[1], texts[1]
+    ended1 = max(int(ln.split("(newest step ")[1].split(")")[0]) for r in (1, 2) for ln in texts[r].splitlines()
+                 if "generation 1 ended: " in ln)
+    r2 = _resumed(tmp_path / "r0.log", "[g2 n0 p0]")
+    # growing back redoes no step: the workers stopped after a step they agreed on and saved it
+    assert "growing back at a step boundary" in texts[1] and "the workers saved their step and exited" in texts[1]
+    assert r2 >= ended1, (r2, ended1)
+    print(f"\nservice host killed at step {reached}; re-formed in {t_reformed - t_kill:.1f} s; generation 1 resumed "
+          f"at step {r1} (checkpoint): {reached - r1} step(s) redone; grown back: generation 1 stopped at step "
+          f"{ended1}, generation 2 resumed at step {r2}: {ended1 - r2} redone; {time.time() - t0:.0f} s in all")
+    final = json.loads((run / "processes.json").read_text())
+    assert final["generation"] == 2 and final["status"] == "done" and final["service_node"] == 0, final
+    a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
+    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tmp_path, child_env):
+    """Whole-job preemption across hosts: SIGTERM to both agents (each its own process group;
+    the workers are in sessions of their own, so only the agents get it) mid-run. Each
+    forwards it to its worker; the workers stop after the step they agree on (JAX's
+    preemption sync), save it and exit 0; both agents exit 0 and processes.json says
+    ``preempted``. The job relaunched in the same run directory resumes at that step and
+    ends bitwise equal to a failure-free single-process run (2 agents x 1 worker x 2 CPU
+    devices, 2 slices x 2 devices, the bit-exact mode)."""
+    steps = 30
+    train = ["resilax", "train", "--topology", _topology(tmp_path, 2), "--layout", "sharded", "--steps", str(steps),
+             "--checkpoint-every", "10", "--log-every", "10"]
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    opts = ("-n", "1", "--devices-per-process", "2", "--lease", "2", "--heartbeat", "0.2", "--heartbeat-timeout", "10")
+    cmd = [*train, "--out", str(out)]
+    agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "p", *opts) for r in (0, 1)]
+    try:
+        _wait(lambda: _processes(run, 0, (0, 1)), 120, "generation 0 on both nodes", agents)
+        _wait(lambda: len(s := _steps(run, 0)) == 2 and min(s.values()) >= 3, 120, "generation 0 stepping", agents)
+        for a in agents:
+            os.killpg(a.pid, signal.SIGTERM)
+        rcs = [a.wait(timeout=60) for a in agents]
+        assert rcs == [0, 0], [(tmp_path / f"p{r}.log").read_text()[-3000:] for r in (0, 1)]
+        assert json.loads((run / "processes.json").read_text())["status"] == "preempted"
+        assert not out.exists()
+        agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "q", *opts) for r in (0, 1)]
+        ref = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir",
+                              str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
+                             env=child_env, capture_output=True, text=True, timeout=240)
+        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+        rcs = [a.wait(timeout=180) for a in agents]
+    finally:
+        for a in agents:
+            kill_tree(a)
+    first = (tmp_path / "p0.log").read_text(errors="replace")
+    again = (tmp_path / "q0.log").read_text(errors="replace")
+    assert rcs == [0, 0], again[-3000:]
+    assert "after SIGTERM (preempted; relaunch to resume)" in first, first[-3000:]
+    stopped = [int(ln.split("stopped after step ")[1].split(",")[0]) for ln in first.splitlines()
+               if ln.startswith("[g0 n0 p0] preempted: every worker stopped after step ")]
+    assert stopped and 3 <= stopped[0] < steps, first[-3000:]
+    assert _resumed(tmp_path / "q0.log", "[g1 n0 p0]") == stopped[0], again[-3000:]
+    assert json.loads((run / "processes.json").read_text())["status"] == "done"
+    a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
+    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)

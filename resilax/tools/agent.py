@@ -19,12 +19,32 @@ Each agent keeps its lease until then (a lease that disappears before its node i
 lost host), and the service node's agent keeps the service until then, since the workers of
 the last node still need it to shut down.
 
-Not built yet (issue 29, next steps): recovery. A failure here (a worker of this host dies
-or hangs, a member's lease expires or another agent takes its rank, another node fails) is
-reported, this host's workers are stopped, and the agent exits non-zero; the scheduler may
-relaunch the job, which resumes from the newest checkpoint. Agreeing on the next
-generation without the lost host (the rendezvous does that already), the host stores and
-their mirror on another host, regrowth and whole-job preemption come next.
+Recovery (issue 29, from the newest checkpoint). A generation ends early when a worker of
+this host dies or hangs (stale heartbeat), another node reports a failure or asks for a new
+generation, a member's lease expires (a dead host, or a hung one: a SIGSTOPped agent stops
+renewing), another agent takes a member's rank, or a live agent that is not a member joins.
+Then every agent stops its own workers (their JAX runtime cannot outlive a lost peer:
+/work/shared/MULTIPROCESS.md), the old service node's agent shuts its service down, and the
+agents agree on the next generation with the live nodes (`Rendezvous.agree`): the lowest
+live rank proposes and becomes the service node (so the service moves off a dead host),
+each agent starts its workers with the new global process ids, and they resume from the
+newest checkpoint in ``D/checkpoints`` (what `resilax train` does on any restart; no host
+stores across hosts yet). A generation with fewer nodes than ``--nodes`` runs the job's
+processes of its members only: each worker keeps its place in the job (``RESILAX_SLOTS``:
+node r's worker j is the job's process ``r * P + j``; ``RESILAX_NUM_SLOTS = N * P``), as the
+single-host supervisor does when survivors re-form without replacements, so the topology
+must have one failure domain per process (the dead nodes' domains are empty). At least
+``--min-nodes`` (default: half of ``--nodes``, rounded up) live nodes are needed: with fewer,
+the lowest live agent waits for replacements up to ``--rendezvous-timeout``, then every
+waiting agent exits 1. A replacement agent (a new process with a dead node's rank, once that
+lease expired) or a hung agent that wakes up is a live non-member: the running generation
+ends and the next one has it back (the job grows back at a restart boundary). When nothing
+else is wrong (every member holds its lease, none failed), the agents first send SIGTERM to
+their workers, which stop after a step they all agree on (JAX's preemption sync), save it
+and exit 0, so growing back redoes no step; up to ``grace_s``, else they are killed. After
+``--max-restarts`` generations in a row that end without this node's workers getting past
+the step they reached before, the agent gives up (exit 1). SIGTERM is forwarded to the
+workers (whole-job preemption: each saves and exits 0) and ends the agent, not a recovery.
 """
 
 from __future__ import annotations
@@ -47,20 +67,26 @@ NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
 
 class Agent:
     """The agent of node ``node_rank`` of ``nodes``: runs its ``n`` workers of ``cmd`` in the
-    generations the agents agree on (only generation 0 for now: see the module docstring).
+    generations the agents agree on (see the module docstring for recovery).
 
     Args:
       lease_s: the rendezvous lease (an agent silent for this long is dead).
       address: how the other hosts reach this one (the coordinator address when this node
         runs the service); loopback by default.
-      rendezvous_timeout_s: how long to wait for all ``nodes`` agents to agree.
+      rendezvous_timeout_s: how long to wait for the agents to agree on a generation (all
+        ``nodes`` for the first one, ``min_nodes`` after a failure).
+      min_nodes: the fewest live nodes a generation after a failure may run on (default:
+        half of ``nodes``, rounded up).
+      max_restarts: give up after this many generations in a row that end without this
+        node's workers getting past the step they had reached before.
       The rest as `launch.Supervisor`.
     """
 
     def __init__(self, cmd, *, nodes: int, node_rank: int, n: int, devices_per_process: int, run_dir,
                  lease_s: float = 5.0, address: str = "127.0.0.1", rendezvous_timeout_s: float = 300.0,
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, collective_timeout_s: int = 15,
-                 startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 60, grace_s: float = 60.0):
+                 startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 60, grace_s: float = 60.0,
+                 min_nodes: int | None = None, max_restarts: int = 3):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if nodes < 1 or not 0 <= node_rank < nodes:
@@ -69,6 +95,9 @@ class Agent:
         if n < 1 or devices_per_process < 1:
             raise ValueError(f"resilax launch: -n and --devices-per-process must be >= 1, got {n} and "
                              f"{devices_per_process}")
+        min_nodes = -(-nodes // 2) if min_nodes is None else min_nodes
+        if not 1 <= min_nodes <= nodes:
+            raise ValueError(f"resilax launch: --min-nodes must be in [1, --nodes={nodes}], got {min_nodes}")
         if heartbeat_timeout_s <= heartbeat_s:
             raise ValueError(f"resilax launch: --heartbeat-timeout ({heartbeat_timeout_s} s) must exceed the heartbeat "
                              f"interval --heartbeat ({heartbeat_s} s)")
@@ -78,6 +107,7 @@ class Agent:
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.collective_timeout_s, self.startup_timeout_s = collective_timeout_s, startup_timeout_s
         self.jax_heartbeat_timeout_s, self.grace_s = jax_heartbeat_timeout_s, grace_s
+        self.min_nodes, self.max_restarts = min_nodes, max_restarts
         self.rdv: rendezvous.Rendezvous | None = None
         self.gen: rendezvous.Generation | None = None
         self.workers: list[WorkerProcess] = []
@@ -103,7 +133,9 @@ class Agent:
         return out
 
     def _write_processes(self, parts: dict[int, dict], status: str):
-        if self.gen.service_node != self.rank:
+        # only the service node's agent, and only while its generation is the newest (an agent
+        # that was hung wakes up after the others moved on: it must not overwrite their file)
+        if self.gen.service_node != self.rank or (self.rdv.latest() or 0) > self.gen.generation:
             return
         write_json(self.run_dir / PROCESSES_JSON, {
             "generation": self.gen.generation, "service_node": self.gen.service_node,
@@ -113,6 +145,15 @@ class Agent:
     # ------------------------------------------------------------------ a generation
     def _start(self):
         g, gen = self.gen.generation, self.gen
+        short = [r for r in gen.members if len(gen.process_ids[r]) != self.n]
+        if short:
+            raise rendezvous.RendezvousError(
+                f"resilax launch: every agent of a job runs -n {self.n} workers (node r's worker j is the job's process "
+                f"r * {self.n} + j), but node(s) {short} run {[len(gen.process_ids[r]) for r in short]}")
+        # each process keeps its place in the job (its failure domain) when nodes are missing
+        slots = [r * self.n + j for r in sorted(gen.members) for j in range(self.n)]
+        whole = slots == list(range(self.nodes * self.n))
+        self.workers = []
         if gen.service_node == self.rank:
             from resilax._src.runtime import jaxdist
 
@@ -125,14 +166,17 @@ class Agent:
                 devices_per_process=self.k, run_dir=str(self.run_dir),
                 heartbeat_file=str(heartbeat_file(self.run_dir, g, pid_)), heartbeat_s=self.heartbeat_s,
                 jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
-                init_timeout_s=int(min(self.startup_timeout_s, 600)), host_store="", host_store_every=0)
+                init_timeout_s=int(min(self.startup_timeout_s, 600)), host_store="", host_store_every=0,
+                slots="" if whole else ",".join(map(str, slots)), num_slots=0 if whole else self.nodes * self.n)
             proc = popen(self.cmd, {**env.to_env(), "PYTHONUNBUFFERED": "1"})
             out = Output(proc, f"[g{g} n{self.rank} p{pid_}] ", self.run_dir / "logs" / f"g{g}.p{pid_}.log")
             self.workers.append(WorkerProcess(pid_, env, proc, out))
         self._write_node("running")
         say(f"node {self.rank}, generation {g}: nodes {list(gen.members)}, coordination service on node "
             f"{gen.service_node} at {gen.coordinator}; this node's processes "
-            f"{[w.process_id for w in self.workers]} (pids {[w.proc.pid for w in self.workers]})")
+            f"{[w.process_id for w in self.workers]} (pids {[w.proc.pid for w in self.workers]})"
+            + ("" if whole else f" as the job's processes {[w.slot for w in self.workers]} of {self.nodes * self.n} "
+               f"(nodes {sorted(set(range(self.nodes)) - set(gen.members))} missing)"))
 
     def _check(self, w: WorkerProcess, now: float) -> str | None:
         """Why worker ``w`` counts as failed now, or None (running, or exited 0)."""
@@ -148,8 +192,11 @@ class Agent:
             return f"hung: heartbeat {now - hb['t']:.1f} s old (--heartbeat-timeout {self.heartbeat_timeout_s:g} s)"
         return None
 
-    def _watch(self) -> tuple[int, str]:
-        """Polls until the job ends: (0, "") when every member node is done, else (rc, why)."""
+    def _watch(self) -> tuple[str, int, str]:
+        """Polls until this generation ends: ``("done", 0, "")`` when every member node is done;
+        ``("failed", rc, why)``: a worker of this node failed; ``("ended", 1, why)``: the
+        generation must end for another reason (`Rendezvous.changed`, another node failed);
+        ``("term", rc, why)``: the workers did not exit within the grace period after SIGTERM."""
         forwarded, written, done = None, None, False
         while True:
             now = time.time()
@@ -160,7 +207,7 @@ class Agent:
             for w in self.workers:
                 why = self._check(w, now)
                 if why is not None:
-                    return (w.proc.returncode if (w.proc.returncode or 0) > 0 else 1), \
+                    return "failed", (w.proc.returncode if (w.proc.returncode or 0) > 0 else 1), \
                         f"process {w.process_id} (pid {w.proc.pid}) on node {self.rank} {why}"
             mine_done = all(w.proc.poll() == 0 for w in self.workers)
             if mine_done and not done:
@@ -172,15 +219,55 @@ class Agent:
                 self._write_processes(parts, "running")
             failed = [r for r, p in parts.items() if p.get("status") == "failed"]
             if failed:
-                return 1, f"node {failed[0]} failed: {parts[failed[0]].get('why')}"
+                return "ended", 1, f"node {failed[0]} failed: {parts[failed[0]].get('why')}"
             if mine_done and len(parts) == len(self.gen.members) and all(p["status"] == "done" for p in parts.values()):
-                return 0, ""
+                return "done", 0, ""
             why = self.rdv.changed(self.gen)
             if why is not None:
-                return 1, why
+                return "ended", 1, why
             if forwarded is not None and now - forwarded > self.grace_s:
-                return 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
+                return "term", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
             time.sleep(0.05)
+
+    def _growing(self) -> bool:
+        """The generation ends only because agents joined: every member still holds its lease
+        (same incarnation), no member node failed, and a live agent is not a member."""
+        leases = self.rdv.leases()
+        live = self.rdv.live(leases)
+        if any(r not in live or live[r]["incarnation"] != self.gen.incarnations[r] for r in self.gen.members):
+            return False
+        if any(p.get("status") == "failed" for p in self._nodes().values()):
+            return False
+        return bool(set(live) - set(self.gen.members))
+
+    def _drain(self, why: str) -> str:
+        """Grows back at a step boundary instead of killing the workers mid-interval: SIGTERM
+        to this node's workers (JAX's preemption sync stops every worker of the generation
+        after the same step, which they save), then waits until they exited, up to
+        ``grace_s`` or until a member is lost. Returns ``why`` with how the drain ended."""
+        say(f"node {self.rank}, generation {self.gen.generation}: {why}: growing back at a step boundary (SIGTERM "
+            f"to this node's workers: they stop after the step every worker agrees on, save it and exit)")
+        signal_running(self.workers, signal.SIGTERM)
+        deadline = time.time() + self.grace_s
+        while time.time() < deadline and any(w.proc.poll() is None for w in self.workers):
+            if any(r not in self.rdv.live() for r in self.gen.members):
+                break
+            time.sleep(0.05)
+        codes = [w.proc.poll() for w in self.workers]
+        return why + ("; the workers saved their step and exited" if all(c == 0 for c in codes)
+                      else f"; the drain ended with exit codes {codes}")
+
+    def _end_generation(self, outcome: str, why: str) -> int:
+        """Stops this node's workers and the service it ran; returns the newest step they
+        had completed (-1: none)."""
+        reached = max([(w.heartbeat() or {}).get("step") or -1 for w in self.workers] + [-1])
+        stop_all(self.workers, why)
+        self._write_node("failed" if outcome == "failed" else "stopped", why=why)
+        self._write_processes(self._nodes(), "failed" if self._term is not None else "restarting")
+        if self._service is not None:
+            self._service.shutdown()
+            self._service = None
+        return reached
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
@@ -189,22 +276,42 @@ class Agent:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.rdv = rendezvous.Rendezvous(self.run_dir, self.rank, workers=self.n, lease_s=self.lease_s,
                                          address=self.address)
+        restarts, best = 0, -1
         try:
             self.rdv.register(wait_s=2 * self.lease_s)  # a relaunch after a kill: the old lease expires first
             say(f"node {self.rank}: waiting for the {self.nodes} agents in {self.rdv.root}")
             self.gen = self.rdv.agree(min_nodes=self.nodes, timeout_s=self.rendezvous_timeout_s)
-            self._start()
-            rc, why = self._watch()
-            if rc == 0:
-                self._write_processes(self._nodes(), "done")
-                say(f"node {self.rank}: every node's workers exited 0")
-                return 0
-            say(f"node {self.rank}, generation {self.gen.generation} failed: {why}; stopping this node's workers "
-                f"(recovery across hosts is not built yet: relaunch the job to resume from the newest checkpoint)")
-            stop_all(self.workers, why)
-            self._write_node("failed", why=why)
-            self._write_processes(self._nodes(), "failed")
-            return rc
+            while True:
+                self._start()
+                outcome, rc, why = self._watch()
+                g = self.gen.generation
+                if outcome == "done":
+                    # SIGTERM to this agent, or to the workers directly (a scheduler's preemption)
+                    preempted = self._term is not None or any(
+                        (w.heartbeat() or {}).get("phase") == "preempted" for w in self.workers)
+                    self._write_processes(self._nodes(), "preempted" if preempted else "done")
+                    say(f"node {self.rank}: every node's workers exited 0"
+                        + (" after SIGTERM (preempted; relaunch to resume)" if preempted else ""))
+                    return 0
+                if outcome == "ended" and self._term is None and self._growing():
+                    why = self._drain(why)
+                reached = self._end_generation(outcome, why)
+                if self._term is not None:
+                    say(f"node {self.rank}, generation {g} ended after SIGTERM: {why}; this node's workers stopped")
+                    return rc
+                if outcome == "failed":
+                    self.rdv.request(g, why)  # the other nodes end this generation too
+                grows = sorted(set(self.rdv.live()) - set(self.gen.members))
+                if reached > best:  # this node got further than at the last failure: not a crash loop
+                    restarts, best = 0, reached
+                restarts += 0 if grows and outcome != "failed" else 1
+                if restarts > self.max_restarts:
+                    say(f"node {self.rank}: giving up: {self.max_restarts} restarts in a row without getting past step "
+                        f"{best} (--max-restarts {self.max_restarts}); last: {why}")
+                    return rc
+                say(f"node {self.rank}, generation {g} ended: {why}; this node's workers stopped (newest step "
+                    f"{reached}); agreeing on generation {g + 1} with the live nodes (at least {self.min_nodes})")
+                self.gen = self.rdv.agree(after=g, min_nodes=self.min_nodes, timeout_s=self.rendezvous_timeout_s)
         except rendezvous.RendezvousError as e:
             say(f"node {self.rank}: {e}")
             return 1
@@ -228,6 +335,11 @@ def add_arguments(p) -> None:
     g.add_argument("--lease", type=float, default=5.0, metavar="S", help="an agent silent for this long is dead (s)")
     g.add_argument("--address", default="127.0.0.1",
                    help="how the other hosts reach this one (the coordination service's address when it runs here)")
+    g.add_argument("--min-nodes", type=int, default=None, metavar="M",
+                   help="after a lost host, go on with at least M live nodes (default: half of --nodes, rounded up); "
+                        "with fewer, wait for replacements up to --rendezvous-timeout, then exit 1")
+    g.add_argument("--rendezvous-timeout", type=float, default=300.0, metavar="S",
+                   help="how long the agents wait to agree on a generation (s)")
 
 
 def main(cmd, args) -> int:
@@ -240,7 +352,9 @@ def main(cmd, args) -> int:
         agent = Agent(cmd, nodes=args.nodes, node_rank=args.node_rank, n=args.n,
                       devices_per_process=args.devices_per_process, run_dir=args.run_dir, lease_s=args.lease,
                       address=args.address, heartbeat_s=args.heartbeat, heartbeat_timeout_s=args.heartbeat_timeout,
-                      collective_timeout_s=args.collective_timeout or 15, startup_timeout_s=args.startup_timeout)
+                      collective_timeout_s=args.collective_timeout or 15, startup_timeout_s=args.startup_timeout,
+                      min_nodes=args.min_nodes, max_restarts=args.max_restarts,
+                      rendezvous_timeout_s=args.rendezvous_timeout)
     except ValueError as e:
         print(f"resilax: error: resilax launch: {e}" if not str(e).startswith("resilax") else f"resilax: error: {e}",
               file=sys.stderr)

@@ -6,6 +6,19 @@ import argparse
 import sys
 
 
+def _example_spec(batch: int | None):
+    """The example model's spec with ``--batch`` (None: the default spec)."""
+    if batch is None:
+        return None
+    from resilax.tools import example as ex
+
+    if batch < 1:
+        import resilax
+
+        raise resilax.ConfigError(f"resilax train: --batch must be >= 1, got {batch}")
+    return ex.ExampleSpec(batch=batch)
+
+
 def _cmd_train(args) -> int:
     import os
 
@@ -24,7 +37,7 @@ def _cmd_train(args) -> int:
                 log_every=args.log_every, progress=not args.quiet, log=not args.no_log, log_mode=args.log_mode,
                 peers=not args.no_peers, peers_every=args.peers_every, anomaly=not args.no_anomaly,
                 layout=args.layout, deterministic=not args.no_deterministic, health=not args.no_health,
-                curve=args.curve,
+                curve=args.curve, spec=_example_spec(args.batch),
             )
             break
         except membership.Reform:  # under `resilax launch --in-place`: the job re-forms; join it in this process
@@ -85,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-health", action="store_true",
                    help="no silent-data-corruption check (default: the state's replicas across slices are compared "
                         "before each step; an outvoted slice is dropped)")
+    t.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="the example model's global batch (default 64); the bit-exact mode needs it divisible by the "
+                        "topology's failure domains (e.g. 48 for 3 or 6)")
     t.add_argument("--curve", action="store_true", help="put every step's loss and seconds in the --summary JSON")
     t.add_argument("--no-anomaly", action="store_true",
                    help="apply every update (default: steps with NaN/Inf values or a loss spike are skipped)")
