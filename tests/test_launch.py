@@ -497,6 +497,21 @@ def test_hung_worker_then_sigterm_to_one_worker_then_relaunch_resumes_exactly(tm
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 
 
+def test_bit_exact_mode_across_processes_refuses_domains_of_more_than_two_devices(tmp_path):
+    """cpu-2x4 as 2 processes x 4 devices in the bit-exact mode ended 1.4e-2 from the
+    one-process run with no failure at all (a known defect, cause not found yet): it is
+    refused with a clear error instead of training to a wrong state."""
+    from helpers import child_env
+
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--max-restarts", "0",
+           "--run-dir", str(tmp_path / "run"), "--", "resilax", "train", "--topology", "cpu-2x4", "--layout",
+           "sharded", "--steps", "2", "--out", str(tmp_path / "x.npz"), "--quiet"]
+    r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and not (tmp_path / "x.npz").exists(), out[-3000:]
+    assert "the bit-exact mode across several processes is refused for failure domains of more than 2 devices" in out
+
+
 def _past_n(run_dir, gen, step, n):
     s = _steps(run_dir, gen)
     return len(s) == n and all(v is not None and v >= step for v in s.values())
