@@ -70,14 +70,14 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore
-from resilax._src.runtime import membership, worker
+from resilax._src.runtime import membership, rendezvous, worker
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import agent, processes
 from resilax.tools.processes import (HEARTBEATS, Output, SpareProcess, WorkerProcess, exit_reason, heartbeat_file,
                                      popen, read_json, say, stop_all)
 
 # imported from here by tests and benchmarks
-free_port, heartbeats, spare_heartbeats, _read_json = (processes.free_port, processes.heartbeats,
+free_port, heartbeats, spare_heartbeats, _read_json = (rendezvous.free_port, processes.heartbeats,
                                                        processes.spare_heartbeats, read_json)
 
 PROCESSES_JSON = "processes.json"

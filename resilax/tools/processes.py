@@ -10,7 +10,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,12 +42,6 @@ def popen(cmd, env: dict) -> subprocess.Popen:
     env["XLA_FLAGS"] = xlaflags.with_deterministic(env.get("XLA_FLAGS"))
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=die_with_parent if sys.platform == "linux" else None)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_json(path) -> dict | None:

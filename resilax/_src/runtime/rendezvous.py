@@ -203,7 +203,7 @@ class Rendezvous:
         self.root = pathlib.Path(run_dir).absolute() / RENDEZVOUS
         self.rank, self.workers, self.lease_s, self.address = rank, workers, float(lease_s), address
         self.ack_timeout_s, self.poll_s, self.clock = float(ack_timeout_s), poll_s, clock
-        self.port_fn = port_fn or _free_port
+        self.port_fn = port_fn or (lambda: free_port(self.address))  # the service binds there
         self.incarnation = uuid.uuid4().hex
         self.lost = False  # fenced: another incarnation holds this rank
         self._acked: set[str] = set()  # the proposals (sha256) this agent acknowledged
@@ -455,7 +455,8 @@ class Rendezvous:
             time.sleep(self.poll_s)
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now: where a coordination service will bind (``jaxdist.start_service``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
