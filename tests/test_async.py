@@ -14,9 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
-import resilax
 from helpers import ROOT, child_env
 
 # ops that make the host wait for the device: a conditional, a loop, a call back into Python

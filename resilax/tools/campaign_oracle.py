@@ -223,7 +223,6 @@ def _simulate(trial: Trial, shapes, choose) -> tuple:
     gi = 0
 
     def run_group(group):
-        nonlocal skipped
         pending: set = set()
         at = (group[0][2], group[0][3])
         for _, kind, s, ph, t in group:
