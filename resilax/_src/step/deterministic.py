@@ -42,6 +42,22 @@ between domains with ``device_put``; with several (``resilax launch``) each proc
 replicas of its own domains, stacks their results per domain and one all-gather over the
 elastic axis brings them to every domain (pure data movement: the same bits). A domain must
 then lie within one process.
+
+Which reduction order a domain's executable has depends on the job's CPU collectives, not on
+its process layout. A domain's own executables may hold cross-device float sums over its
+devices (with ``--layout sharded`` the forward matmuls' contracting dimension is sharded over
+the domain's axis: an all-reduce over its 4 devices on ``cpu-2x4``). Under ``resilax launch``
+every process, also a generation of one process, has a distributed client and so gloo CPU
+collectives for every collective, local ones included: gloo's ring all-reduce sums each chunk
+in another (fixed) rotation of the ranks than XLA's in-process all-reduce (ranks 0, 1, 2, ...).
+Every domain has the same ranks in every layout, so within a launched job the trajectory is
+still the same bits whatever processes and domains are alive (``tests/test_launch.py``: 2
+processes x 4 devices re-formed as 1 process == ``launch -n 1`` x 8 devices). Across jobs it
+is not: with more than 2 devices in a domain, a launched run is not bitwise a run without
+``launch`` (1.4e-2 in Adam's moment after 8 steps on ``cpu-2x4``), and a checkpoint moved
+between the two continues in the other order. With 2 devices ``a + b == b + a``, so both
+orders give the same bits. ``benchmarks/collective_order_probe.py`` measures it without
+resilax.
 """
 
 from __future__ import annotations
@@ -128,17 +144,6 @@ class DeterministicProgram(Program):
                 f"resilax: the bit-exact mode runs each failure domain's executables in the process that owns its "
                 f"devices, but domain(s) with devices {split_doms} span several processes; use a topology whose "
                 f"failure domains are whole processes (e.g. cpu-4x2 with 4 processes x 2 devices)")
-        wide = sorted({len(d.devices) for d in self.doms if len(d.devices) > 2})
-        if self.multi and wide:
-            # measured (2026-11-26): cpu-2x4 as 2 processes x 4 devices, --layout sharded, no
-            # failure, ends 1.4e-2 from the one-process run of the same program after 8 steps
-            # (2x2, 3x2 and 4x2 are bitwise; the default mode on 2x4 is bitwise too): a silent
-            # wrong result until its cause is found, so it is refused
-            raise WrapError(
-                f"resilax: the bit-exact mode across several processes is refused for failure domains of more than "
-                f"2 devices (here {wide}): cpu-2x4 as 2 processes x 4 devices was measured to diverge from the "
-                f"one-process run (a known defect, docs/multiprocess.md). Use the default mode "
-                f"(DeterministicConfig off, `resilax train --no-deterministic`) or domains of at most 2 devices")
         self.mine = [d for d in self.doms if d.local]
         self.slots = -(-self.V // self.live)  # replicas per domain (v -> domain v % live, slot v // live)
 
