@@ -1,0 +1,510 @@
+"""`resilax bench multihost`: a host SIGKILLed under `resilax launch --nodes`, death to back-at-the-step by phase.
+
+Runs, on loopback, three agents (each its own process group, as three hosts) x 1 worker x
+2 CPU devices: ``resilax launch --nodes 3 --node-rank R -n 1 --devices-per-process 2 --
+resilax train`` on a 3-slice topology in the bit-exact mode (``--batch 48``), checkpoints
+every ``--checkpoint-every`` steps, as tests/test_agent.py does. Once every worker of
+generation 0 is past ``--kill-after``, one case:
+
+- ``service``: SIGKILL the host that runs the coordination service (its agent's process
+  group and its worker's session): the other two re-form without it, the service moves;
+- ``other``: the same for a host that does not run the service;
+- ``relaunch`` (the baseline): SIGKILL every host, then start the three agents again at
+  once in the same run directory (what a scheduler's restart of the whole job does).
+
+Each is timed from the kill to *back at the step* (every worker of the new generation has
+completed the step the job had reached at the kill), by phase, from the files the agents and
+workers write (no extra instrumentation):
+
+- ``detect``: the kill -> the first surviving agent has stopped its workers and marked its
+  node's part of generation 0 ended (``nodes/g0.node<R>.json``; 0 for ``relaunch``);
+- ``agree``: -> the next generation is committed (``rendezvous/generations/g<k>.outcome.json``;
+  for ``relaunch`` this includes the new agents' start and the old leases expiring);
+- ``start``: -> every worker of it has attached to the new coordination service (its
+  heartbeat's ``joined_t``: process start, imports, ``jax.distributed``);
+- ``restore``: the newest checkpoint read back (the ``restore`` events of ``--summary``);
+- ``setup``: the rest until each worker's first step is done (state set-up, executables
+  from the persistent cache, the first step);
+- ``redo``: redoing the steps between the checkpoint and the step reached at the kill.
+
+``lost_steps`` is that difference (the kill's step minus the step restored). Each case's
+final state is compared bitwise with a failure-free single-process run of the same
+topology; a case that is not bitwise makes the bench exit 1. ``--repeat N`` runs each case
+N times (median/min/max). ``--replace`` starts a replacement agent for the killed rank once
+the job is back at the step, and records the growing back (the agents stop their workers
+at a step boundary, the new generation resumes at that step: 0 redone, else it fell back
+to the checkpoint).
+
+``--soak N`` repeats the service-host kill with a replacement N times and reports per run
+the outcome (``bitwise``, ``not bitwise``, ``hang``: a wait timed out, ``failed``: an agent
+exited non-zero), every generation end and why, and the *fallbacks*: a generation beyond the
+expected two ends (the kill, the growing back) or a growing back whose drain did not end
+with every worker saving its step (both redo steps from the newest checkpoint).
+
+Every agent runs in a session of its own with a time limit; in a ``finally`` each agent's
+process group and its workers' sessions (from ``nodes/*.json``) get SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from resilax._src.io import write_json
+from resilax._src.runtime import rendezvous
+from resilax.tools.processes import heartbeats
+
+NODES = 3
+CASES = ("service", "other", "relaunch")
+PHASES = ("detect", "agree", "start", "restore", "setup", "redo")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+class Hang(BenchError):
+    """A wait timed out."""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated, of {', '.join(CASES)} (default: all)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N", help="run each case N times (median/min/max)")
+    p.add_argument("--replace", action="store_true",
+                   help="after a host kill, start a replacement agent once the job is back and time the growing back")
+    p.add_argument("--soak", type=int, default=0, metavar="N",
+                   help="instead: N service-host kills, each with a replacement; outcome and fallbacks per run")
+    p.add_argument("--lease", type=float, default=2.0, metavar="S", help="the agents' --lease")
+    p.add_argument("--timeout", type=float, default=240.0, metavar="S",
+                   help="the most one case may take (start to every agent's exit); past it: a hang")
+    p.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory, removed "
+                                                   "unless something failed)")
+
+
+# ------------------------------------------------------------------ files the agents and workers write
+def _topology(work: pathlib.Path) -> str:
+    path = work / f"cpu-{NODES}x2.toml"
+    path.write_text(f'name = "cpu-{NODES}x2"\nplatform = "cpu"\ndomain = "slice"\nemulated = true\n'
+                    f'domains = {NODES}\ndevices_per_domain = 2\n\n[mesh]\naxes = {{ data = {NODES}, fsdp = 2 }}\n'
+                    'elastic_axis = "data"\n\n'
+                    '[bandwidth]\nici = 10.0\ndcn = 10.0\nhost = 10.0\nstorage = 1.0\n'
+                    'sources = { ici = "emulated", dcn = "emulated", host = "emulated", storage = "emulated" }\n')
+    return str(path)
+
+
+def _json(path):
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _gen_file(run, g, what) -> pathlib.Path:
+    return run / rendezvous.RENDEZVOUS / "generations" / f"g{g}.{what}.json"
+
+
+def _committed(run, g) -> rendezvous.Generation | None:
+    out = _json(_gen_file(run, g, "outcome"))
+    if not out or out.get("outcome") != rendezvous.COMMITTED:
+        return None
+    rec = _json(_gen_file(run, g, "proposal"))
+    return rendezvous.Generation.from_record(rec) if rec else None
+
+
+def _latest(run) -> int:
+    gens = [int(p.name[1:].split(".")[0]) for p in (run / rendezvous.RENDEZVOUS / "generations").glob("g*.proposal.json")]
+    return max(gens, default=-1)
+
+
+def _mtime(path) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
+
+
+def _back(run, after: int, step: int, members=None):
+    """The first committed generation newer than ``after`` (with ``members``, if given) whose
+    every worker completed ``step``: ``(generation, heartbeats)``, or None."""
+    for g in range(after + 1, _latest(run) + 1):
+        gen = _committed(run, g)
+        if gen is None or (members is not None and sorted(gen.members) != sorted(members)):
+            continue
+        hbs = heartbeats(run, g)
+        if len(hbs) == gen.num_processes and all((h.get("step") or 0) >= step for h in hbs.values()):
+            return g, hbs
+    return None
+
+
+# ------------------------------------------------------------------ processes
+class Hosts:
+    """The agents of one case: start, SIGKILL a host (its agent's group and its workers'
+    sessions), and kill everything left in ``close``."""
+
+    def __init__(self, work: pathlib.Path, run: pathlib.Path, cmd: list, opts: list, deadline: float):
+        self.work, self.run, self.cmd, self.opts, self.deadline = work, run, cmd, opts, deadline
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.all: list[subprocess.Popen] = []
+        self.logs: list[pathlib.Path] = []
+
+    def start(self, r: int, tag: str = "") -> None:
+        log_path = self.work / f"agent{r}{tag}.log"
+        self.logs.append(log_path)
+        with open(log_path, "wb") as log:
+            p = subprocess.Popen([sys.executable, "-m", "resilax", "launch", "--nodes", str(NODES), "--node-rank",
+                                  str(r), "--run-dir", str(self.run), *self.opts, "--", *self.cmd],
+                                 env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        self.agents[r] = p
+        self.all.append(p)
+
+    def _workers_of(self, agent_pid: int) -> list[int]:
+        pids = []
+        for f in (self.run / "nodes").glob("g*.node*.json"):
+            rec = _json(f) or {}
+            if rec.get("agent") == agent_pid:
+                pids += [int(x) for x in (rec.get("workers") or {}).values()]
+        return pids
+
+    def kill(self, r: int) -> None:
+        p = self.agents[r]
+        for pid in [p.pid, *self._workers_of(p.pid)]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        p.wait(timeout=10)
+        del self.agents[r]  # (still in ``all``, for `close`)
+
+    def wait(self, pred, what: str, live=None):
+        """Polls ``pred`` until it returns something true; `Hang` past the case's deadline,
+        `BenchError` when an agent of ``live`` (default: every current one) exited non-zero."""
+        while time.time() < self.deadline:
+            v = pred()
+            if v:
+                return v
+            for r, p in self.agents.items():
+                if (live is None or r in live) and p.poll() not in (None, 0):
+                    raise BenchError(f"agent {r} exited with {p.returncode} while waiting for {what}")
+            time.sleep(0.02)
+        raise Hang(f"timed out waiting for {what}")
+
+    def finish(self) -> list[int]:
+        rcs = []
+        for r, p in sorted(self.agents.items()):
+            try:
+                rcs.append(p.wait(timeout=max(1.0, self.deadline - time.time())))
+            except subprocess.TimeoutExpired:
+                raise Hang(f"timed out waiting for agent {r} to exit") from None
+        return rcs
+
+    def close(self) -> None:
+        for p in self.all:
+            for pid in [p.pid, *self._workers_of(p.pid)]:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def text(self) -> str:
+        return "\n".join(f.read_text(errors="replace") for f in self.logs if f.exists())
+
+
+def _resumed(text: str, g: int) -> int | None:
+    for ln in text.splitlines():
+        if ln.startswith(f"[g{g} ") and "resumed at step " in ln:
+            return int(ln.split("resumed at step ")[1].split()[0])
+    return None
+
+
+def _ends(text: str) -> list[dict]:
+    """Every ``node R, generation G ended: WHY; ...`` line of the agents, in generation order."""
+    out = []
+    for ln in text.splitlines():
+        if ", generation " in ln and " ended: " in ln and "] node " in ln:
+            head, why = ln.split(" ended: ", 1)
+            node, gen = head.split("] node ", 1)[1].split(", generation ")
+            out.append({"node": int(node), "generation": int(gen.split()[0]),
+                        "why": why.split("; this node's workers stopped")[0]})
+    return sorted(out, key=lambda e: (e["generation"], e["node"]))
+
+
+def _bitwise(out: pathlib.Path, ref) -> bool:
+    import numpy as np
+
+    a = np.load(out, allow_pickle=False)
+    return sorted(a.files) == sorted(ref.files) and all(np.array_equal(a[k], ref[k]) for k in ref.files)
+
+
+# ------------------------------------------------------------------ one case
+def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int, lease: float, timeout: float,
+             replace: bool = False, log=print) -> dict:
+    """One job of three agents; ``case`` as in the module docstring. Raises `Hang` or
+    `BenchError`; returns the measurements (``bitwise`` says whether the final state
+    matched ``ref``)."""
+    run, out, summ = work / "run", work / "final.npz", work / "summary.json"
+    cmd = [*train, "--out", str(out), "--summary", str(summ)]
+    opts = ["-n", "1", "--devices-per-process", "2", "--lease", str(lease), "--heartbeat", "0.2",
+            "--heartbeat-timeout", "10", "--rendezvous-timeout", "120"]
+    hosts = Hosts(work, run, cmd, opts, time.time() + timeout)
+    try:
+        for r in range(NODES):
+            hosts.start(r)
+        hosts.wait(lambda: _committed(run, 0), "generation 0")
+        hosts.wait(lambda: len(h := heartbeats(run, 0)) == NODES and all((x.get("step") or 0) >= kill_after
+                                                                        for x in h.values()),
+                   f"every worker of generation 0 past step {kill_after}")
+        procs = hosts.wait(lambda: (p := _json(run / "processes.json")) and len(p.get("nodes", {})) == NODES and p,
+                           "processes.json naming every node")
+        service = procs["service_node"]
+        victims = {"service": [service], "other": [max(r for r in range(NODES) if r != service)],
+                   "relaunch": list(range(NODES))}[case]
+        kill_step = max(x.get("step") or 0 for x in heartbeats(run, 0).values())
+        t_kill = time.time()
+        for r in victims:
+            hosts.kill(r)
+        log(f"      SIGKILL host(s) {victims} (service on {service}) at step {kill_step}")
+        survivors = [r for r in range(NODES) if r not in victims]
+        if case == "relaunch":
+            for r in range(NODES):
+                hosts.start(r, ".relaunch")
+            survivors = list(range(NODES))
+        g, hbs = hosts.wait(lambda: _back(run, 0, kill_step, survivors), f"the job back at step {kill_step}")
+        t_back = time.time()
+        gen = _committed(run, g)
+        log(f"      back at step {kill_step} in {t_back - t_kill:.1f} s (generation {g}, nodes {list(gen.members)}, "
+            f"service on {gen.service_node})")
+        grow = None
+        if replace and case != "relaunch":
+            t_join = time.time()
+            hosts.start(victims[0], ".replacement")
+            g2, _ = hosts.wait(lambda: _back(run, g, 1, range(NODES)), "a generation with the replacement stepping")
+            grow = {"generation": g2, "join_to_stepping_s": time.time() - t_join}
+            log(f"      replacement for node {victims[0]} in generation {g2} after {grow['join_to_stepping_s']:.1f} s")
+        rcs = hosts.finish()
+    finally:
+        hosts.close()
+    text = hosts.text()
+    if any(rcs):
+        raise BenchError(f"the live agents exited with {rcs}")
+    ends = _ends(text)
+    if case == "relaunch":
+        detected = t_kill
+    else:
+        marks = []  # when each survivor had stopped its workers and marked generation 0 ended
+        for r in survivors:
+            f = run / "nodes" / f"g0.node{r}.json"
+            if (_json(f) or {}).get("status") in ("stopped", "failed"):
+                marks.append(_mtime(f))
+        detected = min((m for m in marks if m is not None), default=t_kill)
+    committed = _mtime(_gen_file(run, g, "outcome"))
+    joined = max(h["joined_t"] for h in hbs.values())
+    first = max(h["first_step_t"] for h in hbs.values())
+    summary = _json(summ) or {}
+    final_gen = (_json(run / "processes.json") or {}).get("generation")
+    restore = [e for e in summary.get("events", []) if e.get("kind") == "restore"] if final_gen == g else []
+    restore_s = sum(float(e["seconds"]) for e in restore) if restore else None
+    restored = _resumed(text, g)
+    phases = {"detect": detected - t_kill, "agree": committed - detected, "start": joined - committed,
+              "restore": restore_s, "setup": first - joined - (restore_s or 0.0), "redo": t_back - first}
+    res = {
+        "case": case, "killed": victims, "service_node_before": service, "service_node_after": gen.service_node,
+        "kill_step": kill_step, "restored_step": restored,
+        "lost_steps": None if restored is None else max(0, kill_step - restored),
+        "death_to_back_s": t_back - t_kill, "phases": phases, "generation_back": g,
+        "generation_ends": ends, "bitwise": _bitwise(out, ref),
+    }
+    if grow is not None:
+        g2 = grow["generation"]
+        stopped = [int(ln.split("(newest step ")[1].split(")")[0]) for ln in text.splitlines()
+                   if f"generation {g2 - 1} ended: " in ln and "(newest step " in ln]
+        r2 = _resumed(text, g2)
+        drain = [e["why"] for e in ends if e["generation"] == g2 - 1]
+        grow.update(resumed_step=r2, stopped_step=max(stopped) if stopped else None,
+                    redone_steps=None if r2 is None or not stopped else max(0, max(stopped) - r2),
+                    drained=bool(drain) and all("the workers saved their step and exited" in w for w in drain))
+        res["grow_back"] = grow
+    return res
+
+
+def soak_fallbacks(res: dict) -> list[str]:
+    """Why a soak run redid steps from the checkpoint beyond the one restart a host death costs:
+    a generation end other than the kill's and the growing back's, or a drain that did not
+    end with every worker saving its step."""
+    why = []
+    g_back = res["generation_back"]
+    if g_back != 1:
+        why += [f"generation {e['generation']} ended: {e['why']}" for e in res["generation_ends"]
+                if 1 <= e["generation"] < g_back] or [f"the job came back in generation {g_back}, not 1"]
+    grow = res.get("grow_back")
+    if grow is not None:
+        if grow["generation"] != g_back + 1:
+            why += [f"generation {e['generation']} ended: {e['why']}" for e in res["generation_ends"]
+                    if g_back < e["generation"] < grow["generation"]]
+        if not grow["drained"]:
+            why += [f"growing back did not drain: {e['why']}" for e in res["generation_ends"]
+                    if e["generation"] == grow["generation"] - 1]
+    return why
+
+
+# ------------------------------------------------------------------ the bench
+def _stats(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES, repeat=1, replace=False, soak=0,
+                    lease=2.0, timeout=240.0, workdir=None, log=print) -> dict:
+    import numpy as np
+
+    bad = [c for c in cases if c not in CASES]
+    if bad or not cases:
+        raise ValueError(f"resilax bench multihost: --cases must name some of {', '.join(CASES)}, got {bad or cases}")
+    if kill_after + 2 >= steps or kill_after < checkpoint_every:
+        raise ValueError(f"resilax bench multihost: need --checkpoint-every <= --kill-after < --steps - 2, got "
+                         f"{checkpoint_every}, {kill_after}, {steps}")
+    own = workdir is None
+    work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mh-"))
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    train = ["resilax", "train", "--topology", _topology(work), "--layout", "sharded", "--batch", "48",
+             "--steps", str(steps), "--checkpoint-every", str(checkpoint_every), "--log-every", "10"]
+    jobs = [("service", True, f"soak{i}") for i in range(soak)] if soak else \
+        [(c, replace, f"{c}{i}") for i in range(repeat) for c in cases]
+    total = len(jobs) + 1
+    t0 = time.time()
+    log(f"[1/{total}] failure-free single-process reference: {NODES} slices x 2 CPU devices, bit-exact, {steps} steps")
+    r = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--quiet", "--checkpoint-dir",
+                        str(work / "ref_ck"), "--out", str(work / "ref.npz")], env=dict(os.environ), timeout=timeout,
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise BenchError(f"resilax bench multihost: the reference run failed:\n{r.stderr[-3000:]}")
+    ref = np.load(work / "ref.npz", allow_pickle=False)
+    runs, failed = [], False
+    for i, (case, rep, name) in enumerate(jobs):
+        what = {"service": "SIGKILL the coordination service's host", "other": "SIGKILL a host without the service",
+                "relaunch": "SIGKILL every host, relaunch the job"}[case]
+        log(f"[{i + 2}/{total}] {name}: {what}" + (" (+ a replacement agent)" if rep else ""))
+        (work / name).mkdir()
+        t = time.time()
+        try:
+            res = run_case(work / name, case, train=train, ref=ref, kill_after=kill_after, lease=lease,
+                           timeout=timeout, replace=rep, log=log)
+            res["outcome"] = "bitwise" if res["bitwise"] else "not bitwise"
+        except Hang as e:
+            res = {"case": case, "outcome": "hang", "error": str(e), "bitwise": False}
+        except BenchError as e:
+            res = {"case": case, "outcome": "failed", "error": str(e), "bitwise": False}
+        res["wall_s"] = time.time() - t
+        if "phases" in res:
+            res["fallbacks"] = soak_fallbacks(res)
+        res["dir"] = name
+        failed |= res["outcome"] != "bitwise"
+        log(f"      {res['outcome']}" + (f": {res['error']}" if "error" in res else "")
+            + (f"; fallbacks: {res['fallbacks']}" if res.get("fallbacks") else "") + f" ({res['wall_s']:.0f} s)")
+        runs.append(res)
+    result = {
+        "benchmark": "multihost",
+        "setup": {"nodes": NODES, "workers_per_node": 1, "devices_per_process": 2, "topology": f"cpu-{NODES}x2",
+                  "mode": "bit-exact", "batch": 48, "steps": steps, "checkpoint_every": checkpoint_every,
+                  "kill_after": kill_after, "lease_s": lease, "heartbeat_s": 0.2, "repeat": repeat, "soak": soak,
+                  "replace": bool(replace or soak), "cpu_count": os.cpu_count(), "loopback": True},
+        "runs": runs, "wall_s": time.time() - t0, "ok": not failed,
+    }
+    if soak:
+        result["soak"] = {
+            "runs": len(runs), "bitwise": sum(r["outcome"] == "bitwise" for r in runs),
+            "not_bitwise": sum(r["outcome"] == "not bitwise" for r in runs),
+            "hang": sum(r["outcome"] == "hang" for r in runs), "failed": sum(r["outcome"] == "failed" for r in runs),
+            "fell_back_to_checkpoint": sum(bool(r.get("fallbacks")) for r in runs),
+            "fallback_reasons": [w for r in runs for w in r.get("fallbacks", [])],
+            "death_to_back_s": _stats([r.get("death_to_back_s") for r in runs]),
+            "grow_back_redone_steps": [(r.get("grow_back") or {}).get("redone_steps") for r in runs],
+        }
+    else:
+        result["cases"] = {}
+        for c in cases:
+            ok = [r for r in runs if r["case"] == c and "phases" in r]
+            result["cases"][c] = {
+                "runs": sum(r["case"] == c for r in runs), "bitwise": all(r["bitwise"] for r in runs if r["case"] == c),
+                "death_to_back_s": _stats([r["death_to_back_s"] for r in ok]),
+                "phases": {k: _stats([r["phases"][k] for r in ok]) for k in PHASES},
+                "lost_steps": _stats([r["lost_steps"] for r in ok]),
+            }
+    if own and not failed:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        result["workdir"] = str(work)
+    return result
+
+
+def print_table(r: dict) -> None:
+    s = r["setup"]
+    print(f"\nresilax bench multihost  ({s['nodes']} agents x 1 worker x {s['devices_per_process']} CPU devices on "
+          f"loopback, {s['mode']}, {s['steps']} steps, checkpoint every {s['checkpoint_every']}, lease "
+          f"{s['lease_s']:g} s, {s['cpu_count']} cores)")
+    if "soak" in r:
+        print(f"{'run':<8}{'outcome':<13}{'death->back s':>14}{'lost':>6}{'grow-back redone':>18}  fallbacks")
+        for i, x in enumerate(r["runs"]):
+            gb = (x.get("grow_back") or {}).get("redone_steps")
+            d = x.get("death_to_back_s")
+            print(f"{i:<8}{x['outcome']:<13}{'-' if d is None else format(d, '.2f'):>14}"
+                  f"{str(x.get('lost_steps', '-')):>6}{str(gb if gb is not None else '-'):>18}  "
+                  f"{'; '.join(x.get('fallbacks') or []) or x.get('error', '-')}")
+        k = r["soak"]
+        print(f"{k['bitwise']}/{k['runs']} bitwise, {k['not_bitwise']} not bitwise, {k['hang']} hang, {k['failed']} "
+              f"failed; {k['fell_back_to_checkpoint']} fell back to a checkpoint restart")
+        return
+    heads = list(r["cases"])
+    rep = s["repeat"] > 1
+
+    def cell(st, fmt):
+        if st is None:
+            return "-"
+        return f"{st['median']:{fmt}}" + (f" [{st['min']:{fmt}}-{st['max']:{fmt}}]" if rep else "")
+
+    w = 24 if rep else 12
+    print(f"{'':<26}" + "".join(f"{h:>{w}}" for h in heads))
+    rows = [("death -> back (s)", "death_to_back_s", ".2f")] + [(f"  {k}", k, ".2f") for k in PHASES] + \
+        [("lost (redone) steps", "lost_steps", ".0f")]
+    for label, key, fmt in rows:
+        vals = [r["cases"][c]["phases"][key] if key in PHASES else r["cases"][c][key] for c in heads]
+        print(f"{label:<26}" + "".join(f"{cell(v, fmt):>{w}}" for v in vals))
+    print(f"{'bitwise':<26}" + "".join(f"{str(r['cases'][c]['bitwise']):>{w}}" for c in heads))
+    print("(service: the coordination service's host killed; other: another host; relaunch: every host killed and "
+          "the job started again;" + (" median [min-max]" if rep else "") + " vs a failure-free single-process run)")
+
+
+def run(args) -> int:
+    cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
+    r = bench_multihost(steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
+                        cases=cases, repeat=args.repeat, replace=args.replace, soak=args.soak, lease=args.lease,
+                        timeout=args.timeout, workdir=args.workdir, log=lambda m: print(m, flush=True))
+    print_table(r)
+    if args.json:
+        write_json(args.json, r)
+        print(f"wrote {args.json}")
+    if not r["ok"]:
+        print(f"resilax bench multihost: a case did not end bitwise (or hung, or failed); files kept in "
+              f"{r.get('workdir')}", file=sys.stderr)
+        return 1
+    return 0
