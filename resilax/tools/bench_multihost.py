@@ -280,6 +280,9 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
         t_kill = time.time()
         for r in victims:
             hosts.kill(r)
+        # what a restart can resume from (a save still committing shows as Orbax's tmp directory)
+        ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name[0].isdigit()) \
+            if (run / "checkpoints").is_dir() else []
         log(f"      SIGKILL host(s) {victims} (service on {service}) at step {kill_step}")
         survivors = [r for r in range(NODES) if r not in victims]
         if case == "relaunch":
@@ -328,7 +331,9 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
         "case": case, "killed": victims, "service_node_before": service, "service_node_after": gen.service_node,
         "kill_step": kill_step, "restored_step": restored,
         "lost_steps": None if restored is None else max(0, kill_step - restored),
-        "death_to_back_s": t_back - t_kill, "phases": phases, "generation_back": g,
+        "checkpoints_at_kill": ckpts, "death_to_back_s": t_back - t_kill, "phases": phases, "generation_back": g,
+        "abandoned_generations": [k for k in range(1, _latest(run) + 1)
+                                  if ((_json(_gen_file(run, k, "outcome")) or {}).get("outcome")) == rendezvous.ABANDONED],
         "generation_ends": ends, "bitwise": _bitwise(out, ref),
     }
     if grow is not None:
@@ -346,13 +351,12 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
 
 def soak_fallbacks(res: dict) -> list[str]:
     """Why a soak run redid steps from the checkpoint beyond the one restart a host death costs:
-    a generation end other than the kill's and the growing back's, or a drain that did not
-    end with every worker saving its step."""
-    why = []
+    a generation that ran and ended other than the kill's and the growing back's, or a drain
+    that did not end with every worker saving its step."""
+    # (an abandoned generation, one that a member never acked, started no worker: no restart)
     g_back = res["generation_back"]
-    if g_back != 1:
-        why += [f"generation {e['generation']} ended: {e['why']}" for e in res["generation_ends"]
-                if 1 <= e["generation"] < g_back] or [f"the job came back in generation {g_back}, not 1"]
+    why = [f"generation {e['generation']} ended: {e['why']}" for e in res["generation_ends"]
+           if 1 <= e["generation"] < g_back]
     grow = res.get("grow_back")
     if grow is not None:
         if grow["generation"] != g_back + 1:
