@@ -298,9 +298,15 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
         if replace and case != "relaunch":
             t_join = time.time()
             hosts.start(victims[0], ".replacement")
-            g2, _ = hosts.wait(lambda: _back(run, g, 1, range(NODES)), "a generation with the replacement stepping")
-            grow = {"generation": g2, "join_to_stepping_s": time.time() - t_join}
-            log(f"      replacement for node {victims[0]} in generation {g2} after {grow['join_to_stepping_s']:.1f} s")
+            others = [p for r, p in hosts.agents.items() if r != victims[0]]
+            got = hosts.wait(lambda: _back(run, g, 1, range(NODES)) or all(p.poll() == 0 for p in others),
+                             "a generation with the replacement stepping")
+            if got is True:  # (a replacement for a job that already ended waits for --rendezvous-timeout)
+                raise BenchError(f"the job ended before the replacement for node {victims[0]} joined: give it more "
+                                 f"--steps")
+            grow = {"generation": got[0], "join_to_stepping_s": time.time() - t_join}
+            log(f"      replacement for node {victims[0]} in generation {got[0]} after "
+                f"{grow['join_to_stepping_s']:.1f} s")
         rcs = hosts.finish()
     finally:
         hosts.close()
@@ -324,7 +330,7 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
     final_gen = (_json(run / "processes.json") or {}).get("generation")
     restore = [e for e in summary.get("events", []) if e.get("kind") == "restore"] if final_gen == g else []
     restore_s = sum(float(e["seconds"]) for e in restore) if restore else None
-    restored = _resumed(text, g)
+    restored = _resumed(text, g) or 0  # (no "resumed at step" line: no checkpoint yet, it started over)
     phases = {"detect": detected - t_kill, "agree": committed - detected, "start": joined - committed,
               "restore": restore_s, "setup": first - joined - (restore_s or 0.0), "redo": t_back - first}
     res = {
