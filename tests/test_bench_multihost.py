@@ -14,7 +14,7 @@ def test_bench_multihost_smallest_form_ends_bitwise(tmp_path, child_env):
     r = subprocess.run([sys.executable, "-m", "resilax", "bench", "multihost", "--cases", "other", "--steps", "10",
                         "--kill-after", "5", "--checkpoint-every", "5", "--timeout", "150", "--workdir",
                         str(tmp_path / "work"), "--json", str(out)],
-                       env=child_env, capture_output=True, text=True, timeout=200)
+                       env=child_env, capture_output=True, text=True, timeout=200, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[2/2] other0: SIGKILL a host without the service" in r.stdout and "death -> back (s)" in r.stdout
     res = json.loads(out.read_text())
