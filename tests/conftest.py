@@ -24,6 +24,24 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
 
 import sys  # noqa: E402
 
+import resilax  # noqa: E402
+
+# Test speed: in this process `PeersConfig.compile_ahead` defaults to off. On 2 cores the
+# background compiles of every mesh one more loss would leave (8 of them on 8x1) took a third
+# of the CPU of the in-process tests, compiling meshes most tests never recover onto; a
+# recovery compiles what it needs either way (same programs, same bits). The tests of
+# compile-ahead itself (test_recovery, test_record_log, test_pipeline's auto cadence) turn it
+# on explicitly, and every `resilax ...` subprocess the suite starts (demo, crash, launch,
+# agents, campaign) runs the library's default (on).
+_peers_init = resilax.PeersConfig.__init__
+
+
+def _peers_init_for_tests(self, *args, compile_ahead=False, **kw):
+    _peers_init(self, *args, compile_ahead=compile_ahead, **kw)
+
+
+resilax.PeersConfig.__init__ = _peers_init_for_tests
+
 import pytest  # noqa: E402
 
 from helpers import child_env as _child_env  # noqa: E402
