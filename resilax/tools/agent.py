@@ -49,9 +49,11 @@ workers (whole-job preemption: each saves and exits 0) and ends the agent, not a
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pathlib
 import signal
+import socket
 import sys
 import time
 
@@ -327,14 +329,89 @@ class Agent:
         self._term = signum
 
 
+# ---------------------------------------------------------------------- the scheduler's environment
+NODE_COUNT_VARS = ("SLURM_NNODES", "SLURM_JOB_NUM_NODES")  # Slurm: the step's node count, else the job's
+NODE_RANK_VARS = ("SLURM_NODEID", "JOB_COMPLETION_INDEX")  # Slurm; a Kubernetes Indexed Job (a JobSet's pods)
+
+
+def _env_int(environ, name: str, low: int) -> int | None:
+    v = environ.get(name)
+    if v is None or v.strip() == "":
+        return None
+    try:
+        i = int(v)
+    except ValueError:
+        i = None
+    if i is None or i < low:
+        raise ValueError(f"{name}={v!r} in the environment is not an integer >= {low} (set by the scheduler, read "
+                         f"when --nodes/--node-rank are not given)")
+    return i
+
+
+def host_address(environ=os.environ) -> str:
+    """This host's address for the other hosts: ``SLURMD_NODENAME`` (Slurm's name for the
+    node), else the host name, resolved here (a Kubernetes pod's host name resolves to its IP)."""
+    name, what = ((environ["SLURMD_NODENAME"], "SLURMD_NODENAME") if environ.get("SLURMD_NODENAME")
+                  else (socket.gethostname(), "the host name"))
+    try:
+        return socket.gethostbyname(name)
+    except OSError as e:
+        raise ValueError(f"{what} {name!r} does not resolve to an address ({e}): pass --address") from None
+
+
+def placement(nodes: int | None, node_rank: int | None, address: str | None, environ=os.environ):
+    """``(nodes, node_rank, address)`` of this agent: the flags that were given (they win), the
+    rest from the scheduler's environment. ``nodes`` None: not a job across hosts (no
+    ``--nodes`` and no Slurm node count, or a one-node Slurm allocation), the single-host
+    launch. The node count: ``--nodes``, else ``SLURM_NNODES`` / ``SLURM_JOB_NUM_NODES``
+    (Kubernetes has none: the manifest passes ``--nodes``); the rank: ``--node-rank``, else
+    ``SLURM_NODEID`` or ``JOB_COMPLETION_INDEX``; the address: ``--address``, else, when the
+    count or the rank came from the environment, `host_address`, else loopback.
+
+    Raises:
+      ValueError: a malformed value, or values that disagree, naming the variable.
+    """
+    used = []
+    if nodes is None:
+        for name in NODE_COUNT_VARS:
+            nodes = _env_int(environ, name, 1)
+            if nodes is not None:
+                used.append(name)
+                break
+        if nodes in (None, 1):  # one node: the single-host launch, as without a scheduler
+            return None, node_rank, address
+    if node_rank is None:
+        found = {name: v for name in NODE_RANK_VARS if (v := _env_int(environ, name, 0)) is not None}
+        if len(set(found.values())) > 1:
+            raise ValueError(f"{' and '.join(f'{k}={v}' for k, v in found.items())} disagree on this host's node "
+                             f"rank: pass --node-rank")
+        if "SLURM_NODEID" in found and environ.get("SLURM_LOCALID", "0").strip() not in ("", "0"):
+            raise ValueError(f"SLURM_LOCALID={environ['SLURM_LOCALID']!r}: Slurm started more than one task on this "
+                             f"node, but a job needs one agent per host: srun --ntasks-per-node=1")
+        for name, v in found.items():
+            if v >= nodes:
+                raise ValueError(f"{name}={v} is not a node rank of {nodes} nodes ("
+                                 f"{f'{used[0]}={nodes}' if used else f'--nodes {nodes}'})")
+            node_rank = v
+        used += list(found)
+    if address is None:
+        address = host_address(environ) if used else "127.0.0.1"
+    return nodes, node_rank, address
+
+
 def add_arguments(p) -> None:
     """The options of `resilax launch` that make it one agent of a job across hosts."""
     g = p.add_argument_group("across hosts (one agent per host; see resilax/tools/agent.py)")
-    g.add_argument("--nodes", type=int, default=None, metavar="N", help="hosts in the job (one agent on each)")
-    g.add_argument("--node-rank", type=int, default=None, metavar="R", help="this host's rank, 0 <= R < --nodes")
+    g.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="hosts in the job (one agent on each; default: SLURM_NNODES under Slurm)")
+    g.add_argument("--node-rank", type=int, default=None, metavar="R",
+                   help="this host's rank, 0 <= R < --nodes (default: SLURM_NODEID, or JOB_COMPLETION_INDEX in a "
+                        "Kubernetes Indexed Job / JobSet)")
     g.add_argument("--lease", type=float, default=5.0, metavar="S", help="an agent silent for this long is dead (s)")
-    g.add_argument("--address", default="127.0.0.1",
-                   help="how the other hosts reach this one (the coordination service's address when it runs here)")
+    g.add_argument("--address", default=None,
+                   help="how the other hosts reach this one: the coordination service binds and is advertised there "
+                        "when it runs here (default: 127.0.0.1, loopback; when the node count or rank comes from "
+                        "the scheduler's environment: SLURMD_NODENAME or the host name, resolved)")
     g.add_argument("--min-nodes", type=int, default=None, metavar="M",
                    help="after a lost host, go on with at least M live nodes (default: half of --nodes, rounded up); "
                         "with fewer, wait for replacements up to --rendezvous-timeout, then exit 1")
@@ -342,16 +419,21 @@ def add_arguments(p) -> None:
                    help="how long the agents wait to agree on a generation (s)")
 
 
-def main(cmd, args) -> int:
-    """`resilax launch --nodes ...`: builds and runs the `Agent` (exit 2 on bad options)."""
+def main(cmd, args, environ=os.environ) -> int | None:
+    """`resilax launch --nodes ...` (or under a scheduler, `placement`): builds and runs the
+    `Agent` (exit 2 on bad options). None: not a job across hosts; the caller runs the
+    single-host launch."""
     other = [o for o, v in (("--spares", args.spares), ("--in-place", args.in_place)) if v]
     try:
-        if args.node_rank is None or other:
-            raise ValueError("--nodes needs --node-rank" if args.node_rank is None
-                             else f"{', '.join(other)} cannot be combined with --nodes yet")
-        agent = Agent(cmd, nodes=args.nodes, node_rank=args.node_rank, n=args.n,
+        nodes, rank, address = placement(args.nodes, args.node_rank, args.address, environ)
+        if nodes is None:
+            return None
+        if rank is None or other:
+            raise ValueError("--nodes needs --node-rank (or SLURM_NODEID / JOB_COMPLETION_INDEX from the scheduler)"
+                             if rank is None else f"{', '.join(other)} cannot be combined with --nodes yet")
+        agent = Agent(cmd, nodes=nodes, node_rank=rank, n=args.n,
                       devices_per_process=args.devices_per_process, run_dir=args.run_dir, lease_s=args.lease,
-                      address=args.address, heartbeat_s=args.heartbeat, heartbeat_timeout_s=args.heartbeat_timeout,
+                      address=address, heartbeat_s=args.heartbeat, heartbeat_timeout_s=args.heartbeat_timeout,
                       collective_timeout_s=args.collective_timeout or 15, startup_timeout_s=args.startup_timeout,
                       min_nodes=args.min_nodes, max_restarts=args.max_restarts,
                       rendezvous_timeout_s=args.rendezvous_timeout)
@@ -359,4 +441,7 @@ def main(cmd, args) -> int:
         print(f"resilax: error: resilax launch: {e}" if not str(e).startswith("resilax") else f"resilax: error: {e}",
               file=sys.stderr)
         return 2
+    if nodes > 1 and args.address is None and ipaddress.ip_address(address).is_loopback:
+        say(f"node {rank}: warning: the coordination service binds {address} (loopback) when it runs on this node: "
+            f"only agents on this machine reach it; across machines, pass --address")
     return agent.run()

@@ -677,8 +677,8 @@ def _cmd_launch(args) -> int:
     cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
     if cmd and cmd[0] == "resilax":  # the same interpreter and resilax as the supervisor
         cmd = [sys.executable, "-m", "resilax", *cmd[1:]]
-    if args.nodes is not None:
-        return agent.main(cmd, args)
+    if (rc := agent.main(cmd, args)) is not None:  # --nodes, or a scheduler's: one agent of a job across hosts
+        return rc
     try:
         sup = Supervisor(cmd, n=args.n, devices_per_process=args.devices_per_process, run_dir=args.run_dir,
                          max_restarts=args.max_restarts, heartbeat_s=args.heartbeat,
