@@ -1,7 +1,7 @@
 """`resilax launch --nodes`: agents of a job across hosts, as separate processes on loopback.
 
-Two agents (each its own process group, as two hosts), 2 workers x 2 CPU devices each, run
-`resilax train` on `cpu-4x2` (the bit-exact mode) for a few steps with no failure; the
+Two agents (each its own process group, as two hosts; started by the Slurm recipe's command
+with Slurm's variables), 2 workers x 2 CPU devices each, run `resilax train` on `cpu-4x2` (the bit-exact mode) for a few steps with no failure; the
 final state must be bitwise that of a single-process run of the same topology, and
 ``processes.json`` must name both nodes, the service node and every worker. Recovery across
 hosts from the newest checkpoint (tools/agent.py): three agents x 1 worker on a 3-slice
@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+import recipes
 from helpers import kill_tree
 
 STEPS = 6
@@ -29,17 +30,24 @@ TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--
 
 
 def test_two_agents_run_a_job_across_hosts_equal_to_one_process(tmp_path, child_env):
+    """The Slurm recipe's command (examples/slurm/resilax.sbatch: its `srun` line's `resilax
+    launch ...`, run with bash as srun would on each node) as two agents on loopback, with
+    Slurm's variables instead of --nodes/--node-rank/--address: SLURM_NNODES, SLURM_NODEID,
+    SLURMD_NODENAME=localhost (resolved to 127.0.0.1: the address the service binds and is
+    advertised at), the script's RUN_DIR/PROCS_PER_NODE/DEVICES_PER_PROCESS and its arguments."""
     run, out = tmp_path / "run", tmp_path / "final.npz"
+    launch = recipes.sbatch_launch()
+    path = recipes.resilax_shim(tmp_path / "bin") + os.pathsep + child_env.get("PATH", "")
     agents, logs = [], []
     try:
         for r in (1, 0):  # the higher rank first: the rendezvous waits for both
             log = open(tmp_path / f"agent{r}.log", "wb")
             logs.append(log)
-            agents.append(subprocess.Popen(
-                [sys.executable, "-m", "resilax", "launch", "--nodes", "2", "--node-rank", str(r), "--run-dir",
-                 str(run), "-n", "2", "--devices-per-process", "2", "--lease", "3", "--heartbeat", "0.2",
-                 "--heartbeat-timeout", "5", "--", *TRAIN, "--out", str(out)],
-                env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            env = dict(child_env, PATH=path, SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2", SLURM_NODEID=str(r),
+                       SLURM_LOCALID="0", SLURMD_NODENAME="localhost", RUN_DIR=str(run), PROCS_PER_NODE="2",
+                       DEVICES_PER_PROCESS="2")
+            agents.append(subprocess.Popen(["bash", "-c", f"exec {launch}", "resilax.sbatch", *TRAIN, "--out", str(out)],
+                                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         # the reference while the job runs (its compile overlaps the agents' start-up)
         ref = subprocess.run([sys.executable, "-m", *TRAIN, "--no-log", "--no-peers", "--checkpoint-dir",
                               str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
@@ -56,6 +64,7 @@ def test_two_agents_run_a_job_across_hosts_equal_to_one_process(tmp_path, child_
     assert rcs == [0, 0], texts
     procs = json.loads((run / "processes.json").read_text())
     assert procs["generation"] == 0 and procs["service_node"] == 0 and procs["status"] == "done", procs
+    assert procs["coordinator"].startswith("127.0.0.1:"), procs  # SLURMD_NODENAME, resolved
     assert sorted(procs["nodes"]) == ["0", "1"]
     assert procs["nodes"]["0"]["agent"] == agents[1].pid and procs["nodes"]["1"]["agent"] == agents[0].pid
     assert sorted(procs["nodes"]["0"]["workers"]) == ["0", "1"] and sorted(procs["nodes"]["1"]["workers"]) == ["2", "3"]
