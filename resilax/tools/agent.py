@@ -19,7 +19,7 @@ Each agent keeps its lease until then (a lease that disappears before its node i
 lost host), and the service node's agent keeps the service until then, since the workers of
 the last node still need it to shut down.
 
-Recovery (issue 29, from the newest checkpoint). A generation ends early when a worker of
+Recovery (issue 29). A generation ends early when a worker of
 this host dies or hangs (stale heartbeat), another node reports a failure or asks for a new
 generation, a member's lease expires (a dead host, or a hung one: a SIGSTOPped agent stops
 renewing), another agent takes a member's rank, or a live agent that is not a member joins.
@@ -28,8 +28,19 @@ Then every agent stops its own workers (their JAX runtime cannot outlive a lost 
 agents agree on the next generation with the live nodes (`Rendezvous.agree`): the lowest
 live rank proposes and becomes the service node (so the service moves off a dead host),
 each agent starts its workers with the new global process ids, and they resume from the
-newest checkpoint in ``D/checkpoints`` (what `resilax train` does on any restart; no host
-stores across hosts yet). A generation with fewer nodes than ``--nodes`` runs the job's
+newest step every member's host store holds, else from the newest checkpoint in
+``D/checkpoints``. Host stores (``--host-store-every``, default every step; 0: off): each
+agent owns its host's store (``--host-store-dir``, default a new directory on /dev/shm;
+never under ``D``, a network file system on a cluster; emptied when the agent starts,
+removed when it ends), its workers write their shards there with no mirror (another
+host's memory is not reachable without a transport). At each generation the agent offers
+the steps its store holds for all its processes (`LaunchEnv.host_store_steps`) and the
+workers take the newest step in every host's offer by a key-value vote (all or none of
+them take the host store). After a host loss only whole copies fit (the bit-exact mode:
+each survivor holds the whole state, so no step is lost); the default mode's shards of
+the lost host are gone with it: checkpoint (the agent says so). A replacement agent's
+store is empty, so the generation it joins resumes from the checkpoint (growing back
+saves one at the step it drains at). A generation with fewer nodes than ``--nodes`` runs the job's
 processes of its members only: each worker keeps its place in the job (``RESILAX_SLOTS``:
 node r's worker j is the job's process ``r * P + j``; ``RESILAX_NUM_SLOTS = N * P``), as the
 single-host supervisor does when survivors re-form without replacements, so the topology
