@@ -4,15 +4,16 @@ Two agents (each its own process group, as two hosts; started by the Slurm recip
 with Slurm's variables), 2 workers x 2 CPU devices each, run `resilax train` on `cpu-4x2` (the bit-exact mode) for a few steps with no failure; the
 final state must be bitwise that of a single-process run of the same topology, and
 ``processes.json`` must name both nodes, the service node and every worker. Recovery across
-hosts from the newest checkpoint (tools/agent.py): three agents x 1 worker on a 3-slice
-topology, the service host SIGKILLed mid-run, the other two re-form without it and the
-service moves, a replacement agent joins and the job grows back, bitwise equal to one
-process; with stand-in workers (no JAX), a hung host (SIGSTOP) found by its lease; and a
+hosts (tools/agent.py): three agents x 1 worker on a 3-slice topology, the service host
+SIGKILLed mid-run, the other two re-form without it from their own hosts' stores and the
+service moves, a replacement agent joins and the job grows back from the checkpoint,
+bitwise equal to one process; what a host's store offers a new generation (no JAX); with stand-in workers (no JAX), a hung host (SIGSTOP) found by its lease; and a
 whole-job SIGTERM (preemption) that a relaunch resumes from, bitwise.
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,6 +86,67 @@ def test_launch_cli_rejects_bad_node_options(tmp_path, child_env):
                          "--spares cannot be combined with --nodes")):
         r = subprocess.run(base + extra, env=child_env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and want in r.stderr, (extra, r.stderr)
+
+
+def _commit(root, slot, step, whole):
+    """A host-store commit record of ``step`` for process ``slot`` (no arrays: the agent reads records only)."""
+    d = root / f"host{slot}" / "own"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"step{step}.json").write_text(json.dumps({"step": step, "sha256": "x", "process": slot, "whole": whole}))
+
+
+def test_the_agent_offers_its_host_store_steps_and_only_whole_copies_after_the_nodes_changed(tmp_path, capsys):
+    """The agent's choice of what its host store offers a new generation (no JAX, no workers):
+    everything its processes can restore when the nodes are the same; after a host was lost,
+    only whole copies (the bit-exact mode), the default mode's shards fall back to the
+    checkpoint, saying so; a new agent's store is empty; a host with the store off offers
+    none. The workers then take the newest step in every host's offer (`agree_newest`)."""
+    from types import SimpleNamespace
+
+    from resilax._src.runtime import membership
+    from resilax.tools.agent import Agent
+
+    def agent(rank, members_before, members, whole, every=1):
+        a = Agent(["true"], nodes=3, node_rank=rank, n=2, devices_per_process=1, run_dir=tmp_path / "run",
+                  host_store_every=every, host_store_dir=tmp_path / f"shm{rank}{whole}")
+        assert a.store_root is None if not every else a.store_root == tmp_path / f"shm{rank}{whole}"
+        for step in (7, 8, 9):
+            for slot in (2 * rank, 2 * rank + 1):
+                if step < 9 or slot % 2:  # process 2 * rank was killed while writing step 9
+                    _commit(tmp_path / f"shm{rank}{whole}", slot, step, whole)
+        a._members = members_before
+        a.gen = SimpleNamespace(generation=1, members=members)
+        return a._store_steps([2 * rank, 2 * rank + 1])
+
+    # a whole copy serves every process of its host: process 3's step 9 serves process 2 too
+    assert agent(1, None, (0, 1, 2), True) == "7,8,9"  # the first generation (a relaunch on the same host)
+    assert agent(1, (0, 1, 2), (0, 1, 2), False) == "7,8"  # a worker failed, no host lost: its own shards fit
+    assert agent(1, (0, 1, 2), (1, 2), True) == "7,8,9"  # host 0 lost: whole copies still fit
+    capsys.readouterr()
+    assert agent(1, (0, 1, 2), (1, 2), False) == "none"  # the default mode: host 0's shards are gone
+    said = capsys.readouterr().out
+    assert "only its processes' own shards up to step 8 (the default mode); node(s) [0] held the others'" in said
+    assert "resuming from the newest checkpoint" in said
+    assert agent(1, (0, 1, 2), (0, 1, 2), True, every=0) == "none"
+    fresh = Agent(["true"], nodes=3, node_rank=0, n=2, devices_per_process=1, run_dir=tmp_path / "run")
+    assert fresh.store_root.name.startswith("resilax-store-") and "-node0-" in fresh.store_root.name
+    assert not str(fresh.store_root).startswith(str(tmp_path / "run"))  # never on the shared run dir
+    fresh.gen = SimpleNamespace(generation=2, members=(0, 1, 2))
+    assert fresh._store_steps([0, 1]) == "none"  # a replacement host: empty store
+    # the workers' vote: the newest step in every host's offer; one host with none: all checkpoint
+    votes = {}
+    old_votes, old_env = membership._votes, membership._state.get("env")
+    membership._votes, membership._state["env"] = (lambda v, what: votes[what]), object()
+    try:
+        votes["a"] = ["7,8", "7,8,9", "8"]
+        votes["b"] = ["7,8", "none", "7,8"]
+        votes["c"] = ["9", "7,8"]
+        assert membership.agree_newest([7, 8], "a") == 8
+        assert membership.agree_newest([7, 8], "b") is None
+        assert membership.agree_newest([9], "c") is None
+    finally:
+        membership._votes, membership._state["env"] = old_votes, old_env
+    assert membership.agree_newest([3, 5], "alone") == 5  # not under launch: its own newest
 
 
 def _wait(pred, timeout, what, procs=()):
@@ -222,11 +284,17 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
     on a 3-slice topology in the bit-exact mode. Past a checkpoint, SIGKILL host 0 (its agent,
     which runs the coordination service, and its worker): nodes 1 and 2 see its lease expire,
     stop their workers and re-form as generation 1 without it (processes 1 and 2 of the job's
-    3, slice 0 empty), node 1 now the service node; they resume from the newest checkpoint.
-    Once they have stepped, a replacement agent for rank 0 joins: the agents stop their
-    workers at a step boundary (SIGTERM: JAX's preemption sync, a checkpoint of that step)
-    and generation 2 has all three again, resuming at that step; the run completes bitwise
-    equal to a failure-free single-process run."""
+    3, slice 0 empty), node 1 now the service node. Host stores are on (every step, each
+    agent's own directory, no mirror across hosts); the test deletes host 0's store with it
+    (its RAM is lost: the dead agent cannot clean up). Each survivor holds a whole copy of
+    the newest step in its own host's store (the bit-exact mode), so they resume from there,
+    redoing at most the one step a worker may have been killed while storing, instead of
+    up to a checkpoint interval. Once they have stepped, a replacement agent for rank 0
+    joins (an empty store): the agents stop their workers at a step boundary (SIGTERM: JAX's
+    preemption sync, a checkpoint of that step) and generation 2 has all three again, every
+    worker resuming from that checkpoint (the vote on the host-store step finds none on the
+    replacement, so none takes its host's copy); the run completes bitwise equal to a
+    failure-free single-process run."""
     steps, every = 60, 5
     train = ["resilax", "train", "--topology", _topology(tmp_path), "--layout", "sharded", "--batch", "48",
              "--steps", str(steps), "--checkpoint-every", str(every), "--log-every", "10"]
@@ -241,9 +309,12 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
         _wait(lambda: len(s := _steps(run, 0)) == 3 and min(s.values()) >= every + 2, 120,
               "generation 0 past a checkpoint", agents)
         reached = max(_steps(run, 0).values())
+        store0 = json.loads((run / "nodes" / "g0.node0.json").read_text())["host_store"]
         t_kill = time.time()
         _signal_host(procs, 0, signal.SIGKILL)
         agents[0].wait(timeout=10)
+        assert os.path.isdir(store0) and not store0.startswith(str(run)), store0
+        shutil.rmtree(store0)  # host 0's memory is gone with it (the dead agent cannot remove it)
         procs1 = _wait(lambda: _processes(run, 1, (1, 2)), 60, "generation 1 on nodes 1 and 2", agents[1:])
         t_reformed = time.time()
         r1 = _wait(lambda: _resumed(tmp_path / "h1.log", "[g1 n1 p0]"), 120, "generation 1 resumed", agents[1:])
@@ -266,15 +337,25 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
     for r in (1, 2):
         assert f"node {r}, generation 0 ended: " in texts[r], texts[r]
         assert f"node {r}, generation 1: nodes [1, 2], coordination service on node 1" in texts[r], texts[r]
-    assert r1 >= every and r1 % every == 0 and f"[g1 n1 p0] resumed at step {r1} (checkpoint)" in texts[1], texts[1]
+    # the survivors resume from their own hosts' stores: at most the step being stored at the kill is redone
+    ended0 = max(int(ln.split("(newest step ")[1].split(")")[0]) for r in (1, 2) for ln in texts[r].splitlines()
+                 if "generation 0 ended: " in ln)
+    assert r1 >= max(reached, ended0) - 1 and f"[g1 n1 p0] resumed at step {r1} (host store: " in texts[1], \
+        (r1, reached, ended0, texts[1][-3000:])
+    assert "node 1, generation 1: this host's store holds steps [" in texts[1], texts[1]
     ended1 = max(int(ln.split("(newest step ")[1].split(")")[0]) for r in (1, 2) for ln in texts[r].splitlines()
                  if "generation 1 ended: " in ln)
     r2 = _resumed(tmp_path / "r0.log", "[g2 n0 p0]")
     # growing back redoes no step: the workers stopped after a step they agreed on and saved it
     assert "growing back at a step boundary" in texts[1] and "the workers saved their step and exited" in texts[1]
     assert r2 >= ended1, (r2, ended1)
-    print(f"\nservice host killed at step {reached}; re-formed in {t_reformed - t_kill:.1f} s; generation 1 resumed "
-          f"at step {r1} (checkpoint): {reached - r1} step(s) redone; grown back: generation 1 stopped at step "
+    # the replacement's store is empty: every worker of generation 2 takes the checkpoint of the drain
+    assert f"[g2 n0 p0] resumed at step {r2} (checkpoint)" in texts[0], texts[0][-3000:]
+    assert "[g2 n1 p1] host store not used (step " in texts[1], texts[1][-3000:]
+    assert not os.path.exists(store0)
+    killed_at = max(reached, ended0)
+    print(f"\nservice host killed at step {killed_at}; re-formed in {t_reformed - t_kill:.1f} s; generation 1 resumed "
+          f"at step {r1} (host store): {killed_at - r1} step(s) redone; grown back: generation 1 stopped at step "
           f"{ended1}, generation 2 resumed at step {r2}: {ended1 - r2} redone; {time.time() - t0:.0f} s in all")
     final = json.loads((run / "processes.json").read_text())
     assert final["generation"] == 2 and final["status"] == "done" and final["service_node"] == 0, final

@@ -19,7 +19,7 @@ Each agent keeps its lease until then (a lease that disappears before its node i
 lost host), and the service node's agent keeps the service until then, since the workers of
 the last node still need it to shut down.
 
-Recovery (issue 29, from the newest checkpoint). A generation ends early when a worker of
+Recovery (issue 29). A generation ends early when a worker of
 this host dies or hangs (stale heartbeat), another node reports a failure or asks for a new
 generation, a member's lease expires (a dead host, or a hung one: a SIGSTOPped agent stops
 renewing), another agent takes a member's rank, or a live agent that is not a member joins.
@@ -28,8 +28,19 @@ Then every agent stops its own workers (their JAX runtime cannot outlive a lost 
 agents agree on the next generation with the live nodes (`Rendezvous.agree`): the lowest
 live rank proposes and becomes the service node (so the service moves off a dead host),
 each agent starts its workers with the new global process ids, and they resume from the
-newest checkpoint in ``D/checkpoints`` (what `resilax train` does on any restart; no host
-stores across hosts yet). A generation with fewer nodes than ``--nodes`` runs the job's
+newest step every member's host store holds, else from the newest checkpoint in
+``D/checkpoints``. Host stores (``--host-store-every``, default every step; 0: off): each
+agent owns its host's store (``--host-store-dir``, default a new directory on /dev/shm;
+never under ``D``, a network file system on a cluster; emptied when the agent starts,
+removed when it ends), its workers write their shards there with no mirror (another
+host's memory is not reachable without a transport). At each generation the agent offers
+the steps its store holds for all its processes (`LaunchEnv.host_store_steps`) and the
+workers take the newest step in every host's offer by a key-value vote (all or none of
+them take the host store). After a host loss only whole copies fit (the bit-exact mode:
+each survivor holds the whole state, so no step is lost); the default mode's shards of
+the lost host are gone with it: checkpoint (the agent says so). A replacement agent's
+store is empty, so the generation it joins resumes from the checkpoint (growing back
+saves one at the step it drains at). A generation with fewer nodes than ``--nodes`` runs the job's
 processes of its members only: each worker keeps its place in the job (``RESILAX_SLOTS``:
 node r's worker j is the job's process ``r * P + j``; ``RESILAX_NUM_SLOTS = N * P``), as the
 single-host supervisor does when survivors re-form without replacements, so the topology
@@ -49,15 +60,19 @@ workers (whole-job preemption: each saves and exits 0) and ends the agent, not a
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 from resilax._src.io import write_json
+from resilax._src.protect import hoststore
 from resilax._src.runtime import rendezvous
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools.processes import (HEARTBEATS, Output, WorkerProcess, exit_reason, heartbeat_file, popen, read_json,
@@ -88,7 +103,8 @@ class Agent:
                  lease_s: float = 5.0, address: str = "127.0.0.1", rendezvous_timeout_s: float = 300.0,
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, collective_timeout_s: int = 15,
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 60, grace_s: float = 60.0,
-                 min_nodes: int | None = None, max_restarts: int = 3):
+                 min_nodes: int | None = None, max_restarts: int = 3, host_store_every: int = 1,
+                 host_store_dir=None):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if nodes < 1 or not 0 <= node_rank < nodes:
@@ -100,6 +116,8 @@ class Agent:
         min_nodes = -(-nodes // 2) if min_nodes is None else min_nodes
         if not 1 <= min_nodes <= nodes:
             raise ValueError(f"resilax launch: --min-nodes must be in [1, --nodes={nodes}], got {min_nodes}")
+        if host_store_every < 0:
+            raise ValueError(f"resilax launch: --host-store-every must be >= 0, got {host_store_every}")
         if heartbeat_timeout_s <= heartbeat_s:
             raise ValueError(f"resilax launch: --heartbeat-timeout ({heartbeat_timeout_s} s) must exceed the heartbeat "
                              f"interval --heartbeat ({heartbeat_s} s)")
@@ -110,6 +128,14 @@ class Agent:
         self.collective_timeout_s, self.startup_timeout_s = collective_timeout_s, startup_timeout_s
         self.jax_heartbeat_timeout_s, self.grace_s = jax_heartbeat_timeout_s, grace_s
         self.min_nodes, self.max_restarts = min_nodes, max_restarts
+        self.host_store_every = host_store_every
+        # this host's store (RAM where there is /dev/shm; never under the shared run dir, which
+        # is a network file system on a cluster): made by `run`, removed when the agent ends
+        tag = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
+        self.store_root = (pathlib.Path(host_store_dir).absolute() if host_store_dir else pathlib.Path(
+            "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+            / f"resilax-store-{tag}-node{node_rank}-{os.getpid()}") if host_store_every else None
+        self._members: tuple[int, ...] | None = None  # the generation before this one (its writers)
         self.rdv: rendezvous.Rendezvous | None = None
         self.gen: rendezvous.Generation | None = None
         self.workers: list[WorkerProcess] = []
@@ -123,7 +149,8 @@ class Agent:
     def _write_node(self, status: str, **extra):
         write_json(self._node_file(self.gen.generation, self.rank), {
             "generation": self.gen.generation, "rank": self.rank, "agent": os.getpid(), "status": status,
-            "workers": {str(w.process_id): w.proc.pid for w in self.workers}, **extra})
+            "workers": {str(w.process_id): w.proc.pid for w in self.workers},
+            "host_store": str(self.store_root or ""), **extra})
 
     def _nodes(self) -> dict[int, dict]:
         """The member nodes' parts of this generation that are readable now."""
@@ -156,6 +183,7 @@ class Agent:
         slots = [r * self.n + j for r in sorted(gen.members) for j in range(self.n)]
         whole = slots == list(range(self.nodes * self.n))
         self.workers = []
+        steps = self._store_steps([self.rank * self.n + j for j in range(self.n)])
         if gen.service_node == self.rank:
             from resilax._src.runtime import jaxdist
 
@@ -168,7 +196,8 @@ class Agent:
                 devices_per_process=self.k, run_dir=str(self.run_dir),
                 heartbeat_file=str(heartbeat_file(self.run_dir, g, pid_)), heartbeat_s=self.heartbeat_s,
                 jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
-                init_timeout_s=int(min(self.startup_timeout_s, 600)), host_store="", host_store_every=0,
+                init_timeout_s=int(min(self.startup_timeout_s, 600)), host_store=str(self.store_root or ""),
+                host_store_every=self.host_store_every, host_store_mirror=0, host_store_steps=steps,
                 slots="" if whole else ",".join(map(str, slots)), num_slots=0 if whole else self.nodes * self.n)
             proc = popen(self.cmd, {**env.to_env(), "PYTHONUNBUFFERED": "1"})
             out = Output(proc, f"[g{g} n{self.rank} p{pid_}] ", self.run_dir / "logs" / f"g{g}.p{pid_}.log")
@@ -179,6 +208,34 @@ class Agent:
             f"{[w.process_id for w in self.workers]} (pids {[w.proc.pid for w in self.workers]})"
             + ("" if whole else f" as the job's processes {[w.slot for w in self.workers]} of {self.nodes * self.n} "
                f"(nodes {sorted(set(range(self.nodes)) - set(gen.members))} missing)"))
+
+    def _store_steps(self, mine: list[int]) -> str:
+        """What this host's store offers the new generation (`LaunchEnv.host_store_steps`): the
+        steps it holds for every one of its processes (``mine``: their places in the job); the
+        workers resume from the newest step every host offers, else from the checkpoint. When
+        the nodes changed since the copies were written, only whole copies (the bit-exact
+        mode) still fit: the default mode's shards of a lost host are gone with it (there is
+        no mirror across hosts), and the re-formed mesh needs other shards anyway."""
+        if self.store_root is None:
+            return "none"  # (the workers vote all the same: a host without a store sends every one to the checkpoint)
+        r, g, members = self.rank, self.gen.generation, self.gen.members
+        n_job = self.nodes * self.n
+        steps = hoststore.restorable_steps(self.store_root, n_job, mine)
+        if steps and self._members is not None and self._members != members:
+            whole = hoststore.restorable_steps(self.store_root, n_job, mine, whole=True)
+            if whole != steps:
+                lost = sorted(set(self._members) - set(members))
+                say(f"node {r}, generation {g}: this host's store holds only its processes' own shards up to step "
+                    f"{steps[-1]} (the default mode)" + (f"; node(s) {lost} held the others' and were lost with their "
+                                                         f"host (no mirror across hosts)" if lost else "")
+                    + f"; the nodes changed ({list(self._members)} -> {list(members)}), so these copies do not fit: "
+                    f"resuming from the newest checkpoint")
+            steps = whole
+        self._members = members
+        if steps:
+            say(f"node {r}, generation {g}: this host's store holds steps {steps} for its processes {mine}; the "
+                f"workers resume from the newest step every node's store holds, else from the newest checkpoint")
+        return ",".join(map(str, steps)) or "none"
 
     def _check(self, w: WorkerProcess, now: float) -> str | None:
         """Why worker ``w`` counts as failed now, or None (running, or exited 0)."""
@@ -275,6 +332,10 @@ class Agent:
     def run(self) -> int:
         for d in (self.run_dir, self.run_dir / HEARTBEATS, self.run_dir / "logs", self.run_dir / NODES):
             d.mkdir(parents=True, exist_ok=True)
+        if self.store_root is not None:  # a new agent starts with an empty store (a new host's memory)
+            shutil.rmtree(self.store_root, ignore_errors=True)
+            for j in range(self.n):
+                (self.store_root / f"host{self.rank * self.n + j}").mkdir(parents=True)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.rdv = rendezvous.Rendezvous(self.run_dir, self.rank, workers=self.n, lease_s=self.lease_s,
                                          address=self.address)
@@ -322,6 +383,8 @@ class Agent:
             if self._service is not None:
                 self._service.shutdown()
             self.rdv.close()
+            if self.store_root is not None:
+                shutil.rmtree(self.store_root, ignore_errors=True)
             for s, h in old.items():
                 signal.signal(s, h)
 
@@ -417,6 +480,10 @@ def add_arguments(p) -> None:
                         "with fewer, wait for replacements up to --rendezvous-timeout, then exit 1")
     g.add_argument("--rendezvous-timeout", type=float, default=300.0, metavar="S",
                    help="how long the agents wait to agree on a generation (s)")
+    g.add_argument("--host-store-dir", default=None, metavar="DIR",
+                   help="this host's state store (--host-store-every; no mirror across hosts): a directory on this "
+                        "host, not the shared run dir (default: a new one on /dev/shm, else in the temp dir; emptied "
+                        "when the agent starts, removed when it ends)")
 
 
 def main(cmd, args, environ=os.environ) -> int | None:
@@ -436,7 +503,8 @@ def main(cmd, args, environ=os.environ) -> int | None:
                       address=address, heartbeat_s=args.heartbeat, heartbeat_timeout_s=args.heartbeat_timeout,
                       collective_timeout_s=args.collective_timeout or 15, startup_timeout_s=args.startup_timeout,
                       min_nodes=args.min_nodes, max_restarts=args.max_restarts,
-                      rendezvous_timeout_s=args.rendezvous_timeout)
+                      rendezvous_timeout_s=args.rendezvous_timeout, host_store_every=args.host_store_every,
+                      host_store_dir=args.host_store_dir)
     except ValueError as e:
         print(f"resilax: error: resilax launch: {e}" if not str(e).startswith("resilax") else f"resilax: error: {e}",
               file=sys.stderr)

@@ -22,12 +22,17 @@ workers write (no extra instrumentation):
   for ``relaunch`` this includes the new agents' start and the old leases expiring);
 - ``start``: -> every worker of it has attached to the new coordination service (its
   heartbeat's ``joined_t``: process start, imports, ``jax.distributed``);
-- ``restore``: the newest checkpoint read back (the ``restore`` events of ``--summary``);
+- ``restore``: the state read back: the survivors' own host stores' copy of the newest
+  step (host stores on, the default: every survivor holds the whole state in the bit-exact
+  mode), else the newest checkpoint (``--host-store-every 0``) (the ``restore`` events of
+  ``--summary``);
 - ``setup``: the rest until each worker's first step is done (state set-up, executables
   from the persistent cache, the first step);
-- ``redo``: redoing the steps between the checkpoint and the step reached at the kill.
+- ``redo``: redoing the steps between the step restored and the step reached at the kill.
 
-``lost_steps`` is that difference (the kill's step minus the step restored). Each case's
+``lost_steps`` is that difference (the kill's step minus the step restored). A killed
+host's store (its agent's directory, ``nodes/g0.node<R>.json``) is deleted with it: its
+memory is gone (the survivors never read it anyway: there is no mirror across hosts). Each case's
 final state is compared bitwise with a failure-free single-process run of the same
 topology; a case that is not bitwise makes the bench exit 1. ``--repeat N`` runs each case
 N times (median/min/max). ``--replace`` starts a replacement agent for the killed rank once
@@ -88,6 +93,8 @@ def add_arguments(p) -> None:
     p.add_argument("--soak", type=int, default=0, metavar="N",
                    help="instead: N service-host kills, each with a replacement; outcome and fallbacks per run")
     p.add_argument("--lease", type=float, default=2.0, metavar="S", help="the agents' --lease")
+    p.add_argument("--host-store-every", type=int, default=1, metavar="K",
+                   help="the agents' --host-store-every (0: host stores off, every restart from the checkpoint)")
     p.add_argument("--timeout", type=float, default=240.0, metavar="S",
                    help="the most one case may take (start to every agent's exit); past it: a hang")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory, removed "
@@ -179,6 +186,13 @@ class Hosts:
                 pids += [int(x) for x in (rec.get("workers") or {}).values()]
         return pids
 
+    def _lose_store(self, agent_pid: int) -> None:
+        """A killed host's memory is gone: its agent's host store (which it cannot remove)."""
+        for f in (self.run / "nodes").glob("g*.node*.json"):
+            rec = _json(f) or {}
+            if rec.get("agent") == agent_pid and rec.get("host_store"):
+                shutil.rmtree(rec["host_store"], ignore_errors=True)
+
     def kill(self, r: int) -> None:
         p = self.agents[r]
         for pid in [p.pid, *self._workers_of(p.pid)]:
@@ -187,6 +201,7 @@ class Hosts:
             except (ProcessLookupError, PermissionError):
                 pass
         p.wait(timeout=10)
+        self._lose_store(p.pid)
         del self.agents[r]  # (still in ``all``, for `close`)
 
     def wait(self, pred, what: str, live=None):
@@ -222,6 +237,7 @@ class Hosts:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+            self._lose_store(p.pid)
 
     def text(self) -> str:
         return "\n".join(f.read_text(errors="replace") for f in self.logs if f.exists())
@@ -231,6 +247,14 @@ def _resumed(text: str, g: int) -> int | None:
     for ln in text.splitlines():
         if ln.startswith(f"[g{g} ") and "resumed at step " in ln:
             return int(ln.split("resumed at step ")[1].split()[0])
+    return None
+
+
+def _resumed_from(text: str, g: int) -> str | None:
+    """Where generation ``g``'s workers resumed from: ``host store``, ``checkpoint`` (None: started over)."""
+    for ln in text.splitlines():
+        if ln.startswith(f"[g{g} ") and "resumed at step " in ln:
+            return "host store" if "(host store" in ln else "checkpoint"
     return None
 
 
@@ -255,14 +279,14 @@ def _bitwise(out: pathlib.Path, ref) -> bool:
 
 # ------------------------------------------------------------------ one case
 def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int, lease: float, timeout: float,
-             replace: bool = False, log=print) -> dict:
+             replace: bool = False, host_store_every: int = 1, log=print) -> dict:
     """One job of three agents; ``case`` as in the module docstring. Raises `Hang` or
     `BenchError`; returns the measurements (``bitwise`` says whether the final state
     matched ``ref``)."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
     cmd = [*train, "--out", str(out), "--summary", str(summ)]
     opts = ["-n", "1", "--devices-per-process", "2", "--lease", str(lease), "--heartbeat", "0.2",
-            "--heartbeat-timeout", "10", "--rendezvous-timeout", "120"]
+            "--heartbeat-timeout", "10", "--rendezvous-timeout", "120", "--host-store-every", str(host_store_every)]
     hosts = Hosts(work, run, cmd, opts, time.time() + timeout)
     try:
         for r in range(NODES):
@@ -335,7 +359,7 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
               "restore": restore_s, "setup": first - joined - (restore_s or 0.0), "redo": t_back - first}
     res = {
         "case": case, "killed": victims, "service_node_before": service, "service_node_after": gen.service_node,
-        "kill_step": kill_step, "restored_step": restored,
+        "kill_step": kill_step, "restored_step": restored, "restored_from": _resumed_from(text, g),
         "lost_steps": None if restored is None else max(0, kill_step - restored),
         "checkpoints_at_kill": ckpts, "death_to_back_s": t_back - t_kill, "phases": phases, "generation_back": g,
         "abandoned_generations": [k for k in range(1, _latest(run) + 1)
@@ -383,7 +407,7 @@ def _stats(xs):
 
 
 def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES, repeat=1, replace=False, soak=0,
-                    lease=2.0, timeout=240.0, workdir=None, log=print) -> dict:
+                    lease=2.0, timeout=240.0, workdir=None, host_store_every=1, log=print) -> dict:
     import numpy as np
 
     bad = [c for c in cases if c not in CASES]
@@ -418,7 +442,7 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES,
         t = time.time()
         try:
             res = run_case(work / name, case, train=train, ref=ref, kill_after=kill_after, lease=lease,
-                           timeout=timeout, replace=rep, log=log)
+                           timeout=timeout, replace=rep, host_store_every=host_store_every, log=log)
             res["outcome"] = "bitwise" if res["bitwise"] else "not bitwise"
         except Hang as e:
             res = {"case": case, "outcome": "hang", "error": str(e), "bitwise": False}
@@ -436,7 +460,8 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES,
         "benchmark": "multihost",
         "setup": {"nodes": NODES, "workers_per_node": 1, "devices_per_process": 2, "topology": f"cpu-{NODES}x2",
                   "mode": "bit-exact", "batch": 48, "steps": steps, "checkpoint_every": checkpoint_every,
-                  "kill_after": kill_after, "lease_s": lease, "heartbeat_s": 0.2, "repeat": repeat, "soak": soak,
+                  "kill_after": kill_after, "lease_s": lease, "heartbeat_s": 0.2, "host_store_every": host_store_every,
+                  "repeat": repeat, "soak": soak,
                   "replace": bool(replace or soak), "cpu_count": os.cpu_count(), "loopback": True},
         "runs": runs, "wall_s": time.time() - t0, "ok": not failed,
     }
@@ -508,7 +533,8 @@ def run(args) -> int:
     cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
     r = bench_multihost(steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
                         cases=cases, repeat=args.repeat, replace=args.replace, soak=args.soak, lease=args.lease,
-                        timeout=args.timeout, workdir=args.workdir, log=lambda m: print(m, flush=True))
+                        timeout=args.timeout, workdir=args.workdir, host_store_every=args.host_store_every,
+                        log=lambda m: print(m, flush=True))
     print_table(r)
     if args.json:
         write_json(args.json, r)

@@ -184,6 +184,9 @@ def train(
                 ck = step.checkpoints.steps() if step.checkpoints else []
                 how = f" (host store: {hs[-1].fields['copy']}; newest checkpoint: {ck[-1] if ck else None})"
             print(f"resumed at step {start_step}{how}, data position restored", flush=True)
+        for e in step.events:
+            if e.kind == "host_store_skipped":
+                print(f"host store not used (step {e.fields['wanted_step']}): {e.fields['reason']}", flush=True)
         if step.faults.settled:  # the same plan on a restart: what belonged before the resume is done
             print(f"faults done before this restart (not fired again): "
                   f"{', '.join(f.spec() for f in step.faults.settled)}", flush=True)

@@ -91,16 +91,28 @@ def sources(root: pathlib.Path, process: int, n: int, step: int) -> list[pathlib
     return out
 
 
-def restorable_step(root: pathlib.Path, n: int, processes=None) -> int | None:
-    """The newest step every one of the ``n`` processes (or those of them in ``processes``:
-    a generation smaller than the job) can read back from some host."""
+def restorable_steps(root: pathlib.Path, n: int, processes=None, *, whole: bool = False) -> list[int]:
+    """The steps every one of the ``n`` processes (or those of them in ``processes``: a
+    generation smaller than the job, or one host's processes) can read back from some host
+    under ``root``, ascending; ``whole``: only from whole copies (the bit-exact mode's,
+    which fit any process and any mesh with the same sharding within a process)."""
     every = set()
     for j in range(n):
         for kind in ("own", "mirror"):
             every |= set(committed_steps(root / f"host{j}" / kind))
     want = range(n) if processes is None else processes
-    ok = [s for s in every if all(sources(root, i, n, s) for i in want)]
-    return max(ok) if ok else None
+
+    def ok(s, i):
+        return any(_record(d, s).get("whole") for d in sources(root, i, n, s)) if whole else sources(root, i, n, s)
+
+    return sorted(s for s in every if all(ok(s, i) for i in want))
+
+
+def restorable_step(root: pathlib.Path, n: int, processes=None) -> int | None:
+    """The newest step every one of the ``n`` processes (or those of them in ``processes``:
+    a generation smaller than the job) can read back from some host."""
+    ok = restorable_steps(root, n, processes)
+    return ok[-1] if ok else None
 
 
 def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, process: int, whole: bool,

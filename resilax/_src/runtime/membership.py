@@ -141,6 +141,18 @@ def agree_min(value: int, what: str) -> int:
     return min(int(v) for v in _votes(str(int(value)), what))
 
 
+def agree_newest(values, what: str) -> int | None:
+    """The newest value that every worker of this job passed in ``values`` (its set of
+    integers) for ``what``, or None when no value is in all of them."""
+    mine = ",".join(str(int(v)) for v in sorted(set(values))) or "none"
+    votes = [mine] if _state.get("env") is None else _votes(mine, what)
+    common = None
+    for v in votes:
+        got = set() if v == "none" else {int(x) for x in v.split(",")}
+        common = got if common is None else common & got
+    return max(common) if common else None
+
+
 def barrier(name: str) -> None:
     """Every worker of this job waits here (a coordination-service barrier, not an XLA
     collective: its timeout is the init timeout, not the short collective timeout). Used

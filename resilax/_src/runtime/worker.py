@@ -55,6 +55,12 @@ class LaunchEnv:
     host_store: str = ""  # the supervisor's host state store root ("": none)
     host_store_step: int = -1  # the newest step every process can restore from it (-1: none)
     host_store_every: int = 1
+    host_store_mirror: int = 1  # 0: no mirror to the ring neighbour (across hosts: its memory is not reachable)
+    # Across hosts (`resilax launch --nodes`): the steps this host's store can give back to
+    # every one of its processes, comma separated ("none": no step); the workers take the
+    # newest step in every host's list (a key-value vote) instead of ``host_store_step``.
+    # "": one host (the supervisor picked ``host_store_step``).
+    host_store_steps: str = ""
     in_place_wait_s: float = 0.0  # in-place shrink: how long survivors wait for the supervisor's verdict (0: off)
     # A generation smaller than the job (survivors re-formed without spares for the dead):
     # ``slots`` is the job's process (failure-domain) index of each process id, comma

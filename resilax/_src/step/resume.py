@@ -32,6 +32,9 @@ def newest_state(run, state, state_sh, job):
     store, ckpt, data = run.host_store, run.checkpointer, run.data
     from_store = restored = None
     want = job.host_store_step if store is not None and job.host_store_step >= 0 else None
+    if job is not None and job.host_store_steps:  # across hosts: every worker votes, store on or off
+        agreed = _agreed_store_step(run, job.host_store_steps)
+        want = agreed if store is not None else None
     if want is not None and not (ckpt is not None and max(ckpt.store.steps(), default=-1) > want):
         # under `resilax launch`: the hosts' copies first (newer than any checkpoint, which
         # would only be read to be thrown away); every process takes the same branch
@@ -59,6 +62,20 @@ def newest_state(run, state, state_sh, job):
     if restored is None and not from_store:
         state = _sh.place_copy(state, state_sh)
     return state
+
+
+def _agreed_store_step(run, steps: str) -> int | None:
+    """Across hosts: the newest step in every host's list (`LaunchEnv.host_store_steps`),
+    by a key-value vote every worker takes part in, so all of them get the same answer:
+    a host that holds no such step (a replacement's empty store) sends all of them to
+    the checkpoint, never some."""
+    mine = [] if steps == "none" else [int(x) for x in steps.split(",")]
+    got = membership.agree_newest(mine, "host_store_steps")
+    if got is None and mine:
+        run.event("host_store_skipped", run.step, wanted_step=mine[-1],
+                  reason="another host's store holds none of this host's steps (a replacement host, or copies "
+                         "lost with a host); using the checkpoint")
+    return got
 
 
 def replay_disk_log(run, state, first_program):
