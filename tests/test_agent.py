@@ -13,6 +13,7 @@ whole-job SIGTERM (preemption) that a relaunch resumes from, bitwise.
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -156,9 +157,17 @@ def _wait(pred, timeout, what, procs=()):
         if v:
             return v
         dead = [p.returncode for p in procs if p.poll() is not None]
-        assert not dead, f"an agent exited ({dead}) while waiting for {what}"
+        if dead and not pred():  # (it may have come true just before the exit)
+            raise AssertionError(f"an agent exited ({dead}) while waiting for {what}\n{_log_tails(procs)}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{_log_tails(procs)}")
+
+
+def _log_tails(procs, n=2500) -> str:
+    """The end of every agent log next to the agents' run directory (what a failure needs to be read)."""
+    dirs = {pathlib.Path(a[a.index("--run-dir") + 1]).parent for p in procs
+            if "--run-dir" in (a := [str(x) for x in p.args])}
+    return "\n".join(f"--- {f.name}:\n{f.read_text(errors='replace')[-n:]}" for d in dirs for f in sorted(d.glob("*.log")))
 
 
 def _processes(run, gen=None, nodes=None):
