@@ -580,6 +580,21 @@ def _storage_error(what, directory, e) -> StorageError:
     return StorageError(f"resilax checkpoints: {what} in {str(directory)!r} failed: {type(e).__name__}: {e}")
 
 
+def collectives() -> str:
+    """How this process's collectives add, as recorded in each checkpoint's meta: ``"cpu:
+    distributed"`` under a `jax.distributed` client (`resilax launch`: on CPU, gloo then runs
+    every collective, a failure domain's own all-reduces too, in another order than XLA's
+    in-process all-reduce; docs/multiprocess.md, "Which reduction order"), ``"<platform>:
+    local"`` without one, ``"unknown"`` where JAX's internals differ."""
+    try:
+        from jax._src import distributed
+
+        kind = "distributed" if distributed.global_state.client is not None else "local"
+        return f"{jax.devices()[0].platform}:{kind}"
+    except Exception:  # another JAX version
+        return "unknown"
+
+
 class Checkpoints(base.Protection):
     name = "checkpoint"
 
@@ -627,7 +642,7 @@ class Checkpoints(base.Protection):
         return bool(self.cfg.every) and step_after % self.cfg.every == 0 and self.paused is None
 
     def save(self, run, state, *, after_dispatch=None, copy=True) -> float:
-        meta = {"seed": run.config.seed, "topology": run.topology.name}
+        meta = {"seed": run.config.seed, "topology": run.topology.name, "collectives": collectives()}
         if run.data is not None:
             meta["data_state"] = encode_data_state(run.data.get_state())
         if run.watch is not None:  # the steps skipped so far (reads the newest verdict: the snapshot waits for it anyway)

@@ -12,12 +12,13 @@ properties; they set the run's public state (``step``, ``guard``, ``data_positio
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 
 from resilax._src.errors import ReplayLogError
 from resilax._src.protect import hoststore as _hoststore
-from resilax._src.protect.checkpoints import decode_data_state
+from resilax._src.protect.checkpoints import collectives, decode_data_state
 from resilax._src.protect.checksum import tree_checksums
 from resilax._src.protect.disk_log import batch_template, scalar_value
 from resilax._src.runtime import membership
@@ -59,9 +60,29 @@ def newest_state(run, state, state_sh, job):
                 run.record_log.checkpointed(restored.step)
             if run.watch is not None:
                 run.watch.restored(restored.meta.get("verdicts"))
+            _check_collectives(run, restored)
     if restored is None and not from_store:
         state = _sh.place_copy(state, state_sh)
     return state
+
+
+def _check_collectives(run, restored) -> None:
+    """The bit-exact mode promises the bits of the run that wrote the checkpoint only where
+    both add alike: on CPU a run under `resilax launch` (a `jax.distributed` client: gloo for
+    every collective) and one without it sum a failure domain of more than 2 devices in
+    another order. A resume across that line goes on correctly but bitwise equal to a run of
+    this kind, not to the one that wrote the checkpoint: said, not silent."""
+    was, now = restored.meta.get("collectives"), collectives()
+    if (run.config.deterministic is None or was is None or was == now or "unknown" in (was, now)
+            or not now.startswith("cpu:") or max(len(d) for d in run.domains) <= 2):
+        return
+    msg = (f"resilax: checkpoint {restored.step} was written with {was} collectives and this run has {now}: on CPU "
+           f"they add a failure domain's {max(len(d) for d in run.domains)} device values in another order, so the "
+           f"bit-exact mode goes on bitwise equal to a run like this one, not to the run that wrote the checkpoint "
+           f"(docs/multiprocess.md, 'Which reduction order'); resume it the way it was started (with or without "
+           f"`resilax launch`) to keep its bits")
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    run.event("collectives_changed", restored.step, written=was, now=now)
 
 
 def _agreed_store_step(run, steps: str) -> int | None:
