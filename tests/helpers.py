@@ -23,8 +23,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child_env() -> dict:
-    """Environment for `python -m resilax ...` subprocesses: this checkout importable, unbuffered output."""
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    """Environment for `python -m resilax ...` subprocesses: this checkout importable, unbuffered
+    output, and none of a scheduler's placement variables (`resilax launch` reads SLURM_* and
+    JOB_COMPLETION_INDEX: run inside a multi-node allocation, the single-host launch tests would
+    become agents waiting for other nodes; the recipe test sets its own)."""
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("SLURM") or k == "JOB_COMPLETION_INDEX")}
+    return dict(env, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
 
 
 def kill_tree(p) -> None:
