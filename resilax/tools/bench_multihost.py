@@ -3,14 +3,30 @@
 Runs, on loopback, three agents (each its own process group, as three hosts) x 1 worker x
 2 CPU devices: ``resilax launch --nodes 3 --node-rank R -n 1 --devices-per-process 2 --
 resilax train`` on a 3-slice topology in the bit-exact mode (``--batch 48``), checkpoints
-every ``--checkpoint-every`` steps, as tests/test_agent.py does. Once every worker of
-generation 0 is past ``--kill-after``, one case:
+every ``--checkpoint-every`` steps, as tests/test_agent.py does. ``--workers-per-host P``
+(with ``--devices-per-process K``, default 2 for one worker per host, else 1) runs P workers
+of K devices per agent on a topology of one failure domain per process (``3 P`` domains of
+K devices), as a generation missing hosts needs. Once every worker of generation 0 is
+past ``--kill-after``, one case:
 
 - ``service``: SIGKILL the host that runs the coordination service (its agent's process
   group and its worker's session): the other two re-form without it, the service moves;
 - ``other``: the same for a host that does not run the service;
 - ``relaunch`` (the baseline): SIGKILL every host, then start the three agents again at
-  once in the same run directory (what a scheduler's restart of the whole job does).
+  once in the same run directory (what a scheduler's restart of the whole job does);
+- ``double``: SIGKILL the service host, then, during the recovery, the host that runs the
+  service of the re-forming generation (the lowest survivor, so the service moves twice):
+  at ``--second-kill-at`` ``proposed`` (the re-forming generation's proposal exists),
+  ``committed`` (its outcome is committed) or ``attached`` (the default: every one of its
+  workers has attached to its new service and is restoring or setting up, none has
+  resumed); the last host goes on alone (the agents get ``--min-nodes 1`` unless
+  ``--min-nodes`` says otherwise). The JSON's ``second_kill`` records where it landed
+  (seconds after the first kill, the generation, its outcome, how many of its workers had
+  attached and resumed). Its phases: ``detect`` as below, ``recovering`` (-> the second
+  kill: the part of the first recovery that is lost), ``detect2`` (-> the last host has
+  stopped its workers of that generation; 0 if it had started none), then ``agree`` to
+  ``redo`` as below for the generation that gets back; ``--replace`` starts a replacement
+  for both killed ranks at once.
 
 Each is timed from the kill to *back at the step* (every worker of the new generation has
 completed the step the job had reached at the kill), by phase, from the files the agents and
@@ -32,19 +48,20 @@ workers write (no extra instrumentation):
 
 ``lost_steps`` is that difference (the kill's step minus the step restored). A killed
 host's store (its agent's directory, ``nodes/g0.node<R>.json``) is deleted with it: its
-memory is gone (the survivors never read it anyway: there is no mirror across hosts). Each case's
-final state is compared bitwise with a failure-free single-process run of the same
+memory is gone (the survivors never read it anyway: there is no mirror across hosts). Each
+case's final state is compared bitwise with a failure-free single-process run of the same
 topology; a case that is not bitwise makes the bench exit 1. ``--repeat N`` runs each case
 N times (median/min/max). ``--replace`` starts a replacement agent for the killed rank once
 the job is back at the step, and records the growing back (the agents stop their workers
 at a step boundary, the new generation resumes at that step: 0 redone, else it fell back
 to the checkpoint).
 
-``--soak N`` repeats the service-host kill with a replacement N times and reports per run
-the outcome (``bitwise``, ``not bitwise``, ``hang``: a wait timed out, ``failed``: an agent
-exited non-zero), every generation end and why, and the *fallbacks*: a generation beyond the
-expected two ends (the kill, the growing back) or a growing back whose drain did not end
-with every worker saving its step (both redo steps from the newest checkpoint).
+``--soak N`` repeats the case (``--cases``, one or more; default ``service``) with
+replacements N times and reports per run the outcome (``bitwise``, ``not bitwise``,
+``hang``: a wait timed out, ``failed``: an agent exited non-zero), every generation end and
+why, and the *fallbacks*: a generation beyond the expected ends (the kill, for ``double``
+the generation the second kill ended, the growing back) or a growing back whose drain did
+not end with every worker saving its step (both redo steps from the newest checkpoint).
 
 Every agent runs in a session of its own with a time limit; in a ``finally`` each agent's
 process group and its workers' sessions (from ``nodes/*.json``) get SIGKILL.
@@ -68,8 +85,10 @@ from resilax._src.runtime import rendezvous
 from resilax.tools.processes import heartbeats
 
 NODES = 3
-CASES = ("service", "other", "relaunch")
+CASES = ("service", "other", "relaunch", "double")
 PHASES = ("detect", "agree", "start", "restore", "setup", "redo")
+DOUBLE_PHASES = ("detect", "recovering", "detect2", "agree", "start", "restore", "setup", "redo")
+SECOND_KILL_AT = ("proposed", "committed", "attached")
 
 
 class BenchError(RuntimeError):
@@ -85,13 +104,24 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
-    p.add_argument("--cases", default=",".join(CASES),
-                   help=f"comma-separated, of {', '.join(CASES)} (default: all)")
+    p.add_argument("--cases", default=None,
+                   help=f"comma-separated, of {', '.join(CASES)} (default: service, other, relaunch; with --soak: "
+                        f"service)")
+    p.add_argument("--workers-per-host", type=int, default=1, metavar="P",
+                   help="workers per agent (the topology gets one failure domain per process: 3 P domains)")
+    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
+                   help="CPU devices per worker (default: 2 with one worker per host, else 1)")
+    p.add_argument("--second-kill-at", default="attached", choices=SECOND_KILL_AT,
+                   help="double: when in the recovery the second host is killed: the re-forming generation proposed, "
+                        "committed, or every one of its workers attached to its service (default)")
+    p.add_argument("--min-nodes", type=int, default=None, metavar="M",
+                   help="the agents' --min-nodes (default: theirs; 1 for double, so the last host goes on alone)")
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="run each case N times (median/min/max)")
     p.add_argument("--replace", action="store_true",
                    help="after a host kill, start a replacement agent once the job is back and time the growing back")
     p.add_argument("--soak", type=int, default=0, metavar="N",
-                   help="instead: N service-host kills, each with a replacement; outcome and fallbacks per run")
+                   help="instead: N runs of the case(s) (default service), each with replacements; outcome and "
+                        "fallbacks per run")
     p.add_argument("--lease", type=float, default=2.0, metavar="S", help="the agents' --lease")
     p.add_argument("--host-store-every", type=int, default=1, metavar="K",
                    help="the agents' --host-store-every (0: host stores off, every restart from the checkpoint)")
@@ -102,10 +132,17 @@ def add_arguments(p) -> None:
 
 
 # ------------------------------------------------------------------ files the agents and workers write
-def _topology(work: pathlib.Path) -> str:
-    path = work / f"cpu-{NODES}x2.toml"
-    path.write_text(f'name = "cpu-{NODES}x2"\nplatform = "cpu"\ndomain = "slice"\nemulated = true\n'
-                    f'domains = {NODES}\ndevices_per_domain = 2\n\n[mesh]\naxes = {{ data = {NODES}, fsdp = 2 }}\n'
+def _topology_name(workers: int = 1, devices: int = 2) -> str:
+    return f"cpu-{NODES * workers}x{devices}"
+
+
+def _topology(work: pathlib.Path, workers: int = 1, devices: int = 2) -> str:
+    """One failure domain per process (``NODES * workers`` of ``devices`` each)."""
+    name, domains = _topology_name(workers, devices), NODES * workers
+    path = work / f"{name}.toml"
+    path.write_text(f'name = "{name}"\nplatform = "cpu"\ndomain = "slice"\nemulated = true\n'
+                    f'domains = {domains}\ndevices_per_domain = {devices}\n\n[mesh]\n'
+                    f'axes = {{ data = {domains}, fsdp = {devices} }}\n'
                     'elastic_axis = "data"\n\n'
                     '[bandwidth]\nici = 10.0\ndcn = 10.0\nhost = 10.0\nstorage = 1.0\n'
                     'sources = { ici = "emulated", dcn = "emulated", host = "emulated", storage = "emulated" }\n')
@@ -278,28 +315,52 @@ def _bitwise(out: pathlib.Path, ref) -> bool:
 
 
 # ------------------------------------------------------------------ one case
+def _reforming(run, dead, at: str):
+    """For ``double``: the first generation after 0 without a ``dead`` rank that has reached
+    ``at`` (``proposed``, ``committed``, ``attached``: every one of its workers attached to
+    its service): ``(generation, its record, its outcome or None, its heartbeats)``, or None."""
+    for g in range(1, _latest(run) + 1):
+        rec = _json(_gen_file(run, g, "proposal"))
+        if not rec:
+            continue
+        gen = rendezvous.Generation.from_record(rec)
+        outcome = (_json(_gen_file(run, g, "outcome")) or {}).get("outcome")
+        if set(gen.members) & set(dead) or outcome == rendezvous.ABANDONED:
+            continue
+        hbs = heartbeats(run, g)
+        if at == "proposed" or (outcome == rendezvous.COMMITTED and (
+                at == "committed" or (len(hbs) == gen.num_processes and all(h.get("joined_t") for h in hbs.values())))):
+            return g, gen, outcome, hbs
+    return None
+
+
 def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int, lease: float, timeout: float,
-             replace: bool = False, host_store_every: int = 1, log=print) -> dict:
+             replace: bool = False, host_store_every: int = 1, workers: int = 1, devices: int = 2,
+             min_nodes: int | None = None, second_kill_at: str = "attached", log=print) -> dict:
     """One job of three agents; ``case`` as in the module docstring. Raises `Hang` or
     `BenchError`; returns the measurements (``bitwise`` says whether the final state
     matched ``ref``)."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
     cmd = [*train, "--out", str(out), "--summary", str(summ)]
-    opts = ["-n", "1", "--devices-per-process", "2", "--lease", str(lease), "--heartbeat", "0.2",
+    opts = ["-n", str(workers), "--devices-per-process", str(devices), "--lease", str(lease), "--heartbeat", "0.2",
             "--heartbeat-timeout", "10", "--rendezvous-timeout", "120", "--host-store-every", str(host_store_every)]
+    if min_nodes is not None:
+        opts += ["--min-nodes", str(min_nodes)]
+    nproc = NODES * workers
     hosts = Hosts(work, run, cmd, opts, time.time() + timeout)
+    second = None  # double: where the second kill landed
     try:
         for r in range(NODES):
             hosts.start(r)
         hosts.wait(lambda: _committed(run, 0), "generation 0")
-        hosts.wait(lambda: len(h := heartbeats(run, 0)) == NODES and all((x.get("step") or 0) >= kill_after
+        hosts.wait(lambda: len(h := heartbeats(run, 0)) == nproc and all((x.get("step") or 0) >= kill_after
                                                                         for x in h.values()),
                    f"every worker of generation 0 past step {kill_after}")
         procs = hosts.wait(lambda: (p := _json(run / "processes.json")) and len(p.get("nodes", {})) == NODES and p,
                            "processes.json naming every node")
         service = procs["service_node"]
         victims = {"service": [service], "other": [max(r for r in range(NODES) if r != service)],
-                   "relaunch": list(range(NODES))}[case]
+                   "relaunch": list(range(NODES)), "double": [service]}[case]
         kill_step = max(x.get("step") or 0 for x in heartbeats(run, 0).values())
         t_kill = time.time()
         for r in victims:
@@ -309,27 +370,51 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
             if (run / "checkpoints").is_dir() else []
         log(f"      SIGKILL host(s) {victims} (service on {service}) at step {kill_step}")
         survivors = [r for r in range(NODES) if r not in victims]
+        first_survivors = list(survivors)
+        after, back_step = 0, kill_step
         if case == "relaunch":
             for r in range(NODES):
                 hosts.start(r, ".relaunch")
             survivors = list(range(NODES))
-        g, hbs = hosts.wait(lambda: _back(run, 0, kill_step, survivors), f"the job back at step {kill_step}")
+        elif case == "double":
+            g1, gen1, outcome1, hbs1 = hosts.wait(lambda: _reforming(run, victims, second_kill_at),
+                                                  f"the re-forming generation {second_kill_at}")
+            victim2 = gen1.service_node
+            text1 = hosts.text()  # (read before the kill: what had resumed by then)
+            second = {"at": second_kill_at, "generation": g1, "members": list(gen1.members),
+                      "service_node": victim2, "outcome": outcome1,
+                      "workers_attached": sum(bool(h.get("joined_t")) for h in hbs1.values()),
+                      "workers_resumed": sum(ln.startswith(f"[g{g1} ") and "resumed at step " in ln
+                                             for ln in text1.splitlines()),
+                      "workers": gen1.num_processes,
+                      "step": max([kill_step] + [h.get("step") or 0 for h in hbs1.values()])}
+            t_kill2 = time.time()
+            hosts.kill(victim2)
+            second["after_first_kill_s"] = t_kill2 - t_kill
+            victims.append(victim2)
+            survivors.remove(victim2)
+            after, back_step = g1, second["step"]
+            log(f"      SIGKILL host {victim2} (the service of generation {g1}, {second_kill_at}: "
+                f"{second['workers_attached']}/{second['workers']} workers attached, {second['workers_resumed']} "
+                f"resumed) {second['after_first_kill_s']:.2f} s after the first kill")
+        g, hbs = hosts.wait(lambda: _back(run, after, back_step, survivors), f"the job back at step {back_step}")
         t_back = time.time()
         gen = _committed(run, g)
-        log(f"      back at step {kill_step} in {t_back - t_kill:.1f} s (generation {g}, nodes {list(gen.members)}, "
+        log(f"      back at step {back_step} in {t_back - t_kill:.1f} s (generation {g}, nodes {list(gen.members)}, "
             f"service on {gen.service_node})")
         grow = None
         if replace and case != "relaunch":
             t_join = time.time()
-            hosts.start(victims[0], ".replacement")
-            others = [p for r, p in hosts.agents.items() if r != victims[0]]
+            for v in victims:
+                hosts.start(v, ".replacement")
+            others = [p for r, p in hosts.agents.items() if r not in victims]
             got = hosts.wait(lambda: _back(run, g, 1, range(NODES)) or all(p.poll() == 0 for p in others),
-                             "a generation with the replacement stepping")
+                             "a generation with the replacement(s) stepping")
             if got is True:  # (a replacement for a job that already ended waits for --rendezvous-timeout)
-                raise BenchError(f"the job ended before the replacement for node {victims[0]} joined: give it more "
+                raise BenchError(f"the job ended before the replacement(s) for node(s) {victims} joined: give it more "
                                  f"--steps")
             grow = {"generation": got[0], "join_to_stepping_s": time.time() - t_join}
-            log(f"      replacement for node {victims[0]} in generation {got[0]} after "
+            log(f"      replacement(s) for node(s) {victims} in generation {got[0]} after "
                 f"{grow['join_to_stepping_s']:.1f} s")
         rcs = hosts.finish()
     finally:
@@ -338,15 +423,15 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
     if any(rcs):
         raise BenchError(f"the live agents exited with {rcs}")
     ends = _ends(text)
+
+    def _stopped(g_, r):  # when node r had stopped its workers and marked generation g_ ended
+        f = run / "nodes" / f"g{g_}.node{r}.json"
+        return _mtime(f) if (_json(f) or {}).get("status") in ("stopped", "failed") else None
+
     if case == "relaunch":
         detected = t_kill
     else:
-        marks = []  # when each survivor had stopped its workers and marked generation 0 ended
-        for r in survivors:
-            f = run / "nodes" / f"g0.node{r}.json"
-            if (_json(f) or {}).get("status") in ("stopped", "failed"):
-                marks.append(_mtime(f))
-        detected = min((m for m in marks if m is not None), default=t_kill)
+        detected = min((m for r in first_survivors if (m := _stopped(0, r)) is not None), default=t_kill)
     committed = _mtime(_gen_file(run, g, "outcome"))
     joined = max(h["joined_t"] for h in hbs.values())
     first = max(h["first_step_t"] for h in hbs.values())
@@ -355,17 +440,28 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
     restore = [e for e in summary.get("events", []) if e.get("kind") == "restore"] if final_gen == g else []
     restore_s = sum(float(e["seconds"]) for e in restore) if restore else None
     restored = _resumed(text, g) or 0  # (no "resumed at step" line: no checkpoint yet, it started over)
-    phases = {"detect": detected - t_kill, "agree": committed - detected, "start": joined - committed,
-              "restore": restore_s, "setup": first - joined - (restore_s or 0.0), "redo": t_back - first}
+    tail = {"start": joined - committed, "restore": restore_s, "setup": first - joined - (restore_s or 0.0),
+            "redo": t_back - first}
+    if case == "double":
+        detected2 = min((m for r in survivors if (m := _stopped(second["generation"], r)) is not None),
+                        default=t_kill2)
+        phases = {"detect": detected - t_kill, "recovering": t_kill2 - detected, "detect2": detected2 - t_kill2,
+                  "agree": committed - detected2, **tail}
+        second["death_to_back_s"] = t_back - t_kill2
+    else:
+        phases = {"detect": detected - t_kill, "agree": committed - detected, **tail}
     res = {
         "case": case, "killed": victims, "service_node_before": service, "service_node_after": gen.service_node,
         "kill_step": kill_step, "restored_step": restored, "restored_from": _resumed_from(text, g),
-        "lost_steps": None if restored is None else max(0, kill_step - restored),
+        "lost_steps": None if restored is None else max(0, back_step - restored),
         "checkpoints_at_kill": ckpts, "death_to_back_s": t_back - t_kill, "phases": phases, "generation_back": g,
+        "nodes_back": list(gen.members), "min_nodes": min_nodes,
         "abandoned_generations": [k for k in range(1, _latest(run) + 1)
                                   if ((_json(_gen_file(run, k, "outcome")) or {}).get("outcome")) == rendezvous.ABANDONED],
         "generation_ends": ends, "bitwise": _bitwise(out, ref),
     }
+    if second is not None:
+        res["second_kill"] = second
     if grow is not None:
         g2 = grow["generation"]
         stopped = [int(ln.split("(newest step ")[1].split(")")[0]) for ln in text.splitlines()
@@ -385,8 +481,9 @@ def soak_fallbacks(res: dict) -> list[str]:
     that did not end with every worker saving its step."""
     # (an abandoned generation, one that a member never acked, started no worker: no restart)
     g_back = res["generation_back"]
+    g_second = (res.get("second_kill") or {}).get("generation")  # (double: the second kill ended it)
     why = [f"generation {e['generation']} ended: {e['why']}" for e in res["generation_ends"]
-           if 1 <= e["generation"] < g_back]
+           if 1 <= e["generation"] < g_back and e["generation"] != g_second]
     grow = res.get("grow_back")
     if grow is not None:
         if grow["generation"] != g_back + 1:
@@ -406,27 +503,42 @@ def _stats(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES, repeat=1, replace=False, soak=0,
-                    lease=2.0, timeout=240.0, workdir=None, host_store_every=1, log=print) -> dict:
+def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=None, repeat=1, replace=False, soak=0,
+                    lease=2.0, timeout=240.0, workdir=None, host_store_every=1, workers_per_host=1,
+                    devices_per_process=None, min_nodes=None, second_kill_at="attached", log=print) -> dict:
     import numpy as np
 
+    if cases is None:
+        cases = ("service",) if soak else CASES[:3]
     bad = [c for c in cases if c not in CASES]
     if bad or not cases:
         raise ValueError(f"resilax bench multihost: --cases must name some of {', '.join(CASES)}, got {bad or cases}")
     if kill_after + 2 >= steps or kill_after < checkpoint_every:
         raise ValueError(f"resilax bench multihost: need --checkpoint-every <= --kill-after < --steps - 2, got "
                          f"{checkpoint_every}, {kill_after}, {steps}")
+    workers = workers_per_host
+    devices = devices_per_process or (2 if workers == 1 else 1)
+    if workers < 1 or devices < 1:
+        raise ValueError(f"resilax bench multihost: --workers-per-host and --devices-per-process must be >= 1, got "
+                         f"{workers} and {devices}")
+    if 48 % (NODES * workers):
+        raise ValueError(f"resilax bench multihost: the batch of 48 must split over the {NODES * workers} processes")
+    if second_kill_at not in SECOND_KILL_AT:
+        raise ValueError(f"resilax bench multihost: --second-kill-at must be one of {', '.join(SECOND_KILL_AT)}, got "
+                         f"{second_kill_at!r}")
     own = workdir is None
     work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mh-"))
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    train = ["resilax", "train", "--topology", _topology(work), "--layout", "sharded", "--batch", "48",
-             "--steps", str(steps), "--checkpoint-every", str(checkpoint_every), "--log-every", "10"]
-    jobs = [("service", True, f"soak{i}") for i in range(soak)] if soak else \
-        [(c, replace, f"{c}{i}") for i in range(repeat) for c in cases]
+    train = ["resilax", "train", "--topology", _topology(work, workers, devices), "--layout", "sharded",
+             "--batch", "48", "--steps", str(steps), "--checkpoint-every", str(checkpoint_every),
+             "--log-every", "10"]
+    jobs = [(c, True, f"soak{i}" if len(cases) == 1 else f"{c}.soak{i}") for i in range(soak) for c in cases] \
+        if soak else [(c, replace, f"{c}{i}") for i in range(repeat) for c in cases]
     total = len(jobs) + 1
     t0 = time.time()
-    log(f"[1/{total}] failure-free single-process reference: {NODES} slices x 2 CPU devices, bit-exact, {steps} steps")
+    log(f"[1/{total}] failure-free single-process reference: {NODES * workers} slices x {devices} CPU device(s), "
+        f"bit-exact, {steps} steps")
     r = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--quiet", "--checkpoint-dir",
                         str(work / "ref_ck"), "--out", str(work / "ref.npz")], env=dict(os.environ), timeout=timeout,
                        capture_output=True, text=True, check=False)
@@ -436,13 +548,16 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES,
     runs, failed = [], False
     for i, (case, rep, name) in enumerate(jobs):
         what = {"service": "SIGKILL the coordination service's host", "other": "SIGKILL a host without the service",
-                "relaunch": "SIGKILL every host, relaunch the job"}[case]
+                "relaunch": "SIGKILL every host, relaunch the job",
+                "double": f"SIGKILL the service's host, then the next service's host ({second_kill_at})"}[case]
         log(f"[{i + 2}/{total}] {name}: {what}" + (" (+ a replacement agent)" if rep else ""))
         (work / name).mkdir()
         t = time.time()
         try:
             res = run_case(work / name, case, train=train, ref=ref, kill_after=kill_after, lease=lease,
-                           timeout=timeout, replace=rep, host_store_every=host_store_every, log=log)
+                           timeout=timeout, replace=rep, host_store_every=host_store_every, workers=workers,
+                           devices=devices, min_nodes=min_nodes if min_nodes or case != "double" else 1,
+                           second_kill_at=second_kill_at, log=log)
             res["outcome"] = "bitwise" if res["bitwise"] else "not bitwise"
         except Hang as e:
             res = {"case": case, "outcome": "hang", "error": str(e), "bitwise": False}
@@ -458,7 +573,9 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES,
         runs.append(res)
     result = {
         "benchmark": "multihost",
-        "setup": {"nodes": NODES, "workers_per_node": 1, "devices_per_process": 2, "topology": f"cpu-{NODES}x2",
+        "setup": {"nodes": NODES, "workers_per_node": workers, "devices_per_process": devices,
+                  "topology": _topology_name(workers, devices), "cases": list(cases), "min_nodes": min_nodes,
+                  "second_kill_at": second_kill_at if "double" in cases else None,
                   "mode": "bit-exact", "batch": 48, "steps": steps, "checkpoint_every": checkpoint_every,
                   "kill_after": kill_after, "lease_s": lease, "heartbeat_s": 0.2, "host_store_every": host_store_every,
                   "repeat": repeat, "soak": soak,
@@ -474,6 +591,7 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES,
             "fallback_reasons": [w for r in runs for w in r.get("fallbacks", [])],
             "death_to_back_s": _stats([r.get("death_to_back_s") for r in runs]),
             "grow_back_redone_steps": [(r.get("grow_back") or {}).get("redone_steps") for r in runs],
+            "lost_steps": [r.get("lost_steps") for r in runs],
         }
     else:
         result["cases"] = {}
@@ -482,7 +600,8 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES,
             result["cases"][c] = {
                 "runs": sum(r["case"] == c for r in runs), "bitwise": all(r["bitwise"] for r in runs if r["case"] == c),
                 "death_to_back_s": _stats([r["death_to_back_s"] for r in ok]),
-                "phases": {k: _stats([r["phases"][k] for r in ok]) for k in PHASES},
+                "phases": {k: _stats([r["phases"][k] for r in ok])
+                           for k in (DOUBLE_PHASES if c == "double" else PHASES)},
                 "lost_steps": _stats([r["lost_steps"] for r in ok]),
             }
     if own and not failed:
@@ -494,15 +613,20 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=CASES,
 
 def print_table(r: dict) -> None:
     s = r["setup"]
-    print(f"\nresilax bench multihost  ({s['nodes']} agents x 1 worker x {s['devices_per_process']} CPU devices on "
+    wk = s.get("workers_per_node", 1)
+    print(f"\nresilax bench multihost  ({s['nodes']} agents x {wk} worker{'s' if wk > 1 else ''} x "
+          f"{s['devices_per_process']} CPU device{'s' if s['devices_per_process'] > 1 else ''} on "
           f"loopback, {s['mode']}, {s['steps']} steps, checkpoint every {s['checkpoint_every']}, lease "
           f"{s['lease_s']:g} s, {s['cpu_count']} cores)")
     if "soak" in r:
-        print(f"{'run':<8}{'outcome':<13}{'death->back s':>14}{'lost':>6}{'grow-back redone':>18}  fallbacks")
+        print(f"{'run':<8}{'outcome':<13}{'death->back s':>14}{'2nd kill at s':>14}{'lost':>6}"
+              f"{'grow-back redone':>18}  fallbacks")
         for i, x in enumerate(r["runs"]):
             gb = (x.get("grow_back") or {}).get("redone_steps")
             d = x.get("death_to_back_s")
+            k2 = (x.get("second_kill") or {}).get("after_first_kill_s")
             print(f"{i:<8}{x['outcome']:<13}{'-' if d is None else format(d, '.2f'):>14}"
+                  f"{'-' if k2 is None else format(k2, '.2f'):>14}"
                   f"{x.get('lost_steps', '-')!s:>6}{gb if gb is not None else '-'!s:>18}  "
                   f"{'; '.join(x.get('fallbacks') or []) or x.get('error', '-')}")
         k = r["soak"]
@@ -519,21 +643,34 @@ def print_table(r: dict) -> None:
 
     w = 24 if rep else 12
     print(f"{'':<26}" + "".join(f"{h:>{w}}" for h in heads))
-    rows = [("death -> back (s)", "death_to_back_s", ".2f")] + [(f"  {k}", k, ".2f") for k in PHASES] + \
+    keys = DOUBLE_PHASES if "double" in heads else PHASES
+    rows = [("death -> back (s)", "death_to_back_s", ".2f")] + [(f"  {k}", k, ".2f") for k in keys] + \
         [("lost (redone) steps", "lost_steps", ".0f")]
     for label, key, fmt in rows:
-        vals = [r["cases"][c]["phases"][key] if key in PHASES else r["cases"][c][key] for c in heads]
+        vals = [r["cases"][c]["phases"].get(key) if key in keys else r["cases"][c][key] for c in heads]
         print(f"{label:<26}" + "".join(f"{cell(v, fmt):>{w}}" for v in vals))
     print(f"{'bitwise':<26}" + "".join(f"{r['cases'][c]['bitwise']!s:>{w}}" for c in heads))
     print("(service: the coordination service's host killed; other: another host; relaunch: every host killed and "
-          "the job started again;" + (" median [min-max]" if rep else "") + " vs a failure-free single-process run)")
+          "the job started again; double: the service's host, then during the recovery the next service's host ("
+          f"{s.get('second_kill_at')}), the last host alone;" + (" median [min-max]" if rep else "")
+          + " vs a failure-free single-process run)")
+    for x in r["runs"]:
+        k2 = x.get("second_kill")
+        if k2:
+            print(f"{x['dir']}: second kill {k2['after_first_kill_s']:.2f} s after the first, generation "
+                  f"{k2['generation']} {k2['outcome'] or 'proposed'} (nodes {k2['members']}), "
+                  f"{k2['workers_attached']}/{k2['workers']} workers attached, {k2['workers_resumed']} resumed; "
+                  f"back {k2['death_to_back_s']:.2f} s after it; restored step {x['restored_step']} from "
+                  f"{x['restored_from']}, {x['lost_steps']} lost")
 
 
 def run(args) -> int:
-    cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
+    cases = None if args.cases is None else tuple(c.strip() for c in args.cases.split(",") if c.strip())
     r = bench_multihost(steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
                         cases=cases, repeat=args.repeat, replace=args.replace, soak=args.soak, lease=args.lease,
                         timeout=args.timeout, workdir=args.workdir, host_store_every=args.host_store_every,
+                        workers_per_host=args.workers_per_host, devices_per_process=args.devices_per_process,
+                        min_nodes=args.min_nodes, second_kill_at=args.second_kill_at,
                         log=lambda m: print(m, flush=True))
     print_table(r)
     if args.json:

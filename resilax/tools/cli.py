@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
         ("multiprocess", "bench_multiprocess", "a worker SIGKILLed under resilax launch: kill to resume by phase"),
         ("multihost", "bench_multihost", "a host SIGKILLed under resilax launch --nodes (3 agents on loopback): death "
-                                         "to back-at-the-step by phase, vs relaunching the job; --soak N"),
+                                         "to back-at-the-step by phase, vs relaunching the job; a second host during "
+                                         "the recovery (--cases double); --soak N"),
         ("health", "bench_health", "bit-exact mode and health-check cost (interleaved), bit-flip detection, rejoin"),
         ("gpt", "bench_gpt", "issue 26's GPT (bf16, AdamW, dropout) on the devices present: plain jit, jit + Orbax, "
                              "resilax off / defaults / defaults + checkpoints; save blocking, bitwise runs and resume"),
