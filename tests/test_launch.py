@@ -245,7 +245,7 @@ def test_in_place_re_forms_with_a_spare_then_without_one_grows_back_and_re_forms
 # ---------------------------------------------------------------- the supervisor alone (no JAX workers)
 def _sup(tmp_path, code: str, **kw):
     return Supervisor([sys.executable, "-c", code], n=2, devices_per_process=1, run_dir=tmp_path / "run",
-                      heartbeat_s=0.1, heartbeat_timeout_s=1.0, startup_timeout_s=20, **kw)
+                      heartbeat_s=0.1, heartbeat_timeout_s=3.0, startup_timeout_s=20, **kw)
 
 
 def test_supervisor_gives_up_after_max_restarts_with_the_workers_exit_code(tmp_path):
@@ -553,3 +553,22 @@ def test_the_public_launched_module_is_the_worker_side():
     assert resilax.launched.env() is None and resilax.launched.is_primary()
     assert rt.reform_due(3) is False
     resilax.launched.exit_if_shrunk(0)  # returns: this process never went on in place
+
+
+def test_a_survivors_wait_for_the_verdict_follows_the_step_deadline(monkeypatch, tmp_path):
+    """``--in-place``: the supervisor's step deadline is ``max(--min-step-deadline, factor x
+    step time)``, so a survivor's wait for its verdict grows with the measured step time (a
+    fixed wait gave up 0.5 s before a 21 s deadline when load made steps take 1 s)."""
+    from resilax._src.runtime import worker
+
+    e = LaunchEnv(coordinator="127.0.0.1:1", process_id=0, num_processes=2, generation=0, devices_per_process=4,
+                  run_dir=str(tmp_path), heartbeat_file=str(tmp_path / "hb"), heartbeat_s=0.2,
+                  jax_heartbeat_timeout_s=10, collective_timeout_s=3, init_timeout_s=60, in_place_wait_s=18.0,
+                  step_deadline_factor=20.0)
+    hb = worker._Heartbeat(e)
+    monkeypatch.setitem(worker._state, "hb", hb)
+    assert worker.in_place_wait(e) == 18.0  # no step measured yet: the supervisor's minimum applies
+    worker.progress(4, 1.061)  # the step time of that failure
+    deadline = max(6.0, 20.0 * 1.061)
+    assert worker.in_place_wait(e) >= deadline + 2 + 10  # + heartbeat timeout + margin, as the fixed part has
+    assert worker.in_place_wait(LaunchEnv(**{**e.__dict__, "step_deadline_factor": 0.0})) == 18.0

@@ -223,6 +223,7 @@ class Supervisor:
                 host_store=str(self.store_root or ""), host_store_every=self.host_store_every,
                 host_store_step=-1 if self.store_step is None else self.store_step,
                 in_place_wait_s=(self.min_deadline + self.heartbeat_timeout_s + 10.0) if self.in_place else 0.0,
+                step_deadline_factor=self.factor,
                 slots=",".join(map(str, self.slots)) if smaller else "", num_slots=self.n if smaller else 0)
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
             if slot in carried:  # a live worker of the generation that re-formed: it re-attaches without restarting

@@ -62,6 +62,9 @@ class LaunchEnv:
     # "": one host (the supervisor picked ``host_store_step``).
     host_store_steps: str = ""
     in_place_wait_s: float = 0.0  # in-place shrink: how long survivors wait for the supervisor's verdict (0: off)
+    # the supervisor's --step-deadline-factor: its deadline grows with the measured step time
+    # (a loaded host), so a survivor's wait grows with it (`in_place_wait`; 0: unknown)
+    step_deadline_factor: float = 0.0
     # A generation smaller than the job (survivors re-formed without spares for the dead):
     # ``slots`` is the job's process (failure-domain) index of each process id, comma
     # separated, and ``num_slots`` the job's size; "" / 0: every process, in order.
@@ -367,6 +370,18 @@ def step_started(step: int) -> None:
     hb = _state.get("hb")
     if hb is not None:
         hb.started = int(step)
+
+
+def in_place_wait(e: "LaunchEnv") -> float:
+    """How long a survivor waits for the supervisor's verdict after a failed step: the fixed
+    part the supervisor gave (``--min-step-deadline`` + heartbeat timeout + 10 s) plus what its
+    step deadline (``factor x measured step time``) may exceed that minimum by, from this
+    worker's own step time with half again for the slowest peer's (the steps are lock-step).
+    A fixed wait gave up 0.5 s before the verdict when load made steps take 1 s (a 21 s
+    deadline against an 18 s wait) and the run failed instead of going on."""
+    hb = _state.get("hb")
+    step_s = getattr(hb, "step_s", None) or 0.0
+    return e.in_place_wait_s + 1.5 * e.step_deadline_factor * step_s
 
 
 def progress(step: int, step_s: float | None) -> None:

@@ -61,9 +61,10 @@ def go_on(run, err: BaseException, entry: int, batch, finished, call: Callable):
     e = worker.env()
     t_err = time.perf_counter()
     worker.set_phase("recover")  # not a step: the supervisor's step deadline does not apply
+    wait_s = worker.in_place_wait(e)
     worker.say(f"step {entry + 1} failed ({type(err).__name__}: {str(err)[:160]}); waiting up to "
-               f"{e.in_place_wait_s:.0f} s for the supervisor's verdict (--in-place)")
-    m = membership.wait_membership(membership.epoch(), e.in_place_wait_s)
+               f"{wait_s:.0f} s for the supervisor's verdict (--in-place)")
+    m = membership.wait_membership(membership.epoch(), wait_s)
     worker.say(f"verdict: {m}")
     if m is None or jax.process_index() not in m["alive"]:
         worker.say("no process was declared dead (or this one was): the error stands")
