@@ -73,11 +73,12 @@ def _check_collectives(run, restored) -> None:
     another order. A resume across that line goes on correctly but bitwise equal to a run of
     this kind, not to the one that wrote the checkpoint: said, not silent."""
     was, now = restored.meta.get("collectives"), collectives()
+    widest = max(len(d) for d in run.domains)
     if (run.config.deterministic is None or was is None or was == now or "unknown" in (was, now)
-            or not now.startswith("cpu:") or max(len(d) for d in run.domains) <= 2):
+            or not now.startswith("cpu:") or widest <= 2):
         return
     msg = (f"resilax: checkpoint {restored.step} was written with {was} collectives and this run has {now}: on CPU "
-           f"they add a failure domain's {max(len(d) for d in run.domains)} device values in another order, so the "
+           f"they add a failure domain's {widest} device values in another order, so the "
            f"bit-exact mode goes on bitwise equal to a run like this one, not to the run that wrote the checkpoint "
            f"(docs/multiprocess.md, 'Which reduction order'); resume it the way it was started (with or without "
            f"`resilax launch`) to keep its bits")
