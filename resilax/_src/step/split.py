@@ -21,6 +21,7 @@ signature: a third parameter with a default must not silently receive one.
 from __future__ import annotations
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 
 from resilax._src.errors import WrapError
@@ -34,6 +35,9 @@ class Split:
         self.train_step = train_step
         self.seed = seed
         self.rng = rng
+        self.full = _TracedOnce(self._full)
+        self.grad = _TracedOnce(self._grad)
+        self.update = _TracedOnce(self._update)
 
     def key(self, step_no):
         return jax.random.fold_in(jax.random.key(self.seed), step_no)
@@ -49,12 +53,12 @@ class Split:
             )
         return out
 
-    def full(self, state, batch, step_no):
+    def _full(self, state, batch, step_no):
         """The whole step as the user wrote it: ``(state, metrics)`` (a reference, not used
         by resilax's own programs)."""
         return self._call(state, batch, step_no)
 
-    def grad(self, state, batch, step_no, key=None):
+    def _grad(self, state, batch, step_no, key=None):
         """``(recorded, weight, metrics)``; ``weight`` is None unless `record` was given one."""
         with _record.capturing() as frame:
             _, metrics = self._call(state, batch, step_no, key)
@@ -66,12 +70,44 @@ class Split:
             raise WrapError(f"resilax.record: weight must be a scalar, but got shape {weight.shape}")
         return frame.value, weight, metrics
 
-    def update(self, state, batch_template, step_no, recorded):
+    def _update(self, state, batch_template, step_no, recorded):
         with _record.injecting(recorded) as frame:
             new_state, _ = self._call(state, batch_template, step_no)
         if frame.calls == 0:
             raise WrapError("resilax.wrap: train_step never called resilax.record(...)")
         return new_state
+
+
+class _TracedOnce:
+    """``fn`` traced once per argument shapes and dtypes; each call inside a program evaluates
+    the cached jaxpr on that program's tracers.
+
+    Every program calls the user's step: each mesh a recovery lands on, each microbatch count,
+    each variant (log ring, injected faults, the cross-check), and each shape query. Retracing
+    a flax model is most of what building a program costs (seconds of Python per recovery),
+    while the jaxpr depends only on the shapes: the shardings the program gives its inputs are
+    not part of it (the mesh's axes are automatic; GSPMD partitions the whole program after).
+    Evaluating the jaxpr binds the same primitives in the same order, so the program is the
+    one tracing in place would build. Called outside any trace it just runs ``fn``.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._cache: dict = {}
+
+    def __call__(self, *args):
+        leaves, tree = jax.tree.flatten(args)
+        if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self.fn(*args)
+        avals = [jax.typeof(x) for x in leaves]
+        key = (tree, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
+        hit = self._cache.get(key)
+        if hit is None:
+            abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+            closed, out = jax.make_jaxpr(self.fn, return_shape=True)(*jax.tree.unflatten(tree, abstract))
+            hit = self._cache[key] = (jex.core.jaxpr_as_fun(closed), jax.tree.structure(out))
+        run, out_tree = hit
+        return jax.tree.unflatten(out_tree, run(*leaves))
 
 
 def update_reads_batch(split: Split, state, batch, recorded) -> list[str]:
