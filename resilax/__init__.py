@@ -7,37 +7,61 @@
     step.close()
 """
 
-from resilax._src.protect.anomaly import AnomalyError as AnomalyError
-from resilax._src.config import (
-    AnomalyConfig as AnomalyConfig,
-    CheckpointConfig as CheckpointConfig,
-    Config as Config,
-    LogConfig as LogConfig,
-    PeersConfig as PeersConfig,
-    VerifyConfig as VerifyConfig,
-    DeterministicConfig as DeterministicConfig,
-    HealthConfig as HealthConfig,
-)
-from resilax._src.errors import (
-    CheckpointError as CheckpointError,
-    ConfigError as ConfigError,
-    CorruptCheckpointError as CorruptCheckpointError,
-    ReplayLogError as ReplayLogError,
-    ProgramMismatchError as ProgramMismatchError,
-    Preempted as Preempted,
-    ResilaxError as ResilaxError,
-    StateLostError as StateLostError,
-    SilentDataCorruptionError as SilentDataCorruptionError,
-    StorageError as StorageError,
-    TopologyError as TopologyError,
-    WrapError as WrapError,
-)
-from resilax._src.events import Event as Event
-from resilax._src.runtime.faults import Fault as Fault, FaultPlan as FaultPlan
-from resilax._src.step.record import record as record
-from resilax._src.runtime.topology import Topology as Topology
-from resilax._src.step.driver import ResilientStep as ResilientStep, wrap as wrap
-from resilax import launched as launched  # the worker side of `resilax launch`
+import importlib
+from typing import TYPE_CHECKING
+
+# Names load on first use (PEP 562): `import resilax` alone imports no JAX, so the processes
+# that only supervise (`resilax launch`, `resilax agent`, `--help`) start in a tenth of the
+# time, and one that trains imports what `resilax.wrap` needs when it first asks for it.
+_WHERE = {
+    "AnomalyError": "resilax._src.protect.anomaly",
+    **dict.fromkeys(("AnomalyConfig", "CheckpointConfig", "Config", "LogConfig", "PeersConfig", "VerifyConfig",
+                     "DeterministicConfig", "HealthConfig"), "resilax._src.config"),
+    **dict.fromkeys(("CheckpointError", "ConfigError", "CorruptCheckpointError", "ReplayLogError",
+                     "ProgramMismatchError", "Preempted", "ResilaxError", "StateLostError",
+                     "SilentDataCorruptionError", "StorageError", "TopologyError", "WrapError"), "resilax._src.errors"),
+    "Event": "resilax._src.events",
+    "Fault": "resilax._src.runtime.faults",
+    "FaultPlan": "resilax._src.runtime.faults",
+    "record": "resilax._src.step.record",
+    "Topology": "resilax._src.runtime.topology",
+    "ResilientStep": "resilax._src.step.driver",
+    "wrap": "resilax._src.step.driver",
+}
+
+
+def __getattr__(name: str):
+    if name == "launched":  # the worker side of `resilax launch`
+        return importlib.import_module("resilax.launched")
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'resilax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_WHERE, "launched"])
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from resilax._src.protect.anomaly import AnomalyError as AnomalyError  # noqa: F401
+    from resilax._src.config import (AnomalyConfig as AnomalyConfig, CheckpointConfig as CheckpointConfig,  # noqa: F401
+                                     Config as Config, DeterministicConfig as DeterministicConfig,
+                                     HealthConfig as HealthConfig, LogConfig as LogConfig, PeersConfig as PeersConfig,
+                                     VerifyConfig as VerifyConfig)
+    from resilax._src.errors import (CheckpointError as CheckpointError, ConfigError as ConfigError,  # noqa: F401
+                                     CorruptCheckpointError as CorruptCheckpointError, Preempted as Preempted,
+                                     ProgramMismatchError as ProgramMismatchError, ReplayLogError as ReplayLogError,
+                                     ResilaxError as ResilaxError, SilentDataCorruptionError as SilentDataCorruptionError,
+                                     StateLostError as StateLostError, StorageError as StorageError,
+                                     TopologyError as TopologyError, WrapError as WrapError)
+    from resilax._src.events import Event as Event  # noqa: F401
+    from resilax._src.runtime.faults import Fault as Fault, FaultPlan as FaultPlan  # noqa: F401
+    from resilax._src.step.record import record as record  # noqa: F401
+    from resilax._src.runtime.topology import Topology as Topology  # noqa: F401
+    from resilax._src.step.driver import ResilientStep as ResilientStep, wrap as wrap  # noqa: F401
+    from resilax import launched as launched  # noqa: F401
 
 __version__ = "0.1.0"
 

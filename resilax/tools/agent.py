@@ -72,7 +72,7 @@ import tempfile
 import time
 
 from resilax._src.io import write_json
-from resilax._src.protect import hoststore
+from resilax._src.protect import hoststore_files
 from resilax._src.runtime import rendezvous
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools.processes import (HEARTBEATS, Output, WorkerProcess, exit_reason, heartbeat_file, popen, read_json,
@@ -220,9 +220,9 @@ class Agent:
             return "none"  # (the workers vote all the same: a host without a store sends every one to the checkpoint)
         r, g, members = self.rank, self.gen.generation, self.gen.members
         n_job = self.nodes * self.n
-        steps = hoststore.restorable_steps(self.store_root, n_job, mine)
+        steps = hoststore_files.restorable_steps(self.store_root, n_job, mine)
         if steps and self._members is not None and self._members != members:
-            whole = hoststore.restorable_steps(self.store_root, n_job, mine, whole=True)
+            whole = hoststore_files.restorable_steps(self.store_root, n_job, mine, whole=True)
             if whole != steps:
                 lost = sorted(set(self._members) - set(members))
                 say(f"node {r}, generation {g}: this host's store holds only its processes' own shards up to step "

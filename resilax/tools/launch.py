@@ -69,7 +69,7 @@ import shutil
 import time
 
 from resilax._src.io import write_json
-from resilax._src.protect import hoststore
+from resilax._src.protect import hoststore_files
 from resilax._src.runtime import membership, rendezvous, worker
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import agent, processes
@@ -554,7 +554,7 @@ class Supervisor:
                         gone = sorted(set(range(self.n)) - {w.slot for w in carry})
                         slots = sorted({w.slot for w in carry} | set(gone[:len(self._ready_spares())]))
                         if self.store_root is not None:
-                            self.store_step = hoststore.restorable_step(self.store_root, self.n, slots)
+                            self.store_step = hoststore_files.restorable_step(self.store_root, self.n, slots)
                         self.history[-1]["ended"] = time.time()
                         continue
                     outcome, rc, why = "failed", 1, f"{outcome} failed: {why}"
@@ -579,7 +579,7 @@ class Supervisor:
                     if w.slot == self._dead_process or ((w.proc.returncode or 0) < 0 and w.killed_for is None):
                         self._lose_host_store(w.slot)
                 if self.store_root is not None:
-                    self.store_step = hoststore.restorable_step(self.store_root, self.n)
+                    self.store_step = hoststore_files.restorable_step(self.store_root, self.n)
                     say(f"host stores hold every process's shards up to step {self.store_step}"
                          if self.store_step is not None else "host stores hold no complete step")
                 if self._term is not None:

@@ -1,0 +1,118 @@
+"""A host store's files, read and written without JAX: which steps a store directory holds
+and which every process can read back (the supervisor and the agents ask this between
+generations and must not pay for importing JAX), a step's arrays and commit record.
+`hoststore` holds the protection that writes and restores them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+
+import numpy as np
+
+KEEP = 3
+
+
+def _key(leaf: int, index, shape) -> str:
+    parts = []
+    for sl, n in zip(index, shape):
+        a, b, _ = sl.indices(n)
+        parts.append(f"{a}-{b}")
+    return f"{leaf}:" + ",".join(parts)
+
+
+def committed_steps(d: pathlib.Path) -> list[int]:
+    """Steps with a commit record in ``d`` (not yet verified)."""
+    if not d.is_dir():
+        return []
+    out = []
+    for f in d.glob("step*.json"):
+        try:
+            out.append(int(f.stem[4:]))
+        except ValueError:
+            pass
+    return sorted(out)
+
+
+def _record(d: pathlib.Path, step: int) -> dict:
+    try:
+        return json.loads((d / f"step{step}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def sources(root: pathlib.Path, process: int, n: int, step: int) -> list[pathlib.Path]:
+    """The host copies of ``step`` that hold process ``process``'s shards: those it wrote
+    (its own host first, then the mirror on the next host, then any other) and those that
+    are whole (every process's shards are in them)."""
+    dirs = [root / f"host{process}" / "own"]
+    if n > 1:
+        dirs.append(root / f"host{(process + 1) % n}" / "mirror")
+    dirs += [root / f"host{j}" / kind for j in range(n) for kind in ("own", "mirror")]
+    out = []
+    for d in dict.fromkeys(dirs):
+        rec = _record(d, step)
+        if rec.get("step") == step and (rec.get("process") == process or rec.get("whole")):
+            out.append(d)
+    return out
+
+
+def restorable_steps(root: pathlib.Path, n: int, processes=None, *, whole: bool = False) -> list[int]:
+    """The steps every one of the ``n`` processes (or those of them in ``processes``: a
+    generation smaller than the job, or one host's processes) can read back from some host
+    under ``root``, ascending; ``whole``: only from whole copies (the bit-exact mode's,
+    which fit any process and any mesh with the same sharding within a process)."""
+    every = set()
+    for j in range(n):
+        for kind in ("own", "mirror"):
+            every |= set(committed_steps(root / f"host{j}" / kind))
+    want = range(n) if processes is None else processes
+
+    def ok(s, i):
+        return any(_record(d, s).get("whole") for d in sources(root, i, n, s)) if whole else sources(root, i, n, s)
+
+    return sorted(s for s in every if all(ok(s, i) for i in want))
+
+
+def restorable_step(root: pathlib.Path, n: int, processes=None) -> int | None:
+    """The newest step every one of the ``n`` processes (or those of them in ``processes``:
+    a generation smaller than the job) can read back from some host."""
+    ok = restorable_steps(root, n, processes)
+    return ok[-1] if ok else None
+
+
+def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, process: int, whole: bool,
+           verdicts=None) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".step{step}.npz.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    os.replace(tmp, d / f"step{step}.npz")
+    meta = {"step": step, "sha256": digest, "data_state": data_state, "leaves": leaves, "process": process,
+            "whole": whole, "verdicts": verdicts}
+    (d / f".step{step}.json.tmp").write_text(json.dumps(meta))
+    os.replace(d / f".step{step}.json.tmp", d / f"step{step}.json")
+    for old in committed_steps(d)[:-KEEP]:
+        for suffix in (".json", ".npz"):  # the commit record first: a half-deleted step is not offered
+            try:
+                os.unlink(d / f"step{old}{suffix}")
+            except FileNotFoundError:
+                pass
+
+
+def read(d: pathlib.Path, step: int) -> tuple[dict, dict] | None:
+    """``(arrays, meta)`` of ``step`` in ``d`` if it is committed and its bytes match; else None."""
+    try:
+        meta = json.loads((d / f"step{step}.json").read_text())
+        raw = (d / f"step{step}.npz").read_bytes()
+    except (OSError, ValueError):
+        return None
+    if hashlib.sha256(raw).hexdigest() != meta.get("sha256") or meta.get("step") != step:
+        return None
+    import io
+
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}, meta
