@@ -116,9 +116,11 @@ def _live_past(run_dir, gen, step, n):
 
 
 def _live_steps(run_dir, gen) -> int:
-    procs = _processes(run_dir)
+    """The fewest steps a live worker of ``gen`` completed (0 while ``gen`` has none: between
+    generations processes.json lists no workers)."""
+    procs = _processes(run_dir) or {}
     hbs = heartbeats(run_dir, gen)
-    return min((hbs.get(int(i)) or {}).get("step") or 0 for i in procs["workers"])
+    return min(((hbs.get(int(i)) or {}).get("step") or 0 for i in procs.get("workers", ())), default=0)
 
 
 def _recovering(run_dir, gen):
