@@ -54,7 +54,23 @@ def check_step(split, abstract_state, abstract_batch) -> None:
         part (after `resilax.record`) still reads the batch.
     """
     u32 = jax.ShapeDtypeStruct((), np.uint32)
-    new_state, _ = jax.eval_shape(split.full, abstract_state, abstract_batch, u32)
+    try:
+        rec, _, _ = jax.eval_shape(split.grad, abstract_state, abstract_batch, u32)
+    except WrapError:  # (no or a second `record`): a changed state, if also wrong, is named first
+        _check_state(jax.eval_shape(split.full, abstract_state, abstract_batch, u32)[0], abstract_state)
+        raise
+    # the state the update part returns is the state the whole step returns (`record` hands
+    # the update the very values it recorded); `update_reads_batch` reuses this trace
+    _check_state(jax.eval_shape(split.update, abstract_state, abstract_batch, u32, rec), abstract_state)
+    reads = update_reads_batch(split, abstract_state, abstract_batch, rec)
+    if reads:
+        raise WrapError(
+            f"resilax.wrap: the update part of train_step (after resilax.record) still reads batch"
+            f"{', batch'.join(reads)}; replay and recovery redo the update from the recorded values only. Record "
+            f"everything the update needs, e.g. resilax.record((grads, new_batch_stats))")
+
+
+def _check_state(new_state, abstract_state) -> None:
     if jax.tree.structure(new_state) != jax.tree.structure(abstract_state):
         raise WrapError(
             "resilax.wrap: train_step must return (state, metrics) with the state's structure unchanged, but the "
@@ -64,13 +80,6 @@ def check_step(split, abstract_state, abstract_batch) -> None:
             raise WrapError(
                 f"resilax.wrap: train_step changed state{jax.tree_util.keystr(path)} from {a.shape} {a.dtype} to "
                 f"{b.shape} {b.dtype}; the state must keep its shapes and dtypes")
-    rec, _, _ = jax.eval_shape(split.grad, abstract_state, abstract_batch, u32)
-    reads = update_reads_batch(split, abstract_state, abstract_batch, rec)
-    if reads:
-        raise WrapError(
-            f"resilax.wrap: the update part of train_step (after resilax.record) still reads batch"
-            f"{', batch'.join(reads)}; replay and recovery redo the update from the recorded values only. Record "
-            f"everything the update needs, e.g. resilax.record((grads, new_batch_stats))")
 
 
 class Programs:
