@@ -21,7 +21,6 @@ signature: a third parameter with a default must not silently receive one.
 from __future__ import annotations
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 
 from resilax._src.errors import WrapError
@@ -78,6 +77,12 @@ class Split:
         return new_state
 
 
+try:  # public since jax 0.4.30; a JAX without it traces in place (slower, the same programs)
+    from jax.extend.core import jaxpr_as_fun as _AS_FUN
+except ImportError:  # pragma: no cover
+    _AS_FUN = None
+
+
 class _TracedOnce:
     """``fn`` traced once per argument shapes and dtypes; each call inside a program evaluates
     the cached jaxpr on that program's tracers.
@@ -97,7 +102,7 @@ class _TracedOnce:
 
     def __call__(self, *args):
         leaves, tree = jax.tree.flatten(args)
-        if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        if _AS_FUN is None or not any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self.fn(*args)
         avals = [jax.typeof(x) for x in leaves]
         key = (tree, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
@@ -105,7 +110,7 @@ class _TracedOnce:
         if hit is None:
             abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
             closed, out = jax.make_jaxpr(self.fn, return_shape=True)(*jax.tree.unflatten(tree, abstract))
-            hit = self._cache[key] = (jex.core.jaxpr_as_fun(closed), jax.tree.structure(out))
+            hit = self._cache[key] = (_AS_FUN(closed), jax.tree.structure(out))
         run, out_tree = hit
         return jax.tree.unflatten(out_tree, run(*leaves))
 
