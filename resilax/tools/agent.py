@@ -68,7 +68,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 
 from resilax._src.io import write_json
@@ -132,9 +131,9 @@ class Agent:
         # this host's store (RAM where there is /dev/shm; never under the shared run dir, which
         # is a network file system on a cluster): made by `run`, removed when the agent ends
         tag = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
-        self.store_root = (pathlib.Path(host_store_dir).absolute() if host_store_dir else pathlib.Path(
-            "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-            / f"resilax-store-{tag}-node{node_rank}-{os.getpid()}") if host_store_every else None
+        self.store_root = (pathlib.Path(host_store_dir).absolute() if host_store_dir else
+                           hoststore_files.ram_root() / f"resilax-store-{tag}-node{node_rank}-{os.getpid()}"
+                           ) if host_store_every else None
         self._members: tuple[int, ...] | None = None  # the generation before this one (its writers)
         self.rdv: rendezvous.Rendezvous | None = None
         self.gen: rendezvous.Generation | None = None

@@ -612,8 +612,7 @@ class Supervisor:
     # ------------------------------------------------------------------ host state store
     def _make_store(self):
         """One directory per host, in RAM (/dev/shm) where there is one; the supervisor owns them."""
-        base = pathlib.Path("/dev/shm") if os.path.isdir("/dev/shm") else self.run_dir
-        self.store_root = base / f"resilax-store-{os.getpid()}-{time.time_ns()}"
+        self.store_root = hoststore_files.ram_root(self.run_dir) / f"resilax-store-{os.getpid()}-{time.time_ns()}"
         for i in range(self.n):
             (self.store_root / f"host{i}").mkdir(parents=True)
 
@@ -650,8 +649,9 @@ def register_cli(sub) -> None:
                    help="XLA CPU collective timeout in the workers (default: half of --min-step-deadline)")
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
     p.add_argument("--host-store-every", type=int, default=1, metavar="K",
-                   help="workers copy their shards to the host state store (RAM, mirrored to the next host) every K "
-                        "steps; a new generation restores from there (0: off, restore from checkpoints only)")
+                   help="workers copy their shards to the host state store (RAM) every K steps; a new generation "
+                        "restores from there (0: off, restore from checkpoints only). On one machine each host's "
+                        "copy is mirrored to the next; with --nodes each host keeps its own, no mirror")
     p.add_argument("--spares", type=int, default=0, metavar="S",
                    help="keep S processes of the command warm (JAX imported, waiting); a new generation takes its "
                         "workers from them first (0: every worker starts fresh)")

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import pathlib
+import tempfile
 
 import numpy as np
 
@@ -116,3 +117,12 @@ def read(d: pathlib.Path, step: int) -> tuple[dict, dict] | None:
 
     with np.load(io.BytesIO(raw), allow_pickle=False) as z:
         return {k: z[k] for k in z.files}, meta
+
+
+def ram_root(fallback: str | os.PathLike | None = None) -> pathlib.Path:
+    """Where host stores go by default: RAM (``/dev/shm``) where there is one, else
+    ``fallback`` (or the temp dir). Never a shared run directory on a cluster: that is a
+    network file system, and a host's store is that host's memory."""
+    if os.path.isdir("/dev/shm"):
+        return pathlib.Path("/dev/shm")
+    return pathlib.Path(fallback) if fallback is not None else pathlib.Path(tempfile.gettempdir())
