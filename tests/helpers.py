@@ -1,6 +1,8 @@
 """Small shared pieces for tests: the example model at test size, and state comparison."""
 
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -41,3 +43,23 @@ def kill_tree(p) -> None:
         except ProcessLookupError:
             pass
         p.wait(timeout=10)
+
+
+_REFERENCE_RUNS: dict = {}
+
+
+def reference_run(tmp_path_factory, *args) -> dict:
+    """The final state (``{name: array}``) of a failure-free ``python -m resilax train *args``
+    run (with a checkpoint directory of its own), made once per test process for each argument
+    list: the crash tests of several modules that compare their restarts with the same program
+    share it (a reference run costs a process start, ~7 s of CPU)."""
+    key = tuple(str(a) for a in args)
+    if key not in _REFERENCE_RUNS:
+        d = tmp_path_factory.mktemp("ref")
+        cmd = [sys.executable, "-m", "resilax", "train", *key, "--checkpoint-dir", str(d / "ckpt"),
+               "--out", str(d / "ref.npz")]
+        r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        with np.load(d / "ref.npz", allow_pickle=False) as z:
+            _REFERENCE_RUNS[key] = {k: z[k] for k in z.files}
+    return _REFERENCE_RUNS[key]
