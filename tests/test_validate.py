@@ -41,6 +41,10 @@ def test_cost_mapping_keeps_measured_numbers_through_simulate():
 
 def test_negative_restart_from_noise_is_clamped():
     assert cost_model(_measured(restart_s=-0.05)).restart_s == 0.0
+    cm = cost_model(_measured(blocking_s_measured=-0.01))
+    assert cm.checkpoint_blocking_s == 0.0  # not a math domain error in young_daly_interval
+    simulate(strategies=["checkpoint-only"], cost=cm, failure_times=[], days=60 / 86400,
+             checkpoint_interval_steps=100)
 
 
 def _lost_steps(t_fail):
