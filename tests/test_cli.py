@@ -36,7 +36,7 @@ def test_demo_kills_resumes_and_matches_bitwise(tmp_path):
 
 def test_bench_overhead_writes_json(tmp_path):
     out = tmp_path / "ov.json"
-    r = subprocess.run([sys.executable, "-m", "resilax", "bench", "overhead", "--steps", "20", "--checkpoint-every", "10",
+    r = subprocess.run([sys.executable, "-m", "resilax", "bench", "overhead", "--steps", "10", "--checkpoint-every", "5",
                         "--json", str(out)], env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())

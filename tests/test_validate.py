@@ -41,6 +41,10 @@ def test_cost_mapping_keeps_measured_numbers_through_simulate():
 
 def test_negative_restart_from_noise_is_clamped():
     assert cost_model(_measured(restart_s=-0.05)).restart_s == 0.0
+    cm = cost_model(_measured(blocking_s_measured=-0.01))
+    assert cm.checkpoint_blocking_s == 0.0  # not a math domain error in young_daly_interval
+    simulate(strategies=["checkpoint-only"], cost=cm, failure_times=[], days=60 / 86400,
+             checkpoint_interval_steps=100)
 
 
 def _lost_steps(t_fail):
@@ -59,16 +63,17 @@ def test_a_save_not_yet_persisted_is_no_save():
 
 
 def test_real_job_goodput_matches_simulation(tmp_path):
-    """~30 s on 2 cores: a 1000-step job killed twice, simulated on the costs measured on
-    its own lives (the separate-run prediction is left to `resilax validate`: on a shared
-    machine its error also carries the load changing between runs)."""
+    """A 480-step job killed twice, simulated on the costs measured on its own lives (the
+    separate-run prediction is left to `resilax validate`: on a shared machine its error
+    also carries the load changing between runs). Saves every 80 steps: each life makes two
+    saves, so the per-save cost has a sample past each life's first (which is excluded)."""
     # Kills half-way between saves: the simulator places a failure by its wall time at one
     # mean step rate, so a kill near a save could land on the other side of it in the model
-    # (a 100-step margin either side keeps the schedule the same in both).
-    r = validate(steps=1000, checkpoint_every=200, kills=[300, 700], predict=False,
+    # (a 40-step margin either side, over a second of steps, also outlasts the persist).
+    r = validate(steps=480, checkpoint_every=80, kills=[200, 360], predict=False,
                  workdir=str(tmp_path), json_path=str(tmp_path / "v.json"))
     assert len(r["failure_times_s"]) == 2
-    # each kill loses the 100 steps since the last save
-    assert r["lost_steps_measured"] == 200
+    # each kill loses the 40 steps since the last save
+    assert r["lost_steps_measured"] == 80
     assert 0.2 < r["measured_goodput"] < 0.95
     assert r["relative_error"] < 0.10, (r["measured_goodput"], r["simulated_goodput"])

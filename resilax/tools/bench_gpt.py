@@ -26,7 +26,8 @@ above the variant's median step, summed over the save's block), ``first_save_blo
 state), ``host_overhead_ms`` (per step: median return time of a ``default`` call minus a
 ``plain`` one), ``run_to_run_bitwise`` (two uninterrupted ``Config()`` runs, in this
 process), ``resume_bitwise`` (subprocesses: a run with a NaN injected at a checkpoint step
-and SIGKILLed later, restarted, against an uninterrupted run with the same NaN).
+and SIGKILLed later, restarted, against an uninterrupted run with the same NaN, run in this
+process).
 """
 
 from __future__ import annotations
@@ -245,15 +246,9 @@ def _run_to_run(size, topo, batches, n=6) -> bool:
     return _equal(*finals)
 
 
-def _worker(argv) -> int:
-    """``python -m resilax.tools.bench_gpt --worker SIZE DEVICES STEPS EVERY CKPT_DIR OUT [FAULT ...]``:
-    trains ``Config()`` + checkpoints (resuming from ``CKPT_DIR``) to ``STEPS`` steps, batches
-    by step number, and writes the final state's leaves to ``OUT`` (.npz)."""
-    size_name, ndev, steps, every, ckpt, out, *faults = argv
-    from resilax.tools.runner import configure_compilation_cache, configure_cpu_devices
-
-    configure_cpu_devices(int(ndev))  # on CPU: as many emulated devices as the parent had
-    configure_compilation_cache()  # the restart reuses the executables of the run it replaces
+def _train_to(size_name, steps, every, ckpt, faults=()):
+    """``Config()`` + checkpoints every ``every`` (resuming from ``ckpt``) trained to ``steps``
+    steps, batches by step number; the final state's leaves."""
     import warnings
 
     import jax
@@ -276,6 +271,18 @@ def _worker(argv) -> int:
         s, _ = step(s, batches[step.step % len(batches)])
     leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(s))]
     step.close()
+    return leaves
+
+
+def _worker(argv) -> int:
+    """``python -m resilax.tools.bench_gpt --worker SIZE DEVICES STEPS EVERY CKPT_DIR OUT [FAULT ...]``:
+    :func:`_train_to` in a process of its own; writes the final state's leaves to ``OUT`` (.npz)."""
+    size_name, ndev, steps, every, ckpt, out, *faults = argv
+    from resilax.tools.runner import configure_compilation_cache, configure_cpu_devices
+
+    configure_cpu_devices(int(ndev))  # on CPU: as many emulated devices as the parent had
+    configure_compilation_cache()  # the restart reuses the executables of the run it replaces
+    leaves = _train_to(size_name, steps, every, ckpt, faults)
     np.savez(out, *[_bytes(x) for x in leaves])  # bytes: bf16 and friends round-trip exactly
     return 0
 
@@ -298,20 +305,26 @@ def _resume(size_name, ndev, steps, tmp, quiet) -> dict:
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
     t0 = time.perf_counter()
-    ref_p = go("ref", f"nan@{nan_at}")  # the reference runs beside the killed run: independent directories
-    killed = done(go("run", f"nan@{nan_at}", f"kill_process@{kill_at}"))
+    killed_p = go("run", f"nan@{nan_at}", f"kill_process@{kill_at}")
+    # the reference runs here, beside the killed run (independent directories): one process
+    # start fewer than a third subprocess, on the same devices
+    try:
+        ref = [_bytes(x) for x in _train_to(size_name, steps, every, os.path.join(tmp, "ref"), [f"nan@{nan_at}"])]
+    except BaseException:
+        killed_p.kill()
+        killed_p.wait()
+        raise
+    killed = done(killed_p)
     resumed = done(go("run", f"nan@{nan_at}"))  # the restart: the same plan without the kill
-    ref = done(ref_p)
     info = {"steps": steps, "checkpoint_every": every, "faults": [f"nan@{nan_at}", f"kill_process@{kill_at}"],
             "killed_rc": killed.returncode, "seconds": time.perf_counter() - t0}
-    if ref.returncode != 0 or resumed.returncode != 0:
-        bad = ref if ref.returncode != 0 else resumed
-        info.update(bitwise=None, error=bad.stderr[-2000:])
+    if resumed.returncode != 0:
+        info.update(bitwise=None, error=resumed.stderr[-2000:])
         return info
-    a = np.load(os.path.join(tmp, "ref.npz"))
     b = np.load(os.path.join(tmp, "run.npz"))
-    info["bitwise"] = killed.returncode == -9 and _equal([a[k] for k in a.files], [b[k] for k in b.files])
-    info["differing_leaves"] = sum(not np.array_equal(a[k], b[k]) for k in a.files)
+    run = [b[f"arr_{i}"] for i in range(len(b.files))]  # np.savez's names, in the leaves' order
+    info["bitwise"] = killed.returncode == -9 and _equal(ref, run)
+    info["differing_leaves"] = sum(not np.array_equal(x, y) for x, y in zip(ref, run)) + abs(len(ref) - len(run))
     return info
 
 

@@ -328,6 +328,8 @@ def cost_model(measured: dict) -> CostModel:
     fields = {k: v["value"] for k, v in measured["costs"].items()}
     sources = {k: v["source"] for k, v in measured["costs"].items()}
     fields["restart_s"] = max(0.0, fields["restart_s"])
+    # a save step minus a plain one: on a loaded machine with few saves it can come out < 0
+    fields["blocking_s_measured"] = max(0.0, fields["blocking_s_measured"])
     size = {"chips": chips, "devices_per_domain": per, "chips_per_replica": per,
             "model_params": float(_example_params())}
     for k in size:
