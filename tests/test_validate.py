@@ -75,5 +75,7 @@ def test_real_job_goodput_matches_simulation(tmp_path):
     assert len(r["failure_times_s"]) == 2
     # each kill loses the 40 steps since the last save
     assert r["lost_steps_measured"] == 80
-    assert 0.2 < r["measured_goodput"] < 0.95
+    # the job is short, so its three process starts weigh: goodput 0.26-0.33 measured at
+    # loads 4-16; the bound says only that the run trained and lost time (neither 0 nor 1)
+    assert 0.1 < r["measured_goodput"] < 0.95, r["measured_goodput"]
     assert r["relative_error"] < 0.10, (r["measured_goodput"], r["simulated_goodput"])
