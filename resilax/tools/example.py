@@ -8,6 +8,7 @@ is resumable. Everything is seeded: the same arguments give the same bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import grain
@@ -79,9 +80,24 @@ class MLP(nn.Module):
         return nn.Dense(self.classes)(x)
 
 
+@functools.lru_cache(maxsize=None)
+def _adamw(learning_rate: float) -> optax.GradientTransformation:
+    """One optimizer object per learning rate: states made alike are then the same tree (it
+    names the optimizer's functions), so a second wrap of the same step reuses the first's
+    traces (resilax's trace cache keys on the tree, as jax.jit's cache does)."""
+    return optax.adamw(learning_rate)
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp(hidden: int, depth: int, classes: int) -> MLP:
+    """One model object per shape: a state's tree holds ``model.apply``, and two bound
+    methods are equal only on the same object (see `_adamw`)."""
+    return MLP(hidden, depth, classes)
+
+
 def make_state(spec: ExampleSpec, optimizer: optax.GradientTransformation | None = None):
-    model = MLP(spec.hidden, spec.depth, spec.classes)
-    tx = optimizer if optimizer is not None else optax.adamw(spec.learning_rate)
+    model = _mlp(spec.hidden, spec.depth, spec.classes)
+    tx = optimizer if optimizer is not None else _adamw(spec.learning_rate)
 
     def create(key):
         params = model.init(key, jnp.zeros((1, spec.features)))["params"]

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 
 import flax.linen as nn
@@ -66,11 +67,24 @@ class GPT(nn.Module):
         return emb.attend(x).astype(jnp.float32)  # tied output embedding, logits in f32
 
 
+@functools.lru_cache(maxsize=None)
+def _adamw():
+    """One optimizer object: states made alike are then the same tree, so a second wrap of
+    the same step reuses the first's traces (see `resilax.tools.example._adamw`)."""
+    return optax.adamw(3e-4, weight_decay=0.1)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt(size: GPTSize) -> "GPT":
+    """One model object per size (a state's tree holds ``model.apply``; see `_adamw`)."""
+    return GPT(size)
+
+
 def make_state(size: GPTSize, seed: int = 0):
-    model = GPT(size)
+    model = _gpt(size)
     params = jax.jit(lambda k: model.init(k, jnp.zeros((1, size.seq), jnp.int32), train=False)["params"])(
         jax.random.key(seed))
-    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(3e-4, weight_decay=0.1))
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=_adamw())
 
 
 def train_step(state, batch, rng):

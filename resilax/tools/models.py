@@ -34,11 +34,18 @@ class ModelCase:
     batch_size: int = B
 
 
+# One optimizer object for every state these models make: a state's tree names its
+# optimizer's functions, so two states built alike are the same tree only with the same
+# object, and then a second wrap of the same step reuses the first's traces (resilax's
+# trace cache keys on the tree, as jax.jit's cache does).
+_ADAMW = optax.adamw(1e-2)
+
+
 def _state(model, sample, seed, cls=train_state.TrainState, **extra_vars):
     def create(key):
         variables = model.init({"params": key, "dropout": key}, sample)
         kw = {k: variables[k] for k in extra_vars}
-        return cls.create(apply_fn=model.apply, params=variables["params"], tx=optax.adamw(1e-2), **kw)
+        return cls.create(apply_fn=model.apply, params=variables["params"], tx=_ADAMW, **kw)
 
     return jax.jit(create)(jax.random.key(seed))
 
@@ -166,14 +173,19 @@ def _token_step(state, batch, rng, weighted=True):
 _SAMPLE_X = jnp.zeros((1, 16))
 _SAMPLE_T = jnp.zeros((1, SEQ), jnp.int32)
 
+# One model object per case, like the optimizer: a state's tree holds ``model.apply``, and two
+# bound methods are equal only on the same object.
+_MODELS = {"dropout_mlp": DropoutMLP(), "batchnorm_mlp": BNMLP(), "token_lm": TokenMLP(), "transformer_lm": Transformer()}
+
 CASES = {c.name: c for c in (
-    ModelCase("dropout_mlp", lambda seed=0: _state(DropoutMLP(), _SAMPLE_X, seed), _dropout_step, _classify_batches),
-    ModelCase("batchnorm_mlp", lambda seed=0: _state(BNMLP(), _SAMPLE_X, seed, BNState, batch_stats=True), _bn_step,
+    ModelCase("dropout_mlp", lambda seed=0: _state(_MODELS["dropout_mlp"], _SAMPLE_X, seed), _dropout_step,
               _classify_batches),
-    ModelCase("token_lm", lambda seed=0: _state(TokenMLP(), _SAMPLE_T, seed), _token_step, _token_batches,
+    ModelCase("batchnorm_mlp", lambda seed=0: _state(_MODELS["batchnorm_mlp"], _SAMPLE_X, seed, BNState,
+                                                     batch_stats=True), _bn_step, _classify_batches),
+    ModelCase("token_lm", lambda seed=0: _state(_MODELS["token_lm"], _SAMPLE_T, seed), _token_step, _token_batches,
               {"denominator": "sum"}),
-    ModelCase("transformer_lm", lambda seed=0: _state(Transformer(), _SAMPLE_T, seed), _token_step, _token_batches,
-              {"denominator": "sum"}),
+    ModelCase("transformer_lm", lambda seed=0: _state(_MODELS["transformer_lm"], _SAMPLE_T, seed), _token_step,
+              _token_batches, {"denominator": "sum"}),
 )}
 for _c in CASES.values():  # defaults for the seed argument of make_batches
     object.__setattr__(_c, "make_batches", (lambda f: lambda n, seed=0: f(n, seed))(_c.make_batches))

@@ -20,6 +20,8 @@ signature: a third parameter with a default must not silently receive one.
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 
@@ -34,9 +36,10 @@ class Split:
         self.train_step = train_step
         self.seed = seed
         self.rng = rng
-        self.full = _TracedOnce(self._full)
-        self.grad = _TracedOnce(self._grad)
-        self.update = _TracedOnce(self._update)
+        traces = _traces_of(train_step, seed, rng)
+        self.full = _TracedOnce(self._full, traces.setdefault("full", {}))
+        self.grad = _TracedOnce(self._grad, traces.setdefault("grad", {}))
+        self.update = _TracedOnce(self._update, traces.setdefault("update", {}))
 
     def key(self, step_no):
         return jax.random.fold_in(jax.random.key(self.seed), step_no)
@@ -81,6 +84,27 @@ try:  # public since jax 0.4.30; a JAX without it traces in place (slower, the s
     from jax.extend.core import jaxpr_as_fun as _AS_FUN
 except ImportError:  # pragma: no cover
     _AS_FUN = None
+try:  # JAX's own jit cache keys on it: the config a trace depends on (x64, matmul precision, ...)
+    from jax._src.config import trace_context as _trace_context
+except ImportError:  # pragma: no cover
+    _trace_context = None
+
+_BY_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _traces_of(train_step, seed, rng) -> dict:
+    """The traces of ``train_step``'s parts, shared by every wrap of the same step, seed and
+    rng flag in this process (a reference run and a faulted one, a bench's configurations):
+    each is a trace of the same function on the same shapes, as ``jax.jit`` shares its own
+    cache between calls of one function. Held as long as the step function lives. Not shared
+    where JAX's trace context cannot be read (a config change between wraps would otherwise
+    reuse a stale trace) or the step cannot be weakly referenced."""
+    if _trace_context is None:
+        return {}
+    try:
+        return _BY_STEP.setdefault(train_step, {}).setdefault((seed, rng), {})
+    except TypeError:
+        return {}
 
 
 class _TracedOnce:
@@ -96,16 +120,17 @@ class _TracedOnce:
     one tracing in place would build. Called outside any trace it just runs ``fn``.
     """
 
-    def __init__(self, fn):
+    def __init__(self, fn, cache: dict):
         self.fn = fn
-        self._cache: dict = {}
+        self._cache = cache
 
     def __call__(self, *args):
         leaves, tree = jax.tree.flatten(args)
         if _AS_FUN is None or not any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self.fn(*args)
         avals = [jax.typeof(x) for x in leaves]
-        key = (tree, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
+        key = (tree, tuple((a.shape, a.dtype, a.weak_type) for a in avals),
+               None if _trace_context is None else _trace_context())
         hit = self._cache.get(key)
         if hit is None:
             abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
