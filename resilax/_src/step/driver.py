@@ -80,7 +80,10 @@ def wrap(
     Args:
       train_step: ``train_step(state, batch) -> (state, metrics)`` (``rng=True``:
         ``train_step(state, batch, rng)``); global-view, pure, jit-able. Call
-        ``resilax.record(grads)`` once inside it on the optimizer inputs.
+        ``resilax.record(grads)`` once inside it on the optimizer inputs. Traced once
+        per argument shapes and state tree in a process, as ``jax.jit`` traces a
+        function, and that trace serves every mesh and every later wrap of the same
+        function: Python globals it reads are read at that first trace.
       topology: failure domains and mesh axes (`Topology.emulated` or `Topology.load`).
       state_sharding: ``PartitionSpec`` (or a pytree prefix of the state of them) over the
         topology's axis names, or over flax logical axis names with ``logical_axis_rules``
