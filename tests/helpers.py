@@ -17,6 +17,12 @@ def state_equal(a, b) -> bool:
     return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
+def load_npz(path) -> dict:
+    """``{name: array}`` of a ``.npz`` a run wrote (``--out``), read without pickle."""
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
 def flat_equal(a: dict, b: dict) -> bool:
     return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
@@ -60,6 +66,5 @@ def reference_run(tmp_path_factory, *args) -> dict:
                "--out", str(d / "ref.npz")]
         r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-2000:]
-        with np.load(d / "ref.npz", allow_pickle=False) as z:
-            _REFERENCE_RUNS[key] = {k: z[k] for k in z.files}
+        _REFERENCE_RUNS[key] = load_npz(d / "ref.npz")
     return _REFERENCE_RUNS[key]

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import child_env as _env, flat_equal, reference_run
+from helpers import child_env as _env, flat_equal, load_npz as load, reference_run
 
 STEPS, EVERY = 30, 5
 
@@ -17,11 +17,6 @@ STEPS, EVERY = 30, 5
 def train_cmd(ckpt, *extra):
     return [sys.executable, "-m", "resilax", "train", "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
             "--checkpoint-dir", str(ckpt), "--log-every", "1", *extra]
-
-
-def load(path):
-    with np.load(path, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
 
 
 # The failure-free run every restart here is compared with; test_replay_crash compares with the

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from resilax._src.protect import hoststore as hs
+from resilax._src.protect import hoststore as hs, hoststore_files as hsf
 
 
 def _run(step, mesh):
@@ -37,13 +37,13 @@ def test_store_round_trip_mirror_and_restorable_step(tmp_path, mesh):
         run = _run(step, mesh)
         for s in stores:  # in one process every "host" writes the same shards; enough for the files' logic
             s.after_step(run, None)
-    assert hs.committed_steps(tmp_path / "host0" / "own") == [2, 3, 4]  # the newest KEEP
-    assert hs.restorable_step(tmp_path, n) == 4
+    assert hsf.committed_steps(tmp_path / "host0" / "own") == [2, 3, 4]  # the newest KEEP
+    assert hsf.restorable_step(tmp_path, n) == 4
     # host 1 dies: its shards come from the mirror on host 2
     import shutil
 
     shutil.rmtree(tmp_path / "host1")
-    assert hs.restorable_step(tmp_path, n) == 4
+    assert hsf.restorable_step(tmp_path, n) == 4
     tmpl = jax.tree.leaves((_run(0, mesh).live, _run(0, mesh).guard))
     leaves, meta, src = stores[1].restore(4, tmpl, [x.sharding for x in tmpl])
     assert src.endswith("host2/mirror") and meta["data_state"] == {"kind": "json", "value": {"i": 4}}
@@ -53,7 +53,7 @@ def test_store_round_trip_mirror_and_restorable_step(tmp_path, mesh):
     # bit-exact mode's case under launch: one process, one domain, the whole state), so
     # host 0's own copy serves process 1 as well
     shutil.rmtree(tmp_path / "host2")
-    assert hs.restorable_step(tmp_path, n) == 4
+    assert hsf.restorable_step(tmp_path, n) == 4
     leaves, _, src = stores[1].restore(4, tmpl, [x.sharding for x in tmpl])
     assert src.endswith("host0/own") and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, want))
     # a copy of only the writer's shards (a layout sharded across processes) serves only it:
@@ -62,8 +62,8 @@ def test_store_round_trip_mirror_and_restorable_step(tmp_path, mesh):
 
     for f in (tmp_path / "host0").glob("*/step*.json"):
         f.write_text(json.dumps(dict(json.loads(f.read_text()), whole=False)))
-    assert hs.restorable_step(tmp_path, n) is None
-    assert hs.sources(tmp_path, 0, n, 4) == [tmp_path / "host0" / "own"]
+    assert hsf.restorable_step(tmp_path, n) is None
+    assert hsf.sources(tmp_path, 0, n, 4) == [tmp_path / "host0" / "own"]
 
 
 def test_a_corrupt_copy_is_not_used_and_the_mirror_is(tmp_path, mesh):
@@ -76,7 +76,7 @@ def test_a_corrupt_copy_is_not_used_and_the_mirror_is(tmp_path, mesh):
     raw = bytearray(f.read_bytes())
     raw[-40] ^= 0xFF
     f.write_bytes(bytes(raw))
-    assert hs.read(tmp_path / "host0" / "own", 7) is None
+    assert hsf.read(tmp_path / "host0" / "own", 7) is None
     tmpl = jax.tree.leaves((run.live, run.guard))
     _, _, src = stores[0].restore(7, tmpl, [x.sharding for x in tmpl])
     assert src.endswith("host1/mirror")
@@ -111,9 +111,9 @@ def test_a_restored_state_is_stored_again_at_once(tmp_path, mesh):
     shutil.rmtree(tmp_path / "a" / "host0")  # host 0 died: its shards live on in host 1's mirror
     run = _run(2, mesh)
     hs.resume(run, a, run.live, 5, agree=lambda ok: ok)
-    assert run.step == 5 and hs.committed_steps(tmp_path / "a" / "host0" / "own") == [5]
+    assert run.step == 5 and hsf.committed_steps(tmp_path / "a" / "host0" / "own") == [5]
     b = hs.HostStore(str(tmp_path / "b"), 1, 2)
     run = _run(3, mesh)
     b.start(run, run.live)  # e.g. after a checkpoint restore at step 3
-    assert hs.committed_steps(tmp_path / "b" / "host1" / "own") == [3]
-    assert hs.committed_steps(tmp_path / "b" / "host0" / "mirror") == [3]
+    assert hsf.committed_steps(tmp_path / "b" / "host1" / "own") == [3]
+    assert hsf.committed_steps(tmp_path / "b" / "host0" / "mirror") == [3]

@@ -41,9 +41,7 @@ import numpy as np
 from resilax._src.protect import base
 from resilax._src.step.sharding import local_shards
 
-from resilax._src.protect.hoststore_files import (KEEP as KEEP, _key, committed_steps as committed_steps,  # noqa: F401
-                                                  read as read, restorable_step as restorable_step,
-                                                  restorable_steps as restorable_steps, sources as sources, _write)
+from resilax._src.protect.hoststore_files import _key, _write, committed_steps, read, sources
 
 
 class HostStore(base.Protection):
