@@ -101,3 +101,24 @@ def test_bench_health_writes_json(tmp_path):
     # default HealthConfig: a silent domain gets the whole 5 s probe timeout, probes every 1 s
     assert 5.0 <= res["hang_detect_s"] <= 5.0 + 1.0 + 3.0 and res["hang_domain_identified"] is True
     assert res["step_deadline_s"] >= 5.0
+
+
+def test_a_command_imports_only_its_own_tool():
+    """Every worker, agent and supervisor starts through `resilax.tools.cli.main`: a command's
+    parser imports its own tool only (importing every bench and tool cost each process ~0.3
+    CPU-s), while ``resilax --help`` and ``resilax bench --help`` still list every command."""
+    code = ("import sys\nfrom resilax.tools import cli\n"
+            "cli.build_parser(['train', '--steps', '1']).parse_args(['train', '--steps', '1'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('resilax.tools.') and m != 'resilax.tools.cli'))\n"
+            "cli.build_parser(['bench', 'gpt']).parse_args(['bench', 'gpt', '--help'])\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, rest = r.stdout.split("\n", 1)
+    assert first == "[]", first
+    assert "--size" in rest  # bench gpt's own options
+    r = subprocess.run([sys.executable, "-m", "resilax", "bench", "--help"], env=_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and all(n in r.stdout for n in ("multihost", "protection", "gpt", "health")), r.stdout
+    r = subprocess.run([sys.executable, "-m", "resilax", "--help"], env=_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and all(n in r.stdout for n in ("train", "launch", "campaign", "validate")), r.stdout

@@ -67,7 +67,40 @@ def _cmd_bench(args) -> int:
     return run_bench(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+_BENCHES = (
+    ("replay", "bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
+    ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
+    ("multiprocess", "bench_multiprocess", "a worker SIGKILLed under resilax launch: kill to resume by phase"),
+    ("multihost", "bench_multihost", "a host SIGKILLed under resilax launch --nodes (3 agents on loopback): death "
+                                     "to back-at-the-step by phase, vs relaunching the job; a second host during "
+                                     "the recovery (--cases double); --soak N"),
+    ("health", "bench_health", "bit-exact mode and health-check cost (interleaved), bit-flip detection, rejoin"),
+    ("gpt", "bench_gpt", "issue 26's GPT (bf16, AdamW, dropout) on the devices present: plain jit, jit + Orbax, "
+                         "resilax off / defaults / defaults + checkpoints; save blocking, bitwise runs and resume"),
+    ("protection", "bench_protection", "each protection's cost per step (>= 40 MB state, two layouts, A/A), "
+                                       "checkpoint blocking vs Orbax and the host copy, recovery in step-times"),
+)
+_TOOLS = ("simulate", "report", "validate", "campaign", "launch")  # each registers its own subcommand
+
+
+def _wanted(argv) -> tuple | None:
+    """``(command, bench)`` named by ``argv`` (bench None unless ``command`` is ``bench`` and one
+    is named), or None when no known command comes first (``--help``, a typo): the parser then
+    has every command. A command's parser imports only its own tool's module: every worker,
+    agent and supervisor process starts through here, and importing all of them cost each
+    ~0.3 CPU-s."""
+    if not argv or argv[0] not in {"train", "demo", "bench", *_TOOLS}:
+        return None
+    if argv[0] != "bench":
+        return argv[0], None
+    names = {b[0] for b in _BENCHES}
+    return "bench", argv[1] if len(argv) > 1 and argv[1] in names else None
+
+
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The ``resilax`` parser (every command); given ``argv``, only the command it names has
+    its tool imported."""
+    wanted = None if argv is None else _wanted(argv)
     p = argparse.ArgumentParser(prog="resilax", description="Failure-resilient JAX training.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -123,33 +156,23 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--topology", default="cpu-2x4")
     o.add_argument("--checkpoint-every", type=int, default=None, help="default: resilax.Config's default")
     o.set_defaults(func=_cmd_bench)
-    for name, mod, help_ in (
-        ("replay", "bench_replay", "replay cost per mode, log bytes per step, logging overhead"),
-        ("recovery", "bench_recovery", "slice failure mid-run: recovery by phase vs restart + checkpoint"),
-        ("multiprocess", "bench_multiprocess", "a worker SIGKILLed under resilax launch: kill to resume by phase"),
-        ("multihost", "bench_multihost", "a host SIGKILLed under resilax launch --nodes (3 agents on loopback): death "
-                                         "to back-at-the-step by phase, vs relaunching the job; a second host during "
-                                         "the recovery (--cases double); --soak N"),
-        ("health", "bench_health", "bit-exact mode and health-check cost (interleaved), bit-flip detection, rejoin"),
-        ("gpt", "bench_gpt", "issue 26's GPT (bf16, AdamW, dropout) on the devices present: plain jit, jit + Orbax, "
-                             "resilax off / defaults / defaults + checkpoints; save blocking, bitwise runs and resume"),
-        ("protection", "bench_protection", "each protection's cost per step (>= 40 MB state, two layouts, A/A), "
-                                           "checkpoint blocking vs Orbax and the host copy, recovery in step-times"),
-    ):
-        # every tool ships with the package: a module that fails to import is a bug to show, not to skip
-        m = __import__(f"resilax.tools.{mod}", fromlist=["add_arguments", "run"])
+    for name, mod, help_ in _BENCHES:
         sp = bsub.add_parser(name, help=help_)
-        m.add_arguments(sp)
-        sp.set_defaults(func=m.run)
+        if wanted in (None, ("bench", None), ("bench", name)):
+            # every tool ships with the package: a module that fails to import is a bug to show, not to skip
+            m = __import__(f"resilax.tools.{mod}", fromlist=["add_arguments", "run"])
+            m.add_arguments(sp)
+            sp.set_defaults(func=m.run)
 
-    for mod in ("simulate", "report", "validate", "campaign", "launch"):
-        m = __import__(f"resilax.tools.{mod}", fromlist=["register_cli"])
-        m.register_cli(sub)
+    for mod in _TOOLS:
+        if wanted is None or wanted[0] == mod:
+            __import__(f"resilax.tools.{mod}", fromlist=["register_cli"]).register_cli(sub)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     from resilax._src.errors import ResilaxError
     from resilax.tools.runner import configure_compilation_cache
 
