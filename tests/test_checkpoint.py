@@ -225,7 +225,7 @@ def test_an_uncopied_save_builds_the_shard_lists_before_the_persister_reads_them
     live = fresh({"a": np.zeros(8, np.float32), "b": np.zeros((2, 3), np.int32)})  # shard lists not built yet
     store = ck.CheckpointStore(tmp_path / "ckpt")
     try:
-        with ck._ORBAX_LOCK:
+        with ck.ORBAX_LOCK:
             store.save(1, live, {}, copy=False)
             built = [len(x.__dict__.get("addressable_shards", ())) for x in jax.tree.leaves(live)]
         assert built == [8, 8]
@@ -359,3 +359,39 @@ def test_a_save_due_while_the_previous_one_writes_waits_and_says_so(tmp_path):
         assert len(ev) == 1 and ev[0].step == 4 and ev[0].fields["previous"] == 2
         assert ev[0].fields["seconds"] > 0.2
         assert step.goodput_recorder.totals()["checkpoint_save"] - before >= ev[0].fields["seconds"] * 0.9
+
+
+def test_a_plain_orbax_save_beside_resilax_waits_for_the_lock_and_returns_committed(tmp_path):
+    """Orbax runs one save per process at a time (a class-wide operation id): a bench's plain
+    manager saving while resilax's persister saved waited on the other's keys until Orbax's
+    300 s timeout (CI, `bench overhead`). `exclusive_orbax_save` holds the lock every resilax
+    store holds until its commit: it waits while another thread holds it, the step is
+    committed when it returns, and the wait is reported apart from the save's own blocking."""
+    import threading
+    import time
+
+    import orbax.checkpoint as ocp
+
+    from resilax._src.protect import checkpoints as ck
+
+    mgr = ocp.CheckpointManager(tmp_path / "plain", options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with ck.ORBAX_LOCK:  # as a persister does from its save to its commit
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    threading.Timer(0.5, release.set).start()
+    t0 = time.perf_counter()
+    blocked, waited = ck.exclusive_orbax_save(mgr, 3, ocp.args.StandardSave({"w": np.arange(4.0)}))
+    total = time.perf_counter() - t0
+    t.join()
+    assert waited >= 0.4 and blocked + waited == pytest.approx(total, abs=0.05), (blocked, waited, total)
+    assert mgr.all_steps() == [3] and not [p for p in os.listdir(tmp_path / "plain") if "tmp" in p]
+    restored = mgr.restore(3, args=ocp.args.StandardRestore({"w": np.zeros(4)}))
+    assert np.array_equal(restored["w"], np.arange(4.0))
+    mgr.close()

@@ -145,14 +145,12 @@ def _orbax_blocking(state, directory, saves=5):
     seconds the caller blocked, first and the later ones (each after the previous commit)."""
     import orbax.checkpoint as ocp
 
+    from resilax._src.protect.checkpoints import ORBAX_LOCK, exclusive_orbax_save
+
     mgr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-    out = []
-    for i in range(saves):
-        t0 = time.perf_counter()
-        mgr.save(i, args=ocp.args.StandardSave(state))
-        out.append(time.perf_counter() - t0)
-        mgr.wait_until_finished()
-    mgr.close()
+    out = [exclusive_orbax_save(mgr, i, ocp.args.StandardSave(state))[0] for i in range(saves)]
+    with ORBAX_LOCK:
+        mgr.close()
     return out
 
 

@@ -107,10 +107,31 @@ class Restored:
     skipped: tuple[tuple[int, str], ...]  # (step, reason) of newer checkpoints that failed
 
 
-# Orbax calls from several threads at once (two runs' persisters saving together) raced in
-# Orbax's directory creation: "100.orbax-checkpoint-tmp/meta.orbax-checkpoint-tmp/metadata:
-# No such file or directory". Every Orbax call of every store goes through this one lock.
-_ORBAX_LOCK = threading.RLock()
+# Orbax saves one checkpoint at a time per process: its operation id, which names the keys a
+# save's threads signal each other with, is class-wide (`OperationIdGenerator`), so two saves
+# overlapping from two threads raced in Orbax's directory creation ("100.orbax-checkpoint-tmp/
+# meta.orbax-checkpoint-tmp/metadata: No such file or directory") or waited on each other's
+# keys until Orbax's 300 s timeout ("Timeout waiting for key 'awaitable_signals_contract_2/
+# step_directory_creation'": a bench's plain Orbax manager saving beside resilax's persister).
+# Every Orbax call of every store holds this lock, for a save until it is committed; other
+# Orbax saves in the process must too (`exclusive_orbax_save`).
+ORBAX_LOCK = threading.RLock()
+
+
+def exclusive_orbax_save(mgr, step: int, args) -> tuple[float, float]:
+    """``mgr.save(step, args=args)`` for a CheckpointManager of the caller's own beside
+    resilax's checkpoints in one process (the benches' plain Orbax baselines): holds
+    `ORBAX_LOCK` from the save until it is committed. Returns ``(blocked, waited)``: the
+    seconds ``save`` blocked the caller (what a plain Orbax user's loop pays) and the seconds
+    spent waiting for the lock and the commit (not part of that; a caller timing its loop
+    leaves them out)."""
+    t0 = time.perf_counter()
+    with ORBAX_LOCK:
+        t1 = time.perf_counter()
+        mgr.save(step, args=args)
+        t2 = time.perf_counter()
+        mgr.wait_until_finished()
+    return t2 - t1, (t1 - t0) + (time.perf_counter() - t2)
 
 
 def _snapshot_fn(tree):
@@ -152,7 +173,7 @@ class CheckpointStore:
         self._mgr = self._open()
         self.blocking_s: list[float] = []  # seconds the caller blocked per save
         self.persist_s: list[float] = []  # seconds from handing a snapshot to Orbax to its commit (persister thread)
-        self._lock = _ORBAX_LOCK
+        self._lock = ORBAX_LOCK
         self._q: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
