@@ -154,12 +154,14 @@ def test_the_step_is_traced_once_whatever_meshes_a_run_lands_on(deterministic):
     loses two slices (3 meshes, each with its own programs) traces it as often as a run that
     loses none, and ends where that run ends (tolerance: another mesh reassociates sums; the
     bit-exact mode: bitwise). A second wrap of the same step on a state of the same tree
-    reuses those traces. The cross-check is off here: its one-device reference call passes
-    the live state (a weakly typed step counter), another signature, traced once."""
+    reuses those traces. The first-step cross-check (on by default) reuses them too: it once
+    traced the step again, its one-device call passing the live state's weakly typed step
+    counter (and, without rng, a key argument of None), other signatures."""
     topo = resilax.Topology.emulated(4, 2)
-    cfg = resilax.Config(deterministic=resilax.DeterministicConfig() if deterministic else None, verify=None)
+    det = resilax.DeterministicConfig() if deterministic else None
 
-    def run(train_step, traces, faults):
+    def run(train_step, traces, faults, verify=None):
+        cfg = resilax.Config(deterministic=det, verify=verify)
         step = resilax.wrap(train_step, topology=topo, config=cfg, faults=resilax.FaultPlan(faults))
         state = step.init(ex.make_state(SMALL))
         it = ex.make_iterator(SMALL)
@@ -167,7 +169,7 @@ def test_the_step_is_traced_once_whatever_meshes_a_run_lands_on(deterministic):
             state, _ = step(state, next(it))
         step.close()
         assert step.step == 5
-        return len(traces), jax.device_get(state.params), [e.kind for e in step.events]
+        return len(traces), jax.device_get(state.params), [e.kind for e in step.events if e.fields.get("checked", True)]
 
     def counting():  # a step function of its own (traces are shared per step function)
         traces = []
@@ -191,3 +193,8 @@ def test_the_step_is_traced_once_whatever_meshes_a_run_lands_on(deterministic):
     # the same step function again (a fresh state, the same tree): no new trace, the same result
     n_again, again, _ = run(ref_step, ref_traces, [])
     assert n_again == n_ref and all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(ref)))
+    # with the cross-check (the default VerifyConfig): it checked the first step (events of
+    # skipped checks are left out above), and traced nothing more
+    v_step, v_traces = counting()
+    n_v, _, kinds = run(v_step, v_traces, [], verify=resilax.VerifyConfig())
+    assert "crosscheck" in kinds and n_v == n_ref, (n_v, n_ref)

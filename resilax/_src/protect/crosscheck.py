@@ -146,11 +146,17 @@ class CrossCheck(Protection):
             key = None
         if not all(np.all(np.isfinite(x)) for x in got if np.issubdtype(x.dtype, np.inexact)):
             return  # a NaN step (real or injected) says nothing about the compiler: check the next one
+        # the programs are built from the state's abstract tree, which has no weak types; a
+        # weakly typed leaf here (a step counter made from a Python int, before the first
+        # update) gave the step another trace key: the model was traced once more per process
+        state = jax.tree.map(lambda x: x.astype(x.dtype) if getattr(x, "weak_type", False) else x, state)
+        def rec(s, b, n, k):  # called as the programs call it (no key argument without one): one trace
+            return (split.grad(s, b, n) if k is None else split.grad(s, b, n, k))[0]
+
         if self._single is None:
-            self._single = jax.jit(lambda s, b, n, k: split.grad(s, b, n, k)[0])
+            self._single = jax.jit(rec)
         if self._tol is None:
-            self._tol = tolerance(lambda s, b, n, k: split.grad(s, b, n, k)[0], self.cfg.rtol,
-                                  state, batch, jax.ShapeDtypeStruct((), np.uint32), key)
+            self._tol = tolerance(rec, self.cfg.rtol, state, batch, jax.ShapeDtypeStruct((), np.uint32), key)
         tol, dtype, length = self._tol
         dev = prog.mesh.devices.flat[0]
         one = jax.device_put((state, batch, key), dev)

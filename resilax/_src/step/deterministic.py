@@ -161,8 +161,9 @@ class DeterministicProgram(Program):
         split = self.spec.split
 
         def fn(state, batch, step_no, v):
-            key = jax.random.fold_in(split.key(step_no), v) if split.rng else None
-            return split.grad(state, batch, step_no, key)
+            if not split.rng:  # called as the crosscheck and the default mode call it: one trace
+                return split.grad(state, batch, step_no)
+            return split.grad(state, batch, step_no, jax.random.fold_in(split.key(step_no), v))
 
         def build():
             out_sh = (dom.rec_sh, dom.rep if self.has_weight else None,

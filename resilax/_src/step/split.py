@@ -20,6 +20,7 @@ signature: a third parameter with a default must not silently receive one.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import jax
@@ -90,6 +91,7 @@ except ImportError:  # pragma: no cover
     _trace_context = None
 
 _BY_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TRACING = threading.RLock()  # one trace of the user's step at a time (tracing holds the GIL anyway)
 
 
 def _traces_of(train_step, seed, rng) -> dict:
@@ -133,9 +135,12 @@ class _TracedOnce:
                None if _trace_context is None else _trace_context())
         hit = self._cache.get(key)
         if hit is None:
-            abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
-            closed, out = jax.make_jaxpr(self.fn, return_shape=True)(*jax.tree.unflatten(tree, abstract))
-            hit = self._cache[key] = (_AS_FUN(closed), jax.tree.structure(out))
+            with _TRACING:  # the bit-exact mode builds its domains' programs on threads at once
+                hit = self._cache.get(key)  # (each traced the step: two traces for one key)
+                if hit is None:
+                    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+                    closed, out = jax.make_jaxpr(self.fn, return_shape=True)(*jax.tree.unflatten(tree, abstract))
+                    hit = self._cache[key] = (_AS_FUN(closed), jax.tree.structure(out))
         run, out_tree = hit
         return jax.tree.unflatten(out_tree, run(*leaves))
 
