@@ -380,6 +380,33 @@ def test_supervisor_spares_become_the_next_generations_workers_and_are_refilled(
             f"assigned: g1 p{i}\n"
 
 
+def test_a_relabelled_output_switches_logs_where_the_child_marked_it_not_when_told(tmp_path, capsys):
+    # CI once found a spare's first line as a worker in the spare's log: the supervisor
+    # switched logs when it wrote the assignment, and its reader thread was behind or ahead
+    # of the child. The switch now follows the child's marker in the stream, whatever the
+    # reader's lag: here every line is written before the reader may read any of it
+    from resilax._src.runtime.worker import LOG_SWITCH
+    from resilax.tools.processes import Output
+
+    r, w = os.pipe()
+
+    class Child:  # the reading end of a pipe stands in for the child's stdout
+        stdout = os.fdopen(r, "rb")
+
+    old, new = tmp_path / "spare0.log", tmp_path / "g1.p0.log"
+    os.write(w, b"warm and waiting\n")
+    out = Output(Child, "[spare0] ", old)
+    out.relabel("[g1 p0] ", new)  # before the child learns its place, as the supervisor does
+    os.write(w, b"half a line" + LOG_SWITCH.encode() + b"assigned: g1 p0\nstep 1\n")
+    os.close(w)
+    out.join(timeout=10)
+    assert not out.is_alive()
+    assert old.read_text() == "warm and waiting\nhalf a line" and new.read_text() == "assigned: g1 p0\nstep 1\n"
+    printed = capsys.readouterr().out
+    assert "[spare0] warm and waiting\n" in printed and "[g1 p0] assigned: g1 p0\n[g1 p0] step 1\n" in printed
+    assert "log-switch" not in printed
+
+
 def test_supervisor_replaces_a_spare_that_dies_or_hangs_without_failing_the_job(tmp_path, capsys):
     # the worker SIGKILLs the first spare, then SIGSTOPs the second (its heartbeat goes
     # stale), and exits 0 once a third is warm: one generation, no failure

@@ -228,15 +228,15 @@ class Supervisor:
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
             if slot in carried:  # a live worker of the generation that re-formed: it re-attaches without restarting
                 w = carried[slot]  # (its assignment is named by its process id in that generation)
+                w.out.relabel(prefix, log)  # (before it can read its place: see processes.Output)
                 write_json(membership.reform_assignment(self.run_dir, g, w.process_id), env.to_dict())
-                w.out.relabel(prefix, log)
                 self.workers.append(WorkerProcess(i, env, w.proc, w.out))
                 continue
             if ready:  # a warm spare: tell it its place (it then joins like a fresh worker)
                 s = ready.pop(0)
                 self.spares.remove(s)
-                write_json(s.assignment, env.to_dict())
                 s.out.relabel(prefix, log)
+                write_json(s.assignment, env.to_dict())
                 self.workers.append(WorkerProcess(i, env, s.proc, s.out, spare=s.index))
                 continue
             proc = self._popen({**env.to_env(), "PYTHONUNBUFFERED": "1"})

@@ -102,41 +102,61 @@ def say(msg: str) -> None:
 
 class Output(threading.Thread):
     """Copies a child's output to its log file and, prefixed, to the supervisor's stdout. The
-    prefix and the log change when a spare becomes a worker (`relabel`)."""
+    prefix and the log change when a spare becomes a worker (or a worker re-attaches to a new
+    generation): `relabel` names the new ones before the child is told its place, and the
+    switch happens where the child wrote `worker.LOG_SWITCH` into its output, so that every
+    line lands in the log of the process the child was when it wrote it (switching at
+    `relabel` itself put a line written after the assignment into the spare's log when this
+    thread lagged, and one written before into the worker's when the child lagged)."""
 
     def __init__(self, proc: subprocess.Popen, prefix: str, log_path: pathlib.Path):
         super().__init__(daemon=True)
         self.proc = proc
         self._lock = threading.Lock()
         self._label = (prefix, log_path)
+        self._next: list[tuple[str, pathlib.Path]] = []  # labels named by relabel, not yet switched to
         self.start()
 
     def relabel(self, prefix: str, log_path: pathlib.Path):
+        """Call before the child can read its new place (it then writes the switch marker)."""
         open(log_path, "ab").close()  # every worker has its log, output or not
         with self._lock:
-            self._label = (prefix, log_path)
+            self._next.append((prefix, log_path))
 
     def run(self):
-        path = self._label[1]
+        from resilax._src.runtime.worker import LOG_SWITCH
+
+        marker = LOG_SWITCH.encode()
+        prefix, path = self._label
         log = open(path, "ab")
         try:
             for line in iter(self.proc.stdout.readline, b""):
-                with self._lock:
-                    prefix, want = self._label
-                if want != path:
-                    if log is not None:
+                if line.endswith(marker):
+                    line = line[:-len(marker)]  # the child's output before it, unterminated
+                    self._write(log, prefix, line)
+                    with self._lock:
+                        if self._next:
+                            self._label = self._next.pop(0)
+                    if self._label[1] != path:
                         log.close()
-                    log, path = open(want, "ab"), want
-                log.write(line)
-                log.flush()
-                try:
-                    sys.stdout.write(prefix + line.decode(errors="replace"))
-                    sys.stdout.flush()
-                except (OSError, ValueError):
-                    pass
+                        prefix, path = self._label
+                        log = open(path, "ab")
+                    continue
+                self._write(log, prefix, line)
         finally:
-            if log is not None:
-                log.close()
+            log.close()
+
+    @staticmethod
+    def _write(log, prefix: str, line: bytes):
+        if not line:
+            return
+        log.write(line)
+        log.flush()
+        try:
+            sys.stdout.write(prefix + line.decode(errors="replace"))
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
 
 
 class SpareProcess:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import threading
 import time
 
@@ -34,6 +35,10 @@ ENV_PREFIX = "RESILAX_"
 SPARE_ENV = "RESILAX_SPARE"  # a spare: the path of the assignment file the supervisor writes
 SPARE_HEARTBEAT_ENV = "RESILAX_SPARE_HEARTBEAT"  # where a spare writes its heartbeat
 SPARE_HEARTBEAT_S_ENV = "RESILAX_SPARE_HEARTBEAT_S"
+# written into a launched worker's output where it takes a new place (a spare assigned, a
+# worker re-attached to a new generation): the supervisor's copy of its output switches logs
+# there (`tools.processes.Output`) and drops the marker
+LOG_SWITCH = "\x1eresilax:log-switch\n"
 _TYPES = {"str": str, "int": int, "float": float}
 
 
@@ -287,10 +292,25 @@ def wait_for_assignment(prefetch: bool = True, poll_s: float = 0.01) -> LaunchEn
         hb.beat()
     finally:
         hb.stop()
+    _switch_log()
     os.environ.update(e.to_env())  # child code (and LaunchEnv.from_env) sees the assigned place
     os.environ.pop(SPARE_ENV, None)
     _state["assigned"] = e
     return e
+
+
+def _switch_log() -> None:
+    """Marks, in this process's output, where the lines of its new place begin (`LOG_SWITCH`):
+    what Python buffered is flushed first, so that it lands in the old log."""
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:
+        os.write(1, LOG_SWITCH.encode())
+    except OSError:
+        pass
 
 
 def _await_assignment(path: str, what: str, *, poll_s: float = 0.01, timeout_s: float | None = None,
@@ -478,6 +498,7 @@ def reattach() -> LaunchEnv:
     new = _await_assignment(membership.reform_assignment(e.run_dir, e.generation + 1, e.process_id),
                             f"the re-form assignment for generation {e.generation + 1}", poll_s=0.02,
                             timeout_s=e.init_timeout_s, beat=hb.beat)
+    _switch_log()
     os.environ.update(new.to_env())
     with _lock:
         _state.clear()
