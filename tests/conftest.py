@@ -42,7 +42,37 @@ def _peers_init_for_tests(self, *args, compile_ahead=False, **kw):
 
 resilax.PeersConfig.__init__ = _peers_init_for_tests
 
+# Test speed, as for compile-ahead: in this process `Config.verify` (the first-step
+# cross-check of each mesh against one device) defaults to off. It traced, compiled and ran a
+# one-device copy of the step at the first step of every run and again after every recovery:
+# a quarter of the time of the in-process transformer tests. Its own tests (test_crosscheck),
+# and those that assert what it records, ask for the library's default with
+# `@pytest.mark.verify`; every `resilax ...` subprocess the suite starts runs the default (on),
+# so every end-to-end test runs with it.
+_config_init = resilax.Config.__init__
+_VERIFY_BY_DEFAULT = [False]
+
+
+def _config_init_for_tests(self, *args, **kw):
+    if not args and "verify" not in kw and not _VERIFY_BY_DEFAULT[0]:
+        kw["verify"] = None
+    _config_init(self, *args, **kw)
+
+
+resilax.Config.__init__ = _config_init_for_tests
+
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "verify: Config() keeps the library's default VerifyConfig (the cross-check)")
+
+
+@pytest.fixture(autouse=True)
+def _verify_default(request):
+    _VERIFY_BY_DEFAULT[0] = request.node.get_closest_marker("verify") is not None
+    yield
+    _VERIFY_BY_DEFAULT[0] = False
 
 from helpers import child_env as _child_env  # noqa: E402
 

@@ -142,6 +142,7 @@ def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monk
     assert step.step == 10, "the record log replays 5..9 after the fallback"
 
 
+@pytest.mark.verify  # its events include the cross-check's
 def test_goodput_buckets_sum_to_wall_and_are_saved(tmp_path):
     from resilax._src.runtime.goodput import load_goodput
 

@@ -18,6 +18,8 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import resilax
+
+pytestmark = pytest.mark.verify  # the library's default VerifyConfig (conftest turns it off elsewhere)
 from helpers import state_equal
 
 

@@ -17,6 +17,7 @@ def _run(name, faults=(), topo=(2, 4), config=DET, steps=6, **kw):
     return run(name, faults, topo=resilax.Topology.emulated(*topo), config=config, steps=steps, **kw)
 
 
+@pytest.mark.verify  # it checks the bit-exact mode's first step passes the cross-check
 @pytest.mark.parametrize("name,topo,faults", [
     ("transformer_lm", (2, 4), ["fail_slice@2:mid_step/1"]),
     ("dropout_mlp", (2, 4), ["fail_slice@3:before_step/0"]),
@@ -24,8 +25,9 @@ def _run(name, faults=(), topo=(2, 4), config=DET, steps=6, **kw):
     ("token_lm", (4, 2), ["fail_slice@2:during_peer_copy/3"]),
 ])
 def test_bitwise_equal_to_failure_free_across_shrinks(name, topo, faults):
-    ref, ref_step, _, ref_mets = _run(name, topo=topo)
-    got, step, _, mets = _run(name, faults, topo=topo)
+    cfg = resilax.Config(deterministic=resilax.DeterministicConfig())  # (made here: with the cross-check)
+    ref, ref_step, _, ref_mets = _run(name, topo=topo, config=cfg)
+    got, step, _, mets = _run(name, faults, topo=topo, config=cfg)
     evs = [e for e in step.events if e.kind == "recovery"]
     assert len(evs) == len(faults)
     assert evs[-1].fields["mesh"]["data"] == topo[0] - len(faults)
