@@ -68,6 +68,24 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "verify: Config() keeps the library's default VerifyConfig (the cross-check)")
 
 
+_DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The slowest tests first (seconds from a fresh-clone run: tests/durations.json; a test
+    not in it counts as 1 s), so that two workers end together instead of one finishing the
+    long end-to-end tests alone (`--dist worksteal` steals from the end of a queue).
+    Regenerate the file from `--durations=0` output when the suite changes much."""
+    import json
+
+    try:
+        with open(_DURATIONS) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        return
+    items.sort(key=lambda it: -known.get(it.nodeid, 1.0))  # stable: unknowns keep their order
+
+
 @pytest.fixture(autouse=True)
 def _verify_default(request):
     _VERIFY_BY_DEFAULT[0] = request.node.get_closest_marker("verify") is not None

@@ -56,15 +56,28 @@ _REFERENCE_RUNS: dict = {}
 
 def reference_run(tmp_path_factory, *args) -> dict:
     """The final state (``{name: array}``) of a failure-free ``python -m resilax train *args``
-    run (with a checkpoint directory of its own), made once per test process for each argument
-    list: the crash tests of several modules that compare their restarts with the same program
-    share it (a reference run costs a process start, ~7 s of CPU)."""
+    run (with a checkpoint directory of its own), made once per test session for each
+    argument list: the crash tests of several modules that compare their restarts with the
+    same program share it (a reference run costs a process start, ~7 s of CPU), and so do
+    pytest-xdist's workers (the first makes it under a file lock in their common temporary
+    directory, the others read its ``.npz``)."""
+    import fcntl
+    import hashlib
+
     key = tuple(str(a) for a in args)
     if key not in _REFERENCE_RUNS:
-        d = tmp_path_factory.mktemp("ref")
-        cmd = [sys.executable, "-m", "resilax", "train", *key, "--checkpoint-dir", str(d / "ckpt"),
-               "--out", str(d / "ref.npz")]
-        r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[-2000:]
+        root = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            root = root.parent  # shared by the workers of this session
+        d = root / ("reference-" + hashlib.sha256("\0".join(key).encode()).hexdigest()[:16])
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (d / "done").exists():
+                cmd = [sys.executable, "-m", "resilax", "train", *key, "--checkpoint-dir", str(d / "ckpt"),
+                       "--out", str(d / "ref.npz")]
+                r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
+                assert r.returncode == 0, r.stderr[-2000:]
+                (d / "done").write_text("")
         _REFERENCE_RUNS[key] = load_npz(d / "ref.npz")
     return _REFERENCE_RUNS[key]
