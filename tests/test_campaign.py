@@ -1,12 +1,13 @@
-"""The fault campaign: its oracle on hand-written schedules, and a short seeded,
-property-based run (hypothesis) of random schedules against failure-free runs. Long runs:
-``resilax campaign --trials N --seed S``."""
+"""The fault campaign: its oracle on hand-written schedules and health schedules, its
+generated schedules (valid fault plans), and two drawn trials run in worker processes and
+judged against their failure-free runs. Random schedules at scale are the campaign's own
+job, a benchmark (``resilax campaign --trials N --seed S``; the newest in
+benchmarks/results/): one drawn trial in-process was a soak of one, left out of the suite
+when it had to fit in ten minutes."""
 
 import random
 
-import hypothesis.strategies as hst
 import pytest
-from hypothesis import HealthCheck, given, settings
 
 from resilax.tools import campaign as C
 
@@ -121,14 +122,6 @@ def test_generated_schedules_are_valid_faults():
         t = C.random_trial(rng, i)
         cfg = C._config(t, "/tmp/unused")
         resilax.FaultPlan(list(t.faults)).validate(resilax.Topology.emulated(*t.topology), cfg)
-
-
-@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(seed=hst.integers(0, 2**31 - 1))
-def test_random_schedules_match_failure_free_runs(seed):
-    t = C.random_trial(random.Random(seed), seed)
-    rec = C.run_trial(t)
-    assert rec["outcome"] in ("ok", "expected_lost"), rec
 
 
 def test_campaign_runs_trials_in_worker_processes_and_writes_json(tmp_path):

@@ -2,8 +2,9 @@
 failure-free run of the same config, or expected to raise `StateLostError` exactly when
 an independent oracle says no copy survives.
 
-``resilax campaign --trials N --seed S [--json PATH]``; a short hypothesis-driven run is in
-the test suite (tests/test_campaign.py).
+``resilax campaign --trials N --seed S [--json PATH]``; the test suite
+(tests/test_campaign.py) checks the oracle on hand-written schedules and runs two drawn
+trials through the worker processes.
 
 The oracle that judges each trial (`expect`, on a model of the documented semantics, not
 resilax's planner) and the trial's description (`Trial`) are in `campaign_oracle`.
