@@ -96,15 +96,23 @@ def _mlp(hidden: int, depth: int, classes: int) -> MLP:
 
 
 def make_state(spec: ExampleSpec, optimizer: optax.GradientTransformation | None = None):
-    model = _mlp(spec.hidden, spec.depth, spec.classes)
+    """A fresh state (new buffers each call: a run may donate them)."""
     tx = optimizer if optimizer is not None else _adamw(spec.learning_rate)
+    return _creator(spec.hidden, spec.depth, spec.classes, spec.features, tx)(jax.random.key(spec.seed))
+
+
+@functools.lru_cache(maxsize=64)
+def _creator(hidden: int, depth: int, classes: int, features: int, tx):
+    """The state's initialiser, traced and compiled once per shape and optimizer in a
+    process (one compiled program instead of dozens of eager initializer ops, seconds on
+    CPU; a test module or a campaign builds the same state many times)."""
+    model = _mlp(hidden, depth, classes)
 
     def create(key):
-        params = model.init(key, jnp.zeros((1, spec.features)))["params"]
+        params = model.init(key, jnp.zeros((1, features)))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-    # one compiled program instead of dozens of eager initializer ops (seconds on CPU)
-    return jax.jit(create)(jax.random.key(spec.seed))
+    return jax.jit(create)
 
 
 def loss_fn(params, apply_fn, batch):
