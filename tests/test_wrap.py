@@ -149,7 +149,7 @@ def test_several_optimizers_train():
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "bit-exact"])
-def test_the_step_is_traced_once_whatever_meshes_a_run_lands_on(deterministic):
+def test_the_step_is_traced_once_whatever_meshes_a_run_lands_on(deterministic, monkeypatch):
     """The user's step is traced once per argument shapes, not once per program: a run that
     loses two slices (3 meshes, each with its own programs) traces it as often as a run that
     loses none, and ends where that run ends (tolerance: another mesh reassociates sums; the
@@ -180,8 +180,14 @@ def test_the_step_is_traced_once_whatever_meshes_a_run_lands_on(deterministic):
 
         return train_step, traces
 
+    from resilax._src.step import programs
+
+    checks = []  # the wrap-time validation of the step (state shapes kept, update reads no batch)
+    real_reads = programs.update_reads_batch
+    monkeypatch.setattr(programs, "update_reads_batch", lambda *a: checks.append(1) or real_reads(*a))
     ref_step, ref_traces = counting()
     n_ref, ref, _ = run(ref_step, ref_traces, [])
+    assert len(checks) == 1
     got_step, got_traces = counting()
     n, got, kinds = run(got_step, got_traces, ["fail_slice@2:after_step/1", "fail_slice@3:after_step/2"])
     assert kinds.count("recovery") == 2, kinds
@@ -192,6 +198,7 @@ def test_the_step_is_traced_once_whatever_meshes_a_run_lands_on(deterministic):
         assert all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
     # the same step function again (a fresh state, the same tree): no new trace, the same result
     n_again, again, _ = run(ref_step, ref_traces, [])
+    assert len(checks) == 2, "a second wrap of the same step on the same shapes validates it again"
     assert n_again == n_ref and all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(ref)))
     # with the cross-check (the default VerifyConfig): it checked the first step (events of
     # skipped checks are left out above), and traced nothing more

@@ -53,6 +53,9 @@ def check_step(split, abstract_state, abstract_batch) -> None:
       WrapError: the step changes the state's structure, shapes or dtypes, or its update
         part (after `resilax.record`) still reads the batch.
     """
+    key = split.shapes_key(abstract_state, abstract_batch)
+    if key is not None and key in split.checked:  # another wrap of this step checked these shapes
+        return
     u32 = jax.ShapeDtypeStruct((), np.uint32)
     try:
         rec, _, _ = jax.eval_shape(split.grad, abstract_state, abstract_batch, u32)
@@ -68,6 +71,8 @@ def check_step(split, abstract_state, abstract_batch) -> None:
             f"resilax.wrap: the update part of train_step (after resilax.record) still reads batch"
             f"{', batch'.join(reads)}; replay and recovery redo the update from the recorded values only. Record "
             f"everything the update needs, e.g. resilax.record((grads, new_batch_stats))")
+    if key is not None:
+        split.checked.add(key)
 
 
 def _check_state(new_state, abstract_state) -> None:

@@ -41,6 +41,18 @@ class Split:
         self.full = _TracedOnce(self._full, traces.setdefault("full", {}))
         self.grad = _TracedOnce(self._grad, traces.setdefault("grad", {}))
         self.update = _TracedOnce(self._update, traces.setdefault("update", {}))
+        # the argument shapes `programs.check_step` has validated the step on (shared like the traces)
+        self.checked: set = traces.setdefault("checked", set())
+
+    @staticmethod
+    def shapes_key(*args):
+        """What a check of the step on ``args`` depends on: their tree, shapes and dtypes, and
+        JAX's trace context (None: not known, so no check is reused)."""
+        if _trace_context is None:
+            return None
+        leaves, tree = jax.tree.flatten(args)
+        return (tree, tuple((tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in leaves),
+                _trace_context())
 
     def key(self, step_no):
         return jax.random.fold_in(jax.random.key(self.seed), step_no)
