@@ -147,3 +147,31 @@ def test_compile_ahead_takes_compiles_off_the_recovery(tmp_path):
     assert ev.fields["compiled_ahead"] is True
     assert ev.fields["seconds"]["compile"] < 0.05, ev.fields["seconds"]
     assert tree_rel_diff(got, ref) < 1e-4
+
+
+def test_a_log_anchor_in_the_layout_before_0_3_is_still_accepted_and_a_foreign_one_refused():
+    """Anchors checksum the checkpoint's tree ({"state", "guard"}: the guard's rows first)
+    since 0.3, so one compiled program serves saves, anchors and restarts; a log written
+    before checksums ``(state, guard)`` (the same rows, the guard's last) and must still
+    resume, while a log of another state is refused."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from resilax._src.errors import ReplayLogError
+    from resilax._src.protect.checksum import anchor_tree, tree_checksums
+    from resilax._src.step.resume import _start_mismatch
+
+    state = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4)}
+    guard = {"count": jnp.int32(3), "mean": jnp.float32(0.5)}
+    run = SimpleNamespace(guard=guard, record_log=SimpleNamespace(sums=tree_checksums,
+                                                                  disk=SimpleNamespace(directory="/log")))
+    new = np.asarray(tree_checksums(anchor_tree(state, guard)))
+    legacy = np.asarray(tree_checksums((state, guard)))
+    assert not np.array_equal(new, legacy)  # the orders differ: the test can tell them apart
+    for sums in (new, legacy):
+        assert _start_mismatch(run, SimpleNamespace(step=4, state_sums=sums), state) is None
+    other = dict(state, b=jnp.zeros(4))
+    for sums in (np.asarray(tree_checksums(anchor_tree(other, guard))), np.asarray(tree_checksums((other, guard)))):
+        with pytest.raises(ReplayLogError, match="recorded from another state"):
+            _start_mismatch(run, SimpleNamespace(step=4, state_sums=sums), state)

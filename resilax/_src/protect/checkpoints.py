@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from resilax._src.protect.checksum import tree_checksums
+from resilax._src.protect.checksum import anchor_tree, tree_checksums
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError
 from resilax._src.protect import base
 from resilax._src.protect.planner import Candidate, Copy
@@ -249,7 +249,9 @@ class CheckpointStore:
         """A save (or a chore after it) is still on the persister: a `save` now waits for it."""
         return self._thread is not None and self._q.unfinished_tasks > 0
 
-    def _checksums(self, tree):
+    def checksums(self, tree):
+        """``tree_checksums(tree)``: with the program `warm` compiled ahead when ``tree`` has
+        its shapes and shardings (a call then compiles nothing), else jit's."""
         if self._sums is not None and _abstract(tree) == self._sums[0]:
             return self._sums[1](tree)
         return tree_checksums(tree)
@@ -317,7 +319,7 @@ class CheckpointStore:
         self._run_deferred()
         with self._lock:
             try:
-                sums = self._checksums(state)
+                sums = self.checksums(state)
                 self._mgr.save(int(step), args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state),
                     checksums=ocp.args.StandardSave({"sums": sums}),
@@ -358,7 +360,7 @@ class CheckpointStore:
                 t0 = time.perf_counter()
                 with self._lock:
                     try:
-                        sums = self._checksums(snap)
+                        sums = self.checksums(snap)
                         self._mgr.save(step, args=ocp.args.Composite(
                             state=ocp.args.StandardSave(snap),
                             checksums=ocp.args.StandardSave({"sums": sums}),
@@ -625,7 +627,7 @@ class Checkpoints(base.Protection):
         self.paused: str | None = None  # why no checkpoint can be saved now (an in-place shrink)
 
     def tree(self, state, guard):
-        return {"state": state} if guard is None else {"state": state, "guard": guard}
+        return anchor_tree(state, guard)
 
     def start(self, run, state):
         """Warms, off the loop, the programs a save needs: the checksums, the snapshot copy
@@ -641,6 +643,8 @@ class Checkpoints(base.Protection):
                 prog.update(v, keep_input=True)
 
         self.store.warm(self.tree(state, run.guard), also=keep_variants if prog.spec.donate else None)
+        if run.record_log is not None:  # its anchors checksum the same tree: the same program
+            run.record_log.use_checksums(self.store.checksums)
 
     def restart(self, run, state):
         self.start(run, state)

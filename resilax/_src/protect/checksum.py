@@ -75,6 +75,22 @@ def replica_sums(leaves):
     return jnp.stack(out)[:, None]
 
 
+def anchor_tree(state, guard):
+    """The tree a checkpoint saves and a record-log entry's ``state_sums`` checksum: the
+    state, and the anomaly guard when there is one. One layout for both, so a run compiles
+    one checksum program per mesh for its saves, its log anchors and their checks at a
+    restart (ahead, off the loop: `CheckpointStore.warm`). Logs written before 0.3 checksum
+    ``(state, guard)``: the same rows, the guard's last (see `legacy_anchor_order`)."""
+    return {"state": state} if guard is None else {"state": state, "guard": guard}
+
+
+def legacy_anchor_order(sums: np.ndarray, guard) -> np.ndarray:
+    """``sums`` of `anchor_tree` rows in the order of ``tree_checksums((state, guard))``, the
+    anchor of logs written before 0.3 (the dict puts the guard's leaves first)."""
+    n = 0 if guard is None else len(jax.tree.leaves(guard))
+    return np.concatenate([sums[n:], sums[:n]]) if n else sums
+
+
 @functools.partial(jax.jit)
 def tree_checksums(tree):
     """``[n_leaves, 2]`` uint32 checksums of a pytree of arrays (leaves in tree order)."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from resilax._src.protect import base
 from resilax._src.protect.planner import LogStep
-from resilax._src.protect.checksum import tree_checksums
+from resilax._src.protect.checksum import anchor_tree, tree_checksums
 from resilax._src.protect.disk_log import DiskLog, SelectivePolicy, batch_signature
 
 
@@ -56,7 +56,8 @@ class RecordLog(base.Protection):
         self.disk = DiskLog(directory, policy=SelectivePolicy(cfg.budget_bytes), max_lag=cfg.max_lag) \
             if directory else None
         self._batch_sig = None
-        self._anchor = None  # (step, device checksums of (state, guard) at that step)
+        self._anchor = None  # (step, device checksums of anchor_tree(state, guard) at that step)
+        self.sums = tree_checksums  # how anchors are checksummed (`use_checksums`)
         self._credit = 0.0  # grads_budget's token bucket (seconds of writer time)
         self.grads_entries = 0  # steps given a grads entry / only an inputs entry (grads mode)
         self.inputs_only = 0
@@ -71,7 +72,13 @@ class RecordLog(base.Protection):
         these buffers are not donated, so the log's writer thread computes the checksums
         (off the loop) instead of this one."""
         if self.disk is not None:
-            self._anchor = (step, (state, guard) if defer else tree_checksums((state, guard)))
+            tree = anchor_tree(state, guard)
+            self._anchor = (step, tree if defer else self.sums(tree))
+
+    def use_checksums(self, fn) -> None:
+        """Anchors are checksummed with ``fn`` (``tree -> tree_checksums(tree)``; the
+        checkpoint store's, compiled ahead for the tree it saves, which is the anchor's)."""
+        self.sums = fn
 
     def start(self, run, state):
         self.anchor(run.step, state, run.guard)

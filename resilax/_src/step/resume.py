@@ -19,7 +19,7 @@ import numpy as np
 from resilax._src.errors import ReplayLogError
 from resilax._src.protect import hoststore as _hoststore
 from resilax._src.protect.checkpoints import collectives, decode_data_state
-from resilax._src.protect.checksum import tree_checksums
+from resilax._src.protect.checksum import anchor_tree, legacy_anchor_order
 from resilax._src.protect.disk_log import batch_template, scalar_value
 from resilax._src.runtime import membership
 from resilax._src.step import sharding as _sh
@@ -182,8 +182,10 @@ def _start_mismatch(run, entry, state) -> str | None:
     """Why the log's first entry may not be replayed onto ``state`` (None: it may)."""
     if entry.state_sums is None:
         return "the entry does not record the state it started from, so it cannot be checked against this one"
-    got = np.asarray(tree_checksums((state, run.guard)))
-    if got.shape != entry.state_sums.shape or not np.array_equal(got, entry.state_sums):
+    got = np.asarray(run.record_log.sums(anchor_tree(state, run.guard)))
+    want = entry.state_sums
+    if got.shape != want.shape or not (np.array_equal(got, want) or
+                                       np.array_equal(legacy_anchor_order(got, run.guard), want)):
         raise ReplayLogError(
             f"resilax: the record log in {str(run.record_log.disk.directory)!r} was recorded from another state at "
             f"step {entry.step} than the one init() has (checksums differ): it belongs to another run or initial "
