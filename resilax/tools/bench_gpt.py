@@ -202,6 +202,8 @@ def _interleave(runs, states, batches, steps, block, warm, quiet):
             states[k], m = runs[k](states[k], batches[calls[k] % len(batches)])
             calls[k] += 1
         jax.block_until_ready((states[k], m))
+        if hasattr(runs[k], "take_excluded"):  # a save in the warm-up is not a timed call's
+            runs[k].take_excluded()
     rounds = -(-steps // block)
     t_start = time.perf_counter()
     for i in range(rounds):
