@@ -129,12 +129,12 @@ def test_checksum_mismatch_is_caught_even_when_storage_reads_fine(tmp_path, monk
     step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4), config=cfg)
     data = ex.make_iterator(SMALL)
     s = step.init(template, data=data)
-    real = _checkpoint.tree_checksums
-    monkeypatch.setattr(_checkpoint, "tree_checksums", lambda t: real(t) ^ 1)  # the sums saved with step 10 disagree
+    real = _checkpoint.CheckpointStore.checksums  # the sums saved with step 10 disagree with its state
+    monkeypatch.setattr(_checkpoint.CheckpointStore, "checksums", lambda self, t: real(self, t) ^ 1)
     with step:
         while step.step < 10:
             s, _ = step(s, next(data))
-    monkeypatch.setattr(_checkpoint, "tree_checksums", real)
+    monkeypatch.setattr(_checkpoint.CheckpointStore, "checksums", real)
     step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=ex.fsdp_specs(template, "fsdp", 4), config=cfg)
     with pytest.warns(RuntimeWarning, match=r"10: CorruptCheckpointError: checksum mismatch in leaves .*\].step"):
         step.init(template, data=ex.make_iterator(SMALL))  # the log's inputs entries rerun steps from the data
@@ -396,3 +396,29 @@ def test_a_plain_orbax_save_beside_resilax_waits_for_the_lock_and_returns_commit
     restored = mgr.restore(3, args=ocp.args.StandardRestore({"w": np.zeros(4)}))
     assert np.array_equal(restored["w"], np.arange(4.0))
     mgr.close()
+
+
+def test_one_checksum_program_serves_the_start_state_and_the_steps_outputs(tmp_path):
+    """A step's outputs carry ``P('fsdp', None)`` where the placed state had ``P('fsdp')``:
+    unequal shardings of one layout. The store compiles its checksum program once for both
+    (before, saves never found the program the warm-up compiled for the start state, and a
+    save's anchor compiled another on the loop), and refuses nothing it should not: a truly
+    other layout gets a program of its own. Every result equals jit's."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from resilax._src.protect.checkpoints import CheckpointStore
+    from resilax._src.protect.checksum import anchor_tree, tree_checksums
+
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), devices=jax.devices()[:8])
+    placed = {"w": jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("fsdp")))}
+    stepped = jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t))(placed)
+    assert stepped["w"].sharding != placed["w"].sharding  # the premise: unequal, one layout
+    other = {"w": jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("data")))}
+    store = CheckpointStore(str(tmp_path / "ck"))
+    try:
+        for tree in (placed, stepped, other):
+            t = anchor_tree(tree, None)
+            assert np.array_equal(np.asarray(store.checksums(t)), np.asarray(tree_checksums(t)))
+        assert len(store._sums) == 2, list(store._sums)
+    finally:
+        store.close()

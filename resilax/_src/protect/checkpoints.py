@@ -147,6 +147,18 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def _layout(sharding):
+    """``sharding`` up to equivalence a compiled program accepts: a step's outputs carry
+    ``P('fsdp', None)`` where the state it started from had ``P('fsdp')`` (unequal objects,
+    the same layout), so a program compiled for one serves the other."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = list(sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return ("named", sharding.mesh, tuple(spec), sharding.memory_kind)
+    return sharding
+
+
 class CheckpointStore:
     """Orbax ``CheckpointManager`` with checksums, newest-good restore, and saves that block
     the caller only for dispatching an on-device snapshot.
@@ -179,7 +191,8 @@ class CheckpointStore:
         self._error: BaseException | None = None
         self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
         self._compiled = None  # (abstract tree, compiled snapshot program)
-        self._sums = None  # (abstract tree, compiled checksum program)
+        self._sums: dict = {}  # (tree structure, abstract leaves) -> compiled checksum program
+        self._sums_lock = threading.Lock()
         self._warming: threading.Thread | None = None
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
         self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
@@ -209,7 +222,7 @@ class CheckpointStore:
             # input: until it is ready a save copies instead)
             try:
                 self._compiled = (abstract, _snapshot_jit.lower(abstract).compile())
-                self._sums = (abstract, tree_checksums.lower(abstract).compile())
+                self._sums_program(abstract)  # (a start's anchor may have compiled it)
                 if also is not None:
                     also()
             except Exception:  # a save copies without the program; the persister compiles the sums
@@ -250,11 +263,24 @@ class CheckpointStore:
         return self._thread is not None and self._q.unfinished_tasks > 0
 
     def checksums(self, tree):
-        """``tree_checksums(tree)``: with the program `warm` compiled ahead when ``tree`` has
-        its shapes and shardings (a call then compiles nothing), else jit's."""
-        if self._sums is not None and _abstract(tree) == self._sums[0]:
-            return self._sums[1](tree)
-        return tree_checksums(tree)
+        """``tree_checksums(tree)`` with the program for ``tree``'s shapes and shardings, compiled
+        here if `warm` has not yet (then `warm` does not compile it again). One program per
+        layout serves the saves, the record log's anchors (the start's is taken before the
+        warm-up: it compiles it), a restore's verification and a resume's check of the log."""
+        return self._sums_program(_abstract(tree))(tree)
+
+    def _sums_program(self, abstract):
+        """The compiled checksum program for ``abstract``. Never waits for another thread's
+        compile (the loop must not wait for the warm-up): two threads asking at once for a
+        new layout may both compile it, the same program."""
+        leaves, treedef = jax.tree.flatten(abstract)
+        key = (treedef, tuple((x.shape, x.dtype, _layout(x.sharding)) for x in leaves))
+        prog = self._sums.get(key)
+        if prog is None:
+            prog = tree_checksums.lower(abstract).compile()
+            with self._sums_lock:
+                prog = self._sums.setdefault(key, prog)
+        return prog
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state, meta: dict, *, after_dispatch: Callable[[], None] | None = None,
@@ -499,7 +525,7 @@ class CheckpointStore:
                     ),
                 )
                 state = out["state"]
-                got = np.asarray(tree_checksums(state))
+                got = np.asarray(self.checksums(state))
                 saved = np.asarray(out["checksums"]["sums"])
                 if got.shape != saved.shape or not np.array_equal(got, saved):
                     bad = [want_sig[i][0] for i in range(min(len(got), len(saved))) if not np.array_equal(got[i], saved[i])]
@@ -643,8 +669,6 @@ class Checkpoints(base.Protection):
                 prog.update(v, keep_input=True)
 
         self.store.warm(self.tree(state, run.guard), also=keep_variants if prog.spec.donate else None)
-        if run.record_log is not None:  # its anchors checksum the same tree: the same program
-            run.record_log.use_checksums(self.store.checksums)
 
     def restart(self, run, state):
         self.start(run, state)

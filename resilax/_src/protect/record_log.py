@@ -41,10 +41,13 @@ class DeviceEntry:
 class RecordLog(base.Protection):
     name = "log"
 
-    def __init__(self, cfg, directory: str | None, *, peers: bool, checkpoints: bool):
+    def __init__(self, cfg, directory: str | None, *, peers: bool, checksums=None):
+        """``checksums``: the checkpoint store's (`CheckpointStore.checksums`: anchors then use
+        its program, compiled once for the tree a checkpoint saves, which is the anchor's);
+        None without checkpoints."""
         self.cfg = cfg
         self.peers = peers
-        self.checkpoints = checkpoints
+        self.checkpoints = checksums is not None
         self.device: dict[int, DeviceEntry] = {}
         self.pending: dict[int, DeviceEntry] = {}  # in flight: dies with a failure during its step
         self.verdicts: dict[int, tuple] = {}  # step -> (verdict, value) device scalars
@@ -57,7 +60,7 @@ class RecordLog(base.Protection):
             if directory else None
         self._batch_sig = None
         self._anchor = None  # (step, device checksums of anchor_tree(state, guard) at that step)
-        self.sums = tree_checksums  # how anchors are checksummed (`use_checksums`)
+        self.sums = checksums or tree_checksums  # how anchors are checksummed: tree -> [n, 2]
         self._credit = 0.0  # grads_budget's token bucket (seconds of writer time)
         self.grads_entries = 0  # steps given a grads entry / only an inputs entry (grads mode)
         self.inputs_only = 0
@@ -74,11 +77,6 @@ class RecordLog(base.Protection):
         if self.disk is not None:
             tree = anchor_tree(state, guard)
             self._anchor = (step, tree if defer else self.sums(tree))
-
-    def use_checksums(self, fn) -> None:
-        """Anchors are checksummed with ``fn`` (``tree -> tree_checksums(tree)``; the
-        checkpoint store's, compiled ahead for the tree it saves, which is the anchor's)."""
-        self.sums = fn
 
     def start(self, run, state):
         self.anchor(run.step, state, run.guard)

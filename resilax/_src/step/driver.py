@@ -250,7 +250,7 @@ class ResilientStep:
             self._ckpt = Checkpoints(cfg.checkpoint)
         if cfg.log is not None:
             self._log = RecordLog(cfg.log, cfg.log_directory, peers=cfg.peers is not None,
-                                  checkpoints=cfg.checkpoint is not None)
+                                  checksums=self._ckpt.store.checksums if cfg.checkpoint is not None else None)
         if cfg.anomaly is not None:
             self._watch = _anomaly.Watch(cfg.anomaly)
         peers = Peers(cfg.peers, has_log=cfg.log is not None) if cfg.peers is not None and self.topology.num_domains > 1 else None
