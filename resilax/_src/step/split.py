@@ -46,13 +46,12 @@ class Split:
 
     @staticmethod
     def shapes_key(*args):
-        """What a check of the step on ``args`` depends on: their tree, shapes and dtypes, and
-        JAX's trace context (None: not known, so no check is reused)."""
+        """What a check of the step on ``args`` depends on (as a trace does: `_signature`);
+        None where JAX's trace context is not known, so no check is reused."""
         if _trace_context is None:
             return None
         leaves, tree = jax.tree.flatten(args)
-        return (tree, tuple((tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in leaves),
-                _trace_context())
+        return _signature(tree, leaves)
 
     def key(self, step_no):
         return jax.random.fold_in(jax.random.key(self.seed), step_no)
@@ -102,6 +101,15 @@ try:  # JAX's own jit cache keys on it: the config a trace depends on (x64, matm
 except ImportError:  # pragma: no cover
     _trace_context = None
 
+
+def _signature(tree, leaves) -> tuple:
+    """What a trace of the step on arguments ``tree`` with ``leaves`` (arrays, avals or
+    ShapeDtypeStructs) depends on: the tree, each leaf's shape, dtype and weak type, and
+    JAX's trace context (x64, matmul precision, ...; None where it cannot be read)."""
+    return (tree, tuple((tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False))) for x in leaves),
+            None if _trace_context is None else _trace_context())
+
+
 _BY_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TRACING = threading.RLock()  # one trace of the user's step at a time (tracing holds the GIL anyway)
 
@@ -143,8 +151,7 @@ class _TracedOnce:
         if _AS_FUN is None or not any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self.fn(*args)
         avals = [jax.typeof(x) for x in leaves]
-        key = (tree, tuple((a.shape, a.dtype, a.weak_type) for a in avals),
-               None if _trace_context is None else _trace_context())
+        key = _signature(tree, avals)
         hit = self._cache.get(key)
         if hit is None:
             with _TRACING:  # the bit-exact mode builds its domains' programs on threads at once
