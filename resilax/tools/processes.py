@@ -137,10 +137,10 @@ class Output(threading.Thread):
                     with self._lock:
                         if self._next:
                             self._label = self._next.pop(0)
-                    if self._label[1] != path:
+                    prefix, new = self._label
+                    if new != path:
                         log.close()
-                        prefix, path = self._label
-                        log = open(path, "ab")
+                        log, path = open(new, "ab"), new
                     continue
                 self._write(log, prefix, line)
         finally:

@@ -191,8 +191,7 @@ class CheckpointStore:
         self._error: BaseException | None = None
         self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
         self._compiled = None  # (abstract tree, compiled snapshot program)
-        self._sums: dict = {}  # (tree structure, abstract leaves) -> compiled checksum program
-        self._sums_lock = threading.Lock()
+        self._sums: dict = {}  # (tree structure, leaf layouts) -> compiled checksum program
         self._warming: threading.Thread | None = None
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
         self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
@@ -276,10 +275,8 @@ class CheckpointStore:
         leaves, treedef = jax.tree.flatten(abstract)
         key = (treedef, tuple((x.shape, x.dtype, _layout(x.sharding)) for x in leaves))
         prog = self._sums.get(key)
-        if prog is None:
-            prog = tree_checksums.lower(abstract).compile()
-            with self._sums_lock:
-                prog = self._sums.setdefault(key, prog)
+        if prog is None:  # (setdefault is atomic: a program compiled twice is kept once)
+            prog = self._sums.setdefault(key, tree_checksums.lower(abstract).compile())
         return prog
 
     # ------------------------------------------------------------------ save
