@@ -295,9 +295,9 @@ class HealthConfig:
         ``max(step_deadline_min_s, step_deadline_factor x median call time)`` probes every
         domain at once (so a hang that stops the step is found within deadline +
         ``hang_detect_s``).
-      straggler_factor: a domain whose probe answer time (median of the last
-        ``straggler_rounds`` rounds) is this many times the others' is a straggler (event
-        ``straggler``); None: not checked.
+      straggler_factor: a domain whose probe answer time is more than this many times the
+        others' (their median) in each of the last ``straggler_rounds`` rounds is a
+        straggler (event ``straggler``); None: not checked.
       remove_stragglers: fail a straggler like a dead domain (default: only report it).
       rejoin_answering: the watchdog keeps probing failed domains; one that answers again
         (repaired, replaced) rejoins at the next step boundary, state from its peers
