@@ -398,7 +398,7 @@ def test_a_plain_orbax_save_beside_resilax_waits_for_the_lock_and_returns_commit
     mgr.close()
 
 
-def test_one_checksum_program_serves_the_start_state_and_the_steps_outputs(tmp_path):
+def test_one_checksum_program_serves_the_start_state_and_the_steps_outputs(tmp_path, monkeypatch):
     """A step's outputs carry ``P('fsdp', None)`` where the placed state had ``P('fsdp')``:
     unequal shardings of one layout. The store compiles its checksum program once for both
     (before, saves never found the program the warm-up compiled for the start state, and a
@@ -420,5 +420,16 @@ def test_one_checksum_program_serves_the_start_state_and_the_steps_outputs(tmp_p
             t = anchor_tree(tree, None)
             assert np.array_equal(np.asarray(store.checksums(t)), np.asarray(tree_checksums(t)))
         assert len(store._sums) == 2, list(store._sums)
+        # the on-device snapshot likewise: the program warmed for the placed state copies the
+        # step's outputs (before, every save after the first step fell back to device_put)
+        store.warm(placed)
+        store._join_warming()
+        copied, real = [], jax.device_put
+        monkeypatch.setattr(jax, "device_put", lambda *a, **k: copied.append(a) or real(*a, **k))
+        snap, other_snap = store._snapshot(stepped), store._snapshot(other)
+        monkeypatch.undo()
+        assert len(copied) == 1 and copied[0][0] is other, "only the other layout falls back to device_put"
+        assert np.array_equal(np.asarray(snap["w"]), np.asarray(stepped["w"]))
+        assert np.array_equal(np.asarray(other_snap["w"]), np.asarray(other["w"]))
     finally:
         store.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import shutil
+
 
 class ResilaxError(Exception):
     """Base of every error resilax raises on purpose."""
@@ -62,3 +65,33 @@ class Preempted(SystemExit):
 
     def __str__(self):
         return self.msg
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in the chain: an OSError, or tensorstore's RESOURCE_EXHAUSTED text."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        text = str(e)
+        if "No space left on device" in text or "os_error_code='28'" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def storage_error(what, directory, e) -> StorageError:
+    """The `StorageError` for ``what`` failing in ``directory`` (``e`` its cause): a full disk
+    is named so, with the bytes left."""
+    if _is_disk_full(e):
+        try:
+            free = shutil.disk_usage(directory).free
+        except OSError:
+            free = 0
+        return StorageError(
+            errno.ENOSPC,
+            f"resilax checkpoints: {what} in {str(directory)!r} failed: the disk is full ({free} bytes free); "
+            f"committed checkpoints are intact",
+        )
+    return StorageError(f"resilax checkpoints: {what} in {str(directory)!r} failed: {type(e).__name__}: {e}")

@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import errno
 import os
 import pathlib
 import queue
-import shutil
 import threading
 import time
 import warnings
@@ -48,7 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from resilax._src.protect.checksum import anchor_tree, tree_checksums
-from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError
+from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
 from resilax._src.protect import base
 from resilax._src.protect.planner import Candidate, Copy
 
@@ -159,6 +157,13 @@ def _layout(sharding):
     return sharding
 
 
+def _layout_key(abstract):
+    """The key of a program compiled for ``abstract`` (a tree of arrays or their abstract
+    values): its structure and each leaf's shape, dtype and layout."""
+    leaves, treedef = jax.tree.flatten(abstract)
+    return treedef, tuple((x.shape, x.dtype, _layout(x.sharding)) for x in leaves)
+
+
 class CheckpointStore:
     """Orbax ``CheckpointManager`` with checksums, newest-good restore, and saves that block
     the caller only for dispatching an on-device snapshot.
@@ -190,7 +195,7 @@ class CheckpointStore:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
-        self._compiled = None  # (abstract tree, compiled snapshot program)
+        self._compiled = None  # (`_layout_key`, compiled snapshot program)
         self._sums: dict = {}  # (tree structure, leaf layouts) -> compiled checksum program
         self._warming: threading.Thread | None = None
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
@@ -212,7 +217,7 @@ class CheckpointStore:
         background thread (lowering and compiling are thread-safe), then ``also`` (the
         caller's own warm-up), so no save compiles on the loop."""
         abstract = _abstract(tree)
-        if self._compiled is not None and self._compiled[0] == abstract and also is None:
+        if self._compiled is not None and self._compiled[0] == _layout_key(abstract) and also is None:
             return
 
         def compile_it():
@@ -220,7 +225,7 @@ class CheckpointStore:
             # then the persister's checksums, then the caller's (the update that keeps its
             # input: until it is ready a save copies instead)
             try:
-                self._compiled = (abstract, _snapshot_jit.lower(abstract).compile())
+                self._compiled = (_layout_key(abstract), _snapshot_jit.lower(abstract).compile())
                 self._sums_program(abstract)  # (a start's anchor may have compiled it)
                 if also is not None:
                     also()
@@ -251,9 +256,10 @@ class CheckpointStore:
         and never waits for the warm-up (issue 26: joining it stalled a GPU's first save for
         29 s): the compiled copy when it is ready, else the runtime's buffer copy
         (``device_put(..., may_alias=False)``: no XLA program, the same shardings; on a GPU a
-        device-to-device copy, on CPU a memcpy, about the host copy's time)."""
+        device-to-device copy, on CPU a memcpy, about the host copy's time). A step's outputs
+        match the program compiled for the placed state by layout (`_layout`)."""
         compiled = self._compiled
-        if compiled is not None and _abstract(tree) == compiled[0]:
+        if compiled is not None and _layout_key(tree) == compiled[0]:
             return compiled[1](tree)
         return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree), may_alias=False)
 
@@ -272,8 +278,7 @@ class CheckpointStore:
         """The compiled checksum program for ``abstract``. Never waits for another thread's
         compile (the loop must not wait for the warm-up): two threads asking at once for a
         new layout may both compile it, the same program."""
-        leaves, treedef = jax.tree.flatten(abstract)
-        key = (treedef, tuple((x.shape, x.dtype, _layout(x.sharding)) for x in leaves))
+        key = _layout_key(abstract)
         prog = self._sums.get(key)
         if prog is None:  # (setdefault is atomic: a program compiled twice is kept once)
             prog = self._sums.setdefault(key, tree_checksums.lower(abstract).compile())
@@ -338,7 +343,7 @@ class CheckpointStore:
                 self._mgr.wait_until_finished()  # one save in flight, as on one process
             except Exception as e:
                 self._deferred = []
-                raise _storage_error(f"finishing the checkpoint before {step}", self.directory, e) from e
+                raise storage_error(f"finishing the checkpoint before {step}", self.directory, e) from e
         self._run_deferred()
         with self._lock:
             try:
@@ -348,7 +353,7 @@ class CheckpointStore:
                     checksums=ocp.args.StandardSave({"sums": sums}),
                     meta=ocp.args.JsonSave(meta)))
             except Exception as e:  # Orbax re-raises a failed background commit here too
-                raise _storage_error(f"saving checkpoint {step}", self.directory, e) from e
+                raise storage_error(f"saving checkpoint {step}", self.directory, e) from e
         if not self._async:
             self.wait()
         dt = time.perf_counter() - t0
@@ -392,7 +397,7 @@ class CheckpointStore:
                         self._handed.set()
                         self._mgr.wait_until_finished()  # committed (tmp dir renamed) before the next save
                     except BaseException as e:  # Orbax re-raises a failed background commit here too
-                        self._error = _storage_error(f"saving checkpoint {step}", self.directory, e)
+                        self._error = storage_error(f"saving checkpoint {step}", self.directory, e)
                     finally:
                         self._handed.set()
                 self.persist_s.append(time.perf_counter() - t0)
@@ -442,7 +447,7 @@ class CheckpointStore:
         except Exception as e:
             self._error = None
             self._deferred = []  # the save they followed did not commit
-            raise _storage_error("finishing a checkpoint save", self.directory, e) from e
+            raise storage_error("finishing a checkpoint save", self.directory, e) from e
         self._raise_error()
         self._run_deferred()
 
@@ -473,7 +478,7 @@ class CheckpointStore:
                 try:
                     self._mgr.close()
                 except Exception as e:  # Orbax re-raises a failed background write here too (a full disk)
-                    raise _storage_error("closing the checkpoint manager", self.directory, e) from e
+                    raise storage_error("closing the checkpoint manager", self.directory, e) from e
 
     def steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
@@ -596,34 +601,6 @@ def _signature_mismatch(directory, step, saved, want) -> str:
         f"({len(diffs)} leaves differ, e.g. {diffs[:3]}); pass the state this run was started with, "
         f"or use a new checkpoint_dir"
     )
-
-
-def _is_disk_full(e: BaseException) -> bool:
-    """ENOSPC anywhere in the chain: an OSError, or tensorstore's RESOURCE_EXHAUSTED text."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        text = str(e)
-        if "No space left on device" in text or "os_error_code='28'" in text:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _storage_error(what, directory, e) -> StorageError:
-    if _is_disk_full(e):
-        try:
-            free = shutil.disk_usage(directory).free
-        except OSError:
-            free = 0
-        return StorageError(
-            errno.ENOSPC,
-            f"resilax checkpoints: {what} in {str(directory)!r} failed: the disk is full ({free} bytes free); "
-            f"committed checkpoints are intact",
-        )
-    return StorageError(f"resilax checkpoints: {what} in {str(directory)!r} failed: {type(e).__name__}: {e}")
 
 
 def collectives() -> str:
