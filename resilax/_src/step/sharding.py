@@ -156,7 +156,19 @@ def place_copy(tree, shardings):
     """
     if jax.process_count() > 1:
         tree = put(jax.tree.map(np.asarray, tree), shardings)
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+    leaves, treedef = jax.tree.flatten(shardings)
+    key = (treedef, tuple(leaves))  # shardings hash by value: a second `init` on a layout reuses its jit
+    fn = _COPIES.get(key)
+    if fn is None:
+        fn = _COPIES.setdefault(key, jax.jit(_copy_tree, out_shardings=shardings))
+    return fn(tree)
+
+
+def _copy_tree(t):
+    return jax.tree.map(jnp.copy, t)
+
+
+_COPIES: dict = {}  # (tree structure, shardings) -> the jitted copy `place_copy` runs
 
 
 def put(tree, shardings):
