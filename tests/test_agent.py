@@ -128,6 +128,19 @@ def test_the_agent_offers_its_host_store_steps_and_only_whole_copies_after_the_n
     said = capsys.readouterr().out
     assert "only its processes' own shards up to step 8 (the default mode); node(s) [0] held the others'" in said
     assert "resuming from the newest checkpoint" in said
+    # a generation that failed before storing a step leaves generation 0's shards the newest:
+    # the next one, on the same nodes as the failed one, must not take them (it offered them,
+    # "the nodes did not change", and each of its workers' reads failed its shard keys)
+    a = Agent(["true"], nodes=3, node_rank=1, n=2, devices_per_process=1, run_dir=tmp_path / "run",
+              host_store_every=1, host_store_dir=tmp_path / "shm1False")
+    a._members = (0, 1, 2)
+    for g in (1, 2):
+        a.gen = SimpleNamespace(generation=g, members=(1, 2))
+        assert a._store_steps([2, 3]) == "none", g
+    for slot in (2, 3):  # generation 2 stores step 10 on its own nodes: those shards fit generation 3
+        _commit(tmp_path / "shm1False", slot, 10, False)
+    a.gen = SimpleNamespace(generation=3, members=(1, 2))
+    assert a._store_steps([2, 3]).split(",")[-1] == "10"
     assert agent(1, (0, 1, 2), (0, 1, 2), True, every=0) == "none"
     fresh = Agent(["true"], nodes=3, node_rank=0, n=2, devices_per_process=1, run_dir=tmp_path / "run")
     assert fresh.store_root.name.startswith("resilax-store-") and "-node0-" in fresh.store_root.name

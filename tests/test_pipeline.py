@@ -557,3 +557,20 @@ def test_sharded_finite_flag_sees_one_bad_element_in_any_shard(bad):
         big = [np.resize(x, (80, 80)) for x in xs]  # larger leaves
         assert not bool(jax.jit(finite_flag)(big)), leaf
     assert bool(jax.jit(finite_flag)([np.resize(x, (80, 80)) for x in good]))
+
+
+def test_a_launch_generation_missing_a_domain_fits_the_layout_as_a_shrink_does(monkeypatch):
+    """Under `resilax launch`, a generation without a lost host starts with that host's domain
+    empty. The user's layout (sharded over every device of the 4x2 job) no longer divides on
+    the 3 live domains; like a shrink, such a leaf drops the elastic axis. Before, `init`
+    refused it (WrapError), the workers of every later generation exited at once and the
+    job died in a crash loop (default mode, 4 agents, one host SIGKILLed). Emulated in one
+    process: the topology reports domain 2 empty, as it does under launch."""
+    topo = resilax.Topology.emulated(4, 2)
+    domains = topo.domains()
+    monkeypatch.setattr(type(topo), "domains", lambda self, devices=None: [[] if i == 2 else d for i, d in enumerate(domains)])
+    got, step, *_ = run("batchnorm_mlp", topo=topo, steps=4)
+    assert step.alive_domains == [0, 1, 3] and dict(step.mesh.shape) == {"data": 3, "fsdp": 2}
+    monkeypatch.undo()
+    ref, *_ = run("batchnorm_mlp", topo=resilax.Topology.emulated(4, 2), steps=4)
+    assert tree_rel_diff(got, ref) <= TOL

@@ -134,7 +134,9 @@ class Agent:
         self.store_root = (pathlib.Path(host_store_dir).absolute() if host_store_dir else
                            hoststore_files.ram_root() / f"resilax-store-{tag}-node{node_rank}-{os.getpid()}"
                            ) if host_store_every else None
-        self._members: tuple[int, ...] | None = None  # the generation before this one (its writers)
+        self._members: tuple[int, ...] | None = None  # the generation before this one
+        self._writers: tuple[int, ...] | None = None  # the nodes of the generation that stored the newest step
+        self._newest: int | None = None  # the store's newest step when the generation before this one began
         self.rdv: rendezvous.Rendezvous | None = None
         self.gen: rendezvous.Generation | None = None
         self.workers: list[WorkerProcess] = []
@@ -220,17 +222,20 @@ class Agent:
         r, g, members = self.rank, self.gen.generation, self.gen.members
         n_job = self.nodes * self.n
         steps = hoststore_files.restorable_steps(self.store_root, n_job, mine)
-        if steps and self._members is not None and self._members != members:
+        newest = steps[-1] if steps else None
+        if newest != self._newest:  # the generation before this one stored steps: its nodes wrote them (one
+            self._writers = self._members  # that failed before storing any leaves the copies of an older one)
+        if steps and self._writers is not None and self._writers != members:
             whole = hoststore_files.restorable_steps(self.store_root, n_job, mine, whole=True)
             if whole != steps:
-                lost = sorted(set(self._members) - set(members))
+                lost = sorted(set(self._writers) - set(members))
                 say(f"node {r}, generation {g}: this host's store holds only its processes' own shards up to step "
                     f"{steps[-1]} (the default mode)" + (f"; node(s) {lost} held the others' and were lost with their "
                                                          f"host (no mirror across hosts)" if lost else "")
-                    + f"; the nodes changed ({list(self._members)} -> {list(members)}), so these copies do not fit: "
+                    + f"; the nodes changed ({list(self._writers)} -> {list(members)}), so these copies do not fit: "
                     f"resuming from the newest checkpoint")
             steps = whole
-        self._members = members
+        self._members, self._newest = members, newest
         if steps:
             say(f"node {r}, generation {g}: this host's store holds steps {steps} for its processes {mine}; the "
                 f"workers resume from the newest step every node's store holds, else from the newest checkpoint")

@@ -236,11 +236,14 @@ class ResilientStep:
                 f"but got {type(data).__name__}")
         state = jax.tree.map(_sh.as_array, state)
         self._domains = [list(d) for d in self.topology.domains()]
-        # a `resilax launch` generation smaller than the job starts with the dead domains empty
+        # a `resilax launch` generation smaller than the job starts with the dead domains empty; a
+        # leaf of its state that no longer divides drops the elastic axis, as in a shrink
         self._alive = [i for i, d in enumerate(self._domains) if d]
         self.mesh = self.topology.mesh([self._domains[i] for i in self._alive])
         self._abstract_state = _sh.abstract(state)
-        self._state_sh = _sh.resolve(self._state_spec, state, self.mesh, "state_sharding")
+        spec = self._state_spec if len(self._alive) == len(self._domains) else _sh.fit_specs(  # as a shrink does
+            self._state_spec, state, self.mesh, self.topology.elastic_axis)[0]
+        self._state_sh = _sh.resolve(spec, state, self.mesh, "state_sharding")
         self.data = data
         cfg = self.config
         self.guard = None
@@ -254,8 +257,7 @@ class ResilientStep:
         if cfg.anomaly is not None:
             self._watch = _anomaly.Watch(cfg.anomaly)
         peers = Peers(cfg.peers, has_log=cfg.log is not None) if cfg.peers is not None and self.topology.num_domains > 1 else None
-        # after_step order: the log records the step, peers snapshot it (and tell the log),
-        # the watcher reads the previous verdict; checkpoints are saved by the driver.
+        # after_step order: the log records, peers snapshot (and tell the log), the watcher reads the last verdict
         check = CrossCheck(cfg.verify) if cfg.verify is not None else None
         job = worker.env()
         store = (_hoststore.HostStore(job.host_store, job.slot, job.job_processes, job.host_store_every,
@@ -447,8 +449,7 @@ class ResilientStep:
         after = encode_data_state(self.data.get_state()) if self.data is not None else None
         t0 = time.perf_counter()
         dev_batch = prog.put_batch(batch)
-        # kept, not popped: a step computed again from its batch (`in_place.go_on`) gets the
-        # fault it had, so its verdict is the one it was given the first time
+        # kept, not popped: a step redone from its batch (`in_place.go_on`) gets its fault, so its first verdict
         gout = prog.grad(log_ring, self._grad_faults.get(k))(self.live, self.guard, dev_batch, np.uint32(k))
         for p in self._protections:
             p.before_update(self, self.live, batch, k, gout, prog)
@@ -483,8 +484,7 @@ class ResilientStep:
 
     def step_seconds(self, dt):
         self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
-        # the step's own time, except a program's first step (it compiled, or waited for a
-        # compile): budgets paid per step must not be paid by a compile
+        # the step's own time, except a program's first (a compile): budgets paid per step are not paid by a compile
         first, self._timed_prog = self._timed_prog is not self.program, self.program
         self._steady_dt = None if first else dt
 
