@@ -4,7 +4,7 @@ Two agents (each its own process group, as two hosts; started by the Slurm recip
 with Slurm's variables), 2 workers x 2 CPU devices each, run `resilax train` on `cpu-4x2` (the bit-exact mode) for a few steps with no failure; the
 final state must be bitwise that of a single-process run of the same topology, and
 ``processes.json`` must name both nodes, the service node and every worker. Recovery across
-hosts (tools/agent.py): three agents x 1 worker on a 3-slice topology, the service host
+hosts (tools/agent.py): three agents x 2 workers on a 6-slice topology, the service host
 SIGKILLed mid-run, the other two re-form without it from their own hosts' stores and the
 service moves, a replacement agent joins and the job grows back from the checkpoint,
 bitwise equal to one process; what a host's store offers a new generation (no JAX); with stand-in workers (no JAX), a hung host (SIGSTOP) found by its lease; and a
@@ -307,11 +307,12 @@ def _resumed(log, prefix):
 
 
 def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, child_env):
-    """Three agents (each its own process group) x 1 worker x 2 CPU devices run `resilax train`
-    on a 3-slice topology in the bit-exact mode. Past a checkpoint, SIGKILL host 0 (its agent,
-    which runs the coordination service, and its worker): nodes 1 and 2 see its lease expire,
-    stop their workers and re-form as generation 1 without it (processes 1 and 2 of the job's
-    3, slice 0 empty), node 1 now the service node. Host stores are on (every step, each
+    """Three agents (each its own process group) x 2 workers x 2 CPU devices run `resilax
+    train` on a 6-slice topology (a failure domain per process, two per host) in the bit-exact
+    mode. Past a checkpoint, SIGKILL host 0 (its agent, which runs the coordination service,
+    and its two workers): nodes 1 and 2 see it go, stop their workers and re-form as
+    generation 1 without it (processes 2-5 of the job's 6, slices 0 and 1 empty), node 1 now
+    the service node. Host stores are on (every step, each
     agent's own directory, no mirror across hosts); the test deletes host 0's store with it
     (its RAM is lost: the dead agent cannot clean up). Each survivor holds a whole copy of
     the newest step in its own host's store (the bit-exact mode), so they resume from there,
@@ -323,17 +324,17 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
     replacement, so none takes its host's copy); the run completes bitwise equal to a
     failure-free single-process run."""
     steps, every = 60, 5
-    train = ["resilax", "train", "--topology", _topology(tmp_path), "--layout", "sharded", "--batch", "48",
+    train = ["resilax", "train", "--topology", _topology(tmp_path, 6), "--layout", "sharded", "--batch", "48",
              "--steps", str(steps), "--checkpoint-every", str(every), "--log-every", "10"]
     run, out = tmp_path / "run", tmp_path / "final.npz"
-    opts = ("-n", "1", "--devices-per-process", "2", "--lease", "2", "--heartbeat", "0.2", "--heartbeat-timeout", "10",
+    opts = ("-n", "2", "--devices-per-process", "2", "--lease", "2", "--heartbeat", "0.2", "--heartbeat-timeout", "10",
             "--rendezvous-timeout", "120")
     cmd = [*train, "--out", str(out)]
     agents = [_launch(tmp_path, run, r, 3, cmd, child_env, "h", *opts) for r in (0, 1, 2)]
     t0 = time.time()
     try:
         procs = _wait(lambda: _processes(run, 0, (0, 1, 2)), 120, "generation 0 on three nodes", agents)
-        _wait(lambda: len(s := _steps(run, 0)) == 3 and min(s.values()) >= every + 2, 120,
+        _wait(lambda: len(s := _steps(run, 0)) == 6 and min(s.values()) >= every + 2, 120,
               "generation 0 past a checkpoint", agents)
         reached = max(_steps(run, 0).values())
         store0 = json.loads((run / "nodes" / "g0.node0.json").read_text())["host_store"]
@@ -345,7 +346,7 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
         procs1 = _wait(lambda: _processes(run, 1, (1, 2)), 60, "generation 1 on nodes 1 and 2", agents[1:])
         t_reformed = time.time()
         r1 = _wait(lambda: _resumed(tmp_path / "h1.log", "[g1 n1 p0]"), 120, "generation 1 resumed", agents[1:])
-        _wait(lambda: len(s := _steps(run, 1)) == 2 and min(s.values()) > r1, 120, "generation 1 stepping", agents[1:])
+        _wait(lambda: len(s := _steps(run, 1)) == 4 and min(s.values()) > r1, 120, "generation 1 stepping", agents[1:])
         agents[0] = _launch(tmp_path, run, 0, 3, cmd, child_env, "r", *opts)  # the replacement host
         _wait(lambda: _processes(run, 2, (0, 1, 2)), 60, "generation 2 on three nodes", agents)
         # the failure-free reference now (earlier, it would slow generations 0 and 1 down)
@@ -378,7 +379,7 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
     assert r2 >= ended1, (r2, ended1)
     # the replacement's store is empty: every worker of generation 2 takes the checkpoint of the drain
     assert f"[g2 n0 p0] resumed at step {r2} (checkpoint)" in texts[0], texts[0][-3000:]
-    assert "[g2 n1 p1] host store not used (step " in texts[1], texts[1][-3000:]
+    assert "[g2 n1 p2] host store not used (step " in texts[1], texts[1][-3000:]
     assert not os.path.exists(store0)
     killed_at = max(reached, ended0)
     print(f"\nservice host killed at step {killed_at}; re-formed in {t_reformed - t_kill:.1f} s; generation 1 resumed "
