@@ -397,13 +397,16 @@ def test_a_relabelled_output_switches_logs_where_the_child_marked_it_not_when_to
     os.write(w, b"warm and waiting\n")
     out = Output(Child, "[spare0] ", old)
     out.relabel("[g1 p0] ", new)  # before the child learns its place, as the supervisor does
-    os.write(w, b"half a line" + LOG_SWITCH.encode() + b"assigned: g1 p0\nstep 1\n")
+    os.write(w, b"half a line" + LOG_SWITCH.encode() + b"assigned: g1 p0\nstep 1\nkilled mid-li")
     os.close(w)
     out.join(timeout=10)
     assert not out.is_alive()
-    assert old.read_text() == "warm and waiting\nhalf a line" and new.read_text() == "assigned: g1 p0\nstep 1\n"
+    assert old.read_text() == "warm and waiting\nhalf a line"
+    assert new.read_text() == "assigned: g1 p0\nstep 1\nkilled mid-li"
     printed = capsys.readouterr().out
     assert "[spare0] warm and waiting\n" in printed and "[g1 p0] assigned: g1 p0\n[g1 p0] step 1\n" in printed
+    # an unterminated line ends its line in the shared output: the supervisor's next line starts its own
+    assert "[spare0] half a line\n" in printed and printed.endswith("[g1 p0] killed mid-li\n")
     assert "log-switch" not in printed
 
 

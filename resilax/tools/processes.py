@@ -152,8 +152,9 @@ class Output(threading.Thread):
             return
         log.write(line)
         log.flush()
-        try:
-            sys.stdout.write(prefix + line.decode(errors="replace"))
+        text = line.decode(errors="replace")
+        try:  # an unterminated line (a child killed mid-line) must not swallow the next one written here
+            sys.stdout.write(prefix + text + ("" if text.endswith("\n") else "\n"))
             sys.stdout.flush()
         except (OSError, ValueError):
             pass
