@@ -1,14 +1,13 @@
 """`resilax launch --nodes`: agents of a job across hosts, as separate processes on loopback.
 
-Two agents (each its own process group, as two hosts; started by the Slurm recipe's command
-with Slurm's variables), 2 workers x 2 CPU devices each, run `resilax train` on `cpu-4x2` (the bit-exact mode) for a few steps with no failure; the
-final state must be bitwise that of a single-process run of the same topology, and
-``processes.json`` must name both nodes, the service node and every worker. Recovery across
-hosts (tools/agent.py): three agents x 2 workers on a 6-slice topology, the service host
-SIGKILLed mid-run, the other two re-form without it from their own hosts' stores and the
-service moves, a replacement agent joins and the job grows back from the checkpoint,
-bitwise equal to one process; what a host's store offers a new generation (no JAX); with stand-in workers (no JAX), a hung host (SIGSTOP) found by its lease; and a
-whole-job SIGTERM (preemption) that a relaunch resumes from, bitwise.
+Recovery across hosts (tools/agent.py): three agents x 2 workers on a 6-slice topology, the
+service host SIGKILLed mid-run, the other two re-form without it from their own hosts'
+stores and the service moves, a replacement agent joins and the job grows back from the
+checkpoint, bitwise equal to one process; what a host's store offers a new generation (no
+JAX); with stand-in workers (no JAX), a hung host (SIGSTOP) found by its lease; and a
+whole-job SIGTERM (preemption) that a relaunch resumes from, bitwise, both launches by the
+Slurm recipe's command with Slurm's variables (processes.json names both nodes, the service
+node and every worker).
 """
 
 import json
@@ -31,52 +30,24 @@ TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--
 
 
 
-def test_two_agents_run_a_job_across_hosts_equal_to_one_process(tmp_path, child_env):
+def _slurm_agents(tmp_path, run, cmd, child_env, tag, *, nodes=2, procs_per_node=1, devices=2):
     """The Slurm recipe's command (examples/slurm/resilax.sbatch: its `srun` line's `resilax
-    launch ...`, run with bash as srun would on each node) as two agents on loopback, with
-    Slurm's variables instead of --nodes/--node-rank/--address: SLURM_NNODES, SLURM_NODEID,
-    SLURMD_NODENAME=localhost (resolved to 127.0.0.1: the address the service binds and is
-    advertised at), the script's RUN_DIR/PROCS_PER_NODE/DEVICES_PER_PROCESS and its arguments."""
-    run, out = tmp_path / "run", tmp_path / "final.npz"
+    launch ...`, run with bash as srun would on each node) as ``nodes`` agents on loopback,
+    each its own process group, with Slurm's variables instead of --nodes/--node-rank/--address:
+    SLURM_NNODES, SLURM_NODEID, SLURMD_NODENAME=localhost (resolved to 127.0.0.1: the address
+    the service binds and is advertised at), the script's RUN_DIR/PROCS_PER_NODE/
+    DEVICES_PER_PROCESS and its arguments (``cmd``). The agents, by rank; logs ``{tag}{rank}.log``."""
     launch = recipes.sbatch_launch()
     path = recipes.resilax_shim(tmp_path / "bin") + os.pathsep + child_env.get("PATH", "")
-    agents, logs = [], []
-    try:
-        for r in (1, 0):  # the higher rank first: the rendezvous waits for both
-            log = open(tmp_path / f"agent{r}.log", "wb")
-            logs.append(log)
-            env = dict(child_env, PATH=path, SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2", SLURM_NODEID=str(r),
-                       SLURM_LOCALID="0", SLURMD_NODENAME="localhost", RUN_DIR=str(run), PROCS_PER_NODE="2",
-                       DEVICES_PER_PROCESS="2")
-            agents.append(subprocess.Popen(["bash", "-c", f"exec {launch}", "resilax.sbatch", *TRAIN, "--out", str(out)],
-                                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        # the reference while the job runs (its compile overlaps the agents' start-up)
-        ref = subprocess.run([sys.executable, "-m", *TRAIN, "--no-log", "--no-peers", "--checkpoint-dir",
-                              str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
-                             env=child_env, capture_output=True, text=True, timeout=240)
-        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
-        t0 = time.time()
-        rcs = [a.wait(timeout=max(1.0, 240 - (time.time() - t0))) for a in agents]
-    finally:
-        for a in agents:
-            kill_tree(a)
-        for log in logs:
-            log.close()
-    texts = {r: (tmp_path / f"agent{r}.log").read_text(errors="replace") for r in (0, 1)}
-    assert rcs == [0, 0], texts
-    procs = json.loads((run / "processes.json").read_text())
-    assert procs["generation"] == 0 and procs["service_node"] == 0 and procs["status"] == "done", procs
-    assert procs["coordinator"].startswith("127.0.0.1:"), procs  # SLURMD_NODENAME, resolved
-    assert sorted(procs["nodes"]) == ["0", "1"]
-    assert procs["nodes"]["0"]["agent"] == agents[1].pid and procs["nodes"]["1"]["agent"] == agents[0].pid
-    assert sorted(procs["nodes"]["0"]["workers"]) == ["0", "1"] and sorted(procs["nodes"]["1"]["workers"]) == ["2", "3"]
-    for r, ids in ((0, (0, 1)), (1, (2, 3))):
-        assert f"node {r}, generation 0: nodes [0, 1], coordination service on node 0" in texts[r]
-        for i in ids:
-            assert f"[g0 n{r} p{i}] done: {STEPS} steps" in texts[r], texts[r][-3000:]
-    final, reference = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
-    assert sorted(final.files) == sorted(reference.files)
-    assert all(np.array_equal(final[k], reference[k]) for k in final.files)
+    agents = {}
+    for r in reversed(range(nodes)):  # the higher ranks first: the rendezvous waits for all
+        env = dict(child_env, PATH=path, SLURM_NNODES=str(nodes), SLURM_JOB_NUM_NODES=str(nodes), SLURM_NODEID=str(r),
+                   SLURM_LOCALID="0", SLURMD_NODENAME="localhost", RUN_DIR=str(run),
+                   PROCS_PER_NODE=str(procs_per_node), DEVICES_PER_PROCESS=str(devices))
+        with open(tmp_path / f"{tag}{r}.log", "wb") as log:
+            agents[r] = subprocess.Popen(["bash", "-c", f"exec {launch}", "resilax.sbatch", *cmd], env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+    return [agents[r] for r in range(nodes)]
 
 
 def test_launch_cli_rejects_bad_node_options(tmp_path, child_env):
@@ -323,7 +294,7 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
     worker resuming from that checkpoint (the vote on the host-store step finds none on the
     replacement, so none takes its host's copy); the run completes bitwise equal to a
     failure-free single-process run."""
-    steps, every = 60, 5
+    steps, every = 40, 5
     train = ["resilax", "train", "--topology", _topology(tmp_path, 6), "--layout", "sharded", "--batch", "48",
              "--steps", str(steps), "--checkpoint-every", str(every), "--log-every", "10"]
     run, out = tmp_path / "run", tmp_path / "final.npz"
@@ -392,22 +363,27 @@ def test_three_hosts_survive_the_service_host_and_grow_back_bitwise(tmp_path, ch
 
 
 def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tmp_path, child_env):
-    """Whole-job preemption across hosts: SIGTERM to both agents (each its own process group;
-    the workers are in sessions of their own, so only the agents get it) mid-run. Each
-    forwards it to its worker; the workers stop after the step they agree on (JAX's
-    preemption sync), save it and exit 0; both agents exit 0 and processes.json says
-    ``preempted``. The job relaunched in the same run directory resumes at that step and
-    ends bitwise equal to a failure-free single-process run (2 agents x 1 worker x 2 CPU
-    devices, 2 slices x 2 devices, the bit-exact mode)."""
+    """Whole-job preemption across hosts, through the Slurm recipe's command (`_slurm_agents`:
+    what its ``--signal=TERM@60`` and ``--requeue`` do, done by hand): SIGTERM to both agents
+    (each its own process group; the workers are in sessions of their own, so only the agents
+    get it) mid-run. Each forwards it to its worker; the workers stop after the step they
+    agree on (JAX's preemption sync), save it and exit 0; both agents exit 0 and
+    processes.json says ``preempted`` (what the script's requeue looks for). The job
+    relaunched in the same run directory resumes at that step and ends bitwise equal to a
+    failure-free single-process run (2 agents x 1 worker x 2 CPU devices, 2 slices x 2
+    devices, the bit-exact mode). While it runs, processes.json names both nodes, their agents
+    and workers, and the coordinator at the node name resolved."""
     steps = 30
     train = ["resilax", "train", "--topology", _topology(tmp_path, 2), "--layout", "sharded", "--steps", str(steps),
              "--checkpoint-every", "10", "--log-every", "10"]
     run, out = tmp_path / "run", tmp_path / "final.npz"
-    opts = ("-n", "1", "--devices-per-process", "2", "--lease", "2", "--heartbeat", "0.2", "--heartbeat-timeout", "10")
     cmd = [*train, "--out", str(out)]
-    agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "p", *opts) for r in (0, 1)]
+    agents = _slurm_agents(tmp_path, run, cmd, child_env, "p")
     try:
-        _wait(lambda: _processes(run, 0, (0, 1)), 120, "generation 0 on both nodes", agents)
+        procs = _wait(lambda: _processes(run, 0, (0, 1)), 120, "generation 0 on both nodes", agents)
+        assert procs["service_node"] == 0 and procs["coordinator"].startswith("127.0.0.1:"), procs  # SLURMD_NODENAME
+        assert [procs["nodes"][str(r)]["agent"] for r in (0, 1)] == [a.pid for a in agents], procs
+        assert [sorted(procs["nodes"][str(r)]["workers"]) for r in (0, 1)] == [["0"], ["1"]], procs
         _wait(lambda: len(s := _steps(run, 0)) == 2 and min(s.values()) >= 3, 120, "generation 0 stepping", agents)
         for a in agents:
             os.killpg(a.pid, signal.SIGTERM)
@@ -415,7 +391,7 @@ def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tm
         assert rcs == [0, 0], [(tmp_path / f"p{r}.log").read_text()[-3000:] for r in (0, 1)]
         assert json.loads((run / "processes.json").read_text())["status"] == "preempted"
         assert not out.exists()
-        agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "q", *opts) for r in (0, 1)]
+        agents = _slurm_agents(tmp_path, run, cmd, child_env, "q")  # the requeued job
         ref = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir",
                               str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
                              env=child_env, capture_output=True, text=True, timeout=240)
@@ -428,6 +404,7 @@ def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tm
     again = (tmp_path / "q0.log").read_text(errors="replace")
     assert rcs == [0, 0], again[-3000:]
     assert "after SIGTERM (preempted; relaunch to resume)" in first, first[-3000:]
+    assert "node 0, generation 0: nodes [0, 1], coordination service on node 0" in first, first[-3000:]
     stopped = [int(ln.split("stopped after step ")[1].split(",")[0]) for ln in first.splitlines()
                if ln.startswith("[g0 n0 p0] preempted: every worker stopped after step ")]
     assert stopped and 3 <= stopped[0] < steps, first[-3000:]
