@@ -156,19 +156,13 @@ def place_copy(tree, shardings):
     """
     if jax.process_count() > 1:
         tree = put(jax.tree.map(np.asarray, tree), shardings)
-    leaves, treedef = jax.tree.flatten(shardings)
-    key = (treedef, tuple(leaves))  # shardings hash by value: a second `init` on a layout reuses its jit
-    fn = _COPIES.get(key)
-    if fn is None:
-        fn = _COPIES.setdefault(key, jax.jit(_copy_tree, out_shardings=shardings))
-    return fn(tree)
+    # one module-level function: JAX's caches then serve a second `init` on a layout (a new
+    # lambda per call traced, lowered and compiled its copy again)
+    return jax.jit(_copy_tree, out_shardings=shardings)(tree)
 
 
 def _copy_tree(t):
     return jax.tree.map(jnp.copy, t)
-
-
-_COPIES: dict = {}  # (tree structure, shardings) -> the jitted copy `place_copy` runs
 
 
 def put(tree, shardings):
