@@ -223,8 +223,10 @@ class Agent:
         n_job = self.nodes * self.n
         steps = hoststore_files.restorable_steps(self.store_root, n_job, mine)
         newest = steps[-1] if steps else None
-        if newest != self._newest:  # the generation before this one stored steps: its nodes wrote them (one
-            self._writers = self._members  # that failed before storing any leaves the copies of an older one)
+        # new steps since the generation before this one began: its nodes wrote them; one that
+        # failed before storing any leaves the copies (and their writers) of an older one
+        if newest != self._newest:
+            self._writers = self._members
         if steps and self._writers is not None and self._writers != members:
             whole = hoststore_files.restorable_steps(self.store_root, n_job, mine, whole=True)
             if whole != steps:
