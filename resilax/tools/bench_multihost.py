@@ -3,7 +3,8 @@
 Runs, on loopback, three agents (each its own process group, as three hosts) x 1 worker x
 2 CPU devices: ``resilax launch --nodes 3 --node-rank R -n 1 --devices-per-process 2 --
 resilax train`` on a 3-slice topology in the bit-exact mode (``--batch 48``), checkpoints
-every ``--checkpoint-every`` steps, as tests/test_agent.py does. ``--workers-per-host P``
+every ``--checkpoint-every`` steps (tests/test_bench_multihost.py runs the ``service`` case with a
+replacement at 2 workers per host: the end-to-end test of a job across hosts). ``--workers-per-host P``
 (with ``--devices-per-process K``, default 2 for one worker per host, else 1) runs P workers
 of K devices per agent on a topology of one failure domain per process (``3 P`` domains of
 K devices), as a generation missing hosts needs. Once every worker of generation 0 is
