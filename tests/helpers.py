@@ -30,6 +30,21 @@ def flat_equal(a: dict, b: dict) -> bool:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def cli(argv, capsys) -> tuple[int, str]:
+    """``resilax ARGV`` in this process: the console script's own function
+    (`resilax.tools.cli.main`, which `test_cli` also runs as the installed script) for
+    commands that must stop at their arguments. Returns ``(exit code, stderr)``; a process
+    per case cost ~3 s of imports and start-up each."""
+    from resilax.tools import cli as _cli
+
+    capsys.readouterr()
+    try:
+        rc = _cli.main(list(argv))
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
 def child_env() -> dict:
     """Environment for `python -m resilax ...` subprocesses: this checkout importable, unbuffered
     output, and none of a scheduler's placement variables (`resilax launch` reads SLURM_* and

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from helpers import child_env as _env
+from helpers import child_env as _env, cli
 
 
 def test_demo_kills_resumes_and_matches_bitwise(tmp_path):
@@ -46,23 +46,19 @@ def test_bench_overhead_writes_json(tmp_path):
     assert "ratio (median wrapped / median plain)" in r.stdout
 
 
-def test_cli_reports_bad_input_clearly(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "resilax", "train", "--steps", "2", "--topology", "no-such"],
-                       env=_env(), capture_output=True, text=True)
-    assert r.returncode == 2 and "resilax: error: resilax.Topology.load: no topology spec named 'no-such'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "resilax", "train", "--steps", "2", "--fault", "explode@3"],
-                       env=_env(), capture_output=True, text=True)
-    assert r.returncode == 2 and "kind must be one of" in r.stderr
+def test_cli_reports_bad_input_clearly(capsys):
+    rc, err = cli(["train", "--steps", "2", "--topology", "no-such"], capsys)
+    assert rc == 2 and "resilax: error: resilax.Topology.load: no topology spec named 'no-such'" in err, err
+    rc, err = cli(["train", "--steps", "2", "--fault", "explode@3"], capsys)
+    assert rc == 2 and "kind must be one of" in err, err
 
 
-def test_cli_protection_flags_are_checked():
+def test_cli_protection_flags_are_checked(capsys):
     # a flag for a protection that is turned off, or a bad cadence, is a clear error before any step
-    r = subprocess.run([sys.executable, "-m", "resilax", "train", "--steps", "2", "--no-log", "--log-mode", "inputs"],
-                       env=_env(), capture_output=True, text=True)
-    assert r.returncode == 2 and "resilax: error: --log-mode inputs" in r.stderr and "--no-log" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "resilax", "train", "--steps", "2", "--peers-every", "0"],
-                       env=_env(), capture_output=True, text=True)
-    assert r.returncode == 2 and "resilax: error: resilax.PeersConfig: every must be >= 1" in r.stderr
+    rc, err = cli(["train", "--steps", "2", "--no-log", "--log-mode", "inputs"], capsys)
+    assert rc == 2 and "resilax: error: --log-mode inputs" in err and "--no-log" in err, err
+    rc, err = cli(["train", "--steps", "2", "--peers-every", "0"], capsys)
+    assert rc == 2 and "resilax: error: resilax.PeersConfig: every must be >= 1" in err, err
 
 
 def test_console_script_entry_point_resolves():

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from helpers import kill_tree
+from helpers import cli, kill_tree
 import pytest
 
 from resilax._src.runtime import jaxdist
@@ -438,22 +438,16 @@ wait_for(lambda: ready_spares().get("2"))
     assert _processes(tmp_path / "run")["spares"] == {}
 
 
-def test_launch_cli_rejects_negative_spares(tmp_path):
-    from helpers import child_env
-
-    r = subprocess.run([sys.executable, "-m", "resilax", "launch", "-n", "2", "--spares", "-1", "--run-dir",
-                        str(tmp_path), "--", sys.executable, "-c", "pass"],
-                       env=child_env(), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--spares must be an integer >= 0" in r.stderr, r.stderr
+def test_launch_cli_rejects_negative_spares(tmp_path, capsys):
+    rc, err = cli(["launch", "-n", "2", "--spares", "-1", "--run-dir", str(tmp_path), "--", sys.executable, "-c", "pass"],
+                  capsys)
+    assert rc == 2 and "--spares must be an integer >= 0" in err, err
     assert not (tmp_path / PROCESSES_JSON).exists()
 
 
-def test_launch_cli_rejects_a_missing_command(tmp_path):
-    from helpers import child_env
-
-    r = subprocess.run([sys.executable, "-m", "resilax", "launch", "-n", "2", "--run-dir", str(tmp_path)],
-                       env=child_env(), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "a worker command is required after --" in r.stderr
+def test_launch_cli_rejects_a_missing_command(tmp_path, capsys):
+    rc, err = cli(["launch", "-n", "2", "--run-dir", str(tmp_path)], capsys)
+    assert rc == 2 and "a worker command is required after --" in err, err
 
 
 def test_jax_assumptions_hold_and_a_broken_one_is_named(monkeypatch):
