@@ -34,14 +34,23 @@ def cli(argv, capsys) -> tuple[int, str]:
     """``resilax ARGV`` in this process: the console script's own function
     (`resilax.tools.cli.main`, which `test_cli` also runs as the installed script) for
     commands that must stop at their arguments. Returns ``(exit code, stderr)``; a process
-    per case cost ~3 s of imports and start-up each."""
+    per case cost ~3 s of imports and start-up each.
+
+    The environment is put back as it was: ``train`` adds ``--xla_gpu_deterministic_ops`` to
+    ``XLA_FLAGS`` for its own process, and JAX puts ``XLA_FLAGS`` (read at each compile) into
+    its persistent-cache keys, so leaving it changed made every later compile of this test
+    worker, and of the processes it starts, miss the cache (+195 CPU-s in a CI run)."""
     from resilax.tools import cli as _cli
 
+    env = dict(os.environ)
     capsys.readouterr()
     try:
         rc = _cli.main(list(argv))
     except SystemExit as e:  # argparse's own errors
         rc = e.code
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
     return rc, capsys.readouterr().err
 
 
