@@ -3,6 +3,8 @@ found by the watchdog's probes or by the step deadline, failed, and the run goes
 other domains (bitwise in the bit-exact mode); a straggler (``slow_slice``) is reported, or
 removed like a failure. Compared against runs with no fault."""
 
+import threading
+
 import pytest
 
 import resilax
@@ -138,6 +140,52 @@ def test_bad_liveness_faults_are_refused_at_wrap(spec, health, match):
 def test_bad_health_config_is_refused(kw, match):
     with pytest.raises(resilax.ConfigError, match=match):
         resilax.HealthConfig(**kw)
+
+
+def test_the_first_domain_probed_does_not_pay_for_the_others_dispatch():
+    """Probe rounds in which the watchdog thread waits 8 ms before dispatching domain 2's
+    probe and 2 ms before domain 3's (a busy host: it shares the GIL and its lock with the
+    step loop), every answer ready at once: no domain is a straggler. Timed from its own
+    dispatch, domain 0 (probed first) measured those waits too, 10 ms against 0, in every
+    round: judged a straggler, so a healthy domain was removed beside the emulated one (CI,
+    2026-11-26)."""
+    import collections
+    import time as _time
+
+    from resilax._src.runtime import health
+
+    class Done:
+        def is_ready(self):
+            return True
+
+    class BusyLock:
+        """The watchdog's lock; taking it before dispatching to domains 2 and 3 waits."""
+
+        def __init__(self):
+            self.n, self.lock = 0, threading.Lock()
+
+        def __enter__(self):
+            self.n += 1
+            _time.sleep({3: 8e-3, 4: 2e-3}.get(self.n % 5, 0.0))  # a round: read, 0, 2, 3, judge
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+        def notify_all(self):
+            pass
+
+    lv = health.Liveness.__new__(health.Liveness)  # the round alone: no watchdog thread, no devices
+    lv.cfg = resilax.HealthConfig(hang_detect_s=1.0)
+    lv._cond, lv._stalled, lv._slow, lv.down, lv.hung, lv._events = BusyLock(), {}, {}, {}, {}, []
+    lv._told_slow, lv._stragglers, lv.rounds, lv._last_round = set(), {}, 0, 0.0
+    lv.latency = {d: collections.deque(maxlen=lv.cfg.straggler_rounds) for d in range(4)}
+    lv._calls = collections.deque([0.1] * 5)
+    lv._probe = lambda d: (lambda x: Done(), None)
+    for _ in range(lv.cfg.straggler_rounds + 2):
+        lv.probe_round([0, 2, 3])
+    assert all(len(lv.latency[d]) == lv.cfg.straggler_rounds for d in (0, 2, 3))
+    assert lv._stragglers == {}, (lv._stragglers, {d: list(v) for d, v in lv.latency.items()})
 
 
 def test_a_domain_late_in_some_rounds_only_is_not_a_straggler():

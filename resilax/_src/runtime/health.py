@@ -18,6 +18,8 @@
   more) is reported (event ``straggler``), and failed like a dead one when
   ``remove_stragglers``. A real straggler is slow each time; a healthy domain on a busy host
   is late now and then (the probe thread descheduled), which a median of 5 let through.
+  The domains of a round are dispatched one after another and timed from the end of that
+  dispatch, so none pays for another's.
 
 The driver (`ResilientStep`) asks `gate` at every step boundary (and before a save): it
 returns the domains declared hung, which the driver fails (their memory is then deleted,
@@ -247,18 +249,25 @@ class Liveness:
         outs, ready, sent = {}, {}, {}
         while time.perf_counter() - t0 < timeout:  # every domain gets the full timeout
             now = time.perf_counter() - t0
+            new = []
             for d in alive:
                 # emulated hang: the probe never starts on the domain; emulated straggler: it starts late
                 if d not in outs and d not in stalled and now >= slow.get(d, 0.0):
                     with self._cond:  # the driver may fail it meanwhile: then nothing goes to it
                         if d in self.down:
                             continue
-                        # a domain's time counts from its own dispatch: the domains probed
-                        # after it must not pay for its dispatch (on a busy host, ms each),
-                        # except an emulated straggler's, which stands for a late device
-                        sent[d] = 0.0 if d in slow else time.perf_counter() - t0
                         f, x = self._probe(d)
                         outs[d] = f(x)
+                        new.append(d)
+            # The domains dispatched together are timed from the end of their dispatch, when
+            # this thread can first look at them: timed from its own dispatch, the first one
+            # paid for the others' (on a busy host, ms each, the GIL shared with the step
+            # loop), the same domain in every round, and was once judged a straggler (a
+            # healthy domain removed in the fresh-clone suite). An emulated straggler counts
+            # from the round's start: its late start stands for a late device.
+            dispatched = time.perf_counter() - t0
+            for d in new:
+                sent[d] = 0.0 if d in slow else dispatched
             for d, y in outs.items():
                 if d not in ready and y.is_ready():
                     ready[d] = time.perf_counter() - t0 - sent[d]
