@@ -15,7 +15,7 @@ store): the agents stop their workers at a step boundary (SIGTERM: JAX's preempt
 checkpoint of that step) and generation 2 has all three again, every worker resuming from
 that checkpoint (the vote on the host-store step finds none on the replacement). The run
 completes bitwise equal to a failure-free single-process run. The bench's JSON has the
-documented keys and phases. (Until 2026-11-27 the bench's own test killed a host without the
+documented keys and phases. (Until 2026-11-26 the bench's own test killed a host without the
 service, 1 worker per host, beside a separate test of this case: the same agents, workers
 and checks twice.)"""
 
