@@ -108,3 +108,41 @@ def test_checkpoint_restore_and_log_replay_on_a_smaller_mesh_are_bitwise(tmp_pat
         state, _ = second(state, b)
     second.close()
     assert tree_rel_diff(host(state), ref) == 0.0
+
+
+def test_with_a_cache_one_domain_is_built_before_the_others_load_its_executables():
+    """`build_all`: with a persistent compilation cache the first domain's programs are built
+    before the other domains' (the same programs on other devices, which a cache key without
+    the device assignment then loads instead of compiling); without a cache all run at once."""
+    import os
+    import threading
+    import time
+
+    from resilax._src.step.deterministic import build_all
+
+    def run(cache_dir):
+        spans, lock = {}, threading.Lock()
+
+        def builder(i):
+            def b():
+                t0 = time.perf_counter()
+                time.sleep(0.05)
+                with lock:
+                    spans[i] = (t0, time.perf_counter())
+            return b
+
+        old = jax.config.jax_compilation_cache_dir
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        try:
+            build_all([builder(i) for i in range(4)], first=1)
+        finally:
+            jax.config.update("jax_compilation_cache_dir", old)
+        return spans
+
+    spans = run(jax.config.jax_compilation_cache_dir or "/tmp/unused-cache")
+    assert sorted(spans) == list(range(4))
+    assert spans[0][1] <= min(spans[i][0] for i in range(1, 4))
+    spans = run(None)
+    assert sorted(spans) == list(range(4))
+    if (os.cpu_count() or 1) > 1:  # all at once: another domain starts before the first ends
+        assert spans[1][0] < spans[0][1]

@@ -247,16 +247,6 @@ class DeterministicProgram(Program):
             out.append(_sh.put(part, self.doms[j].batch_sh))
         return out
 
-    def _compile(self, builders):
-        """Builds missing executables, the domains' in parallel (XLA compiles without the GIL)."""
-        if len(builders) < 2:
-            for b in builders:
-                b()
-            return
-        with concurrent.futures.ThreadPoolExecutor(min(len(builders), os.cpu_count() or 1)) as pool:
-            for f in [pool.submit(b) for b in builders]:
-                f.result()
-
     def grad(self, log_ring: bool = False, fault: tuple | None = None):
         doms = self.doms
         if ("grad", fault) not in self._ready:  # once per program: the per-step path builds nothing
@@ -269,7 +259,7 @@ class DeterministicProgram(Program):
                 # in-place shrink; ``--in-place`` in docs/multiprocess.md)
                 builders += [functools.partial(self._pack_exe, d, len(self._replicas(d)))
                              for d in self.mine] + [self._gather_exe]
-            self._compile(builders)
+            build_all(builders, first=2)
             self._ready.add(("grad", fault))
 
         if self.multi:
@@ -299,7 +289,7 @@ class DeterministicProgram(Program):
         donate = self.spec.donate and not keep_input
         doms = self.mine
         if ("update", donate) not in self._ready:
-            self._compile([functools.partial(self._update_exe, d, donate) for d in doms])
+            build_all([functools.partial(self._update_exe, d, donate) for d in doms], first=1)
             self._ready.add(("update", donate))
 
         def run(state, rec, ok, step_no):
@@ -447,6 +437,25 @@ class DeterministicProgram(Program):
         self.grad(False)
         self.update(None)
         self.update(None, keep_input=True)
+
+
+def build_all(builders, first: int = 0) -> None:
+    """Runs the builders of missing executables in parallel (XLA compiles without the GIL).
+
+    With a persistent compilation cache the ``first`` builders (one domain's programs) run
+    before the rest: the other domains' executables are the same programs on other devices,
+    and where the cache key leaves out the device assignment (JAX's on GPU) they are then
+    loaded from the cache, one compile per program instead of one per domain."""
+    if first and jax.config.jax_compilation_cache_dir:
+        build_all(builders[:first])
+        builders = builders[first:]
+    if len(builders) < 2:
+        for b in builders:
+            b()
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(len(builders), os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(b) for b in builders]:
+            f.result()
 
 
 def _view(tree, shardings, devset):
