@@ -63,6 +63,18 @@ def child_env() -> dict:
     return dict(env, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
 
 
+TEST_SPEED_CODEGEN = "--xla_cpu_use_fusion_emitters=false"  # set by conftest for the suite's processes
+
+
+def default_codegen_env(env: dict) -> dict:
+    """``env`` with XLA:CPU's default code generation (conftest's test-speed emitter setting
+    removed; the backend optimisation level stays), for the tests whose assertion is about
+    the code XLA generates by default: the optimised HLO, bitwise equality to a differently
+    split program, the time one compile takes."""
+    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f.split("=")[0] != TEST_SPEED_CODEGEN.split("=")[0])
+    return dict(env, XLA_FLAGS=flags)
+
+
 def kill_tree(p) -> None:
     """SIGKILLs the process group a test started (``start_new_session=True``) and reaps its leader."""
     import signal

@@ -9,7 +9,7 @@ import pytest
 
 import resilax
 from resilax.tools import example as ex
-from helpers import SMALL, state_equal
+from helpers import SMALL, default_codegen_env, state_equal
 
 TOPO = resilax.Topology.emulated(2, 4)
 
@@ -290,7 +290,9 @@ def test_a_process_exits_cleanly_right_after_close_while_a_warm_up_was_compiling
     import subprocess
     import sys
 
-    env = dict(child_env, JAX_ENABLE_COMPILATION_CACHE="false")  # a real compile, not a cache hit
+    # a real compile, not a cache hit; with XLA:CPU's default code generation (the suite's
+    # test-speed emitters take minutes over this chain, not the seconds it needs)
+    env = dict(default_codegen_env(child_env), JAX_ENABLE_COMPILATION_CACHE="false")
     r = subprocess.run([sys.executable, "-c", _EXIT_AFTER_CLOSE, str(tmp_path / "ckpt")], env=env,
                        capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
