@@ -11,6 +11,7 @@ tests/test_bench_multihost.py: `resilax bench multihost` runs that very job.
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,11 +59,12 @@ def test_launch_cli_rejects_bad_node_options(tmp_path, capsys):
     assert not (tmp_path / "processes.json").exists()
 
 
-def _commit(root, slot, step, whole):
+def _commit(root, slot, step, whole, kind="own", writers=None):
     """A host-store commit record of ``step`` for process ``slot`` (no arrays: the agent reads records only)."""
-    d = root / f"host{slot}" / "own"
+    d = root / f"host{slot}" / kind
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"step{step}.json").write_text(json.dumps({"step": step, "sha256": "x", "process": slot, "whole": whole}))
+    (d / f"step{step}.json").write_text(json.dumps({"step": step, "sha256": "x", "process": slot, "whole": whole,
+                                                    "writers": writers}))
 
 
 def test_the_agent_offers_its_host_store_steps_and_only_whole_copies_after_the_nodes_changed(tmp_path, capsys):
@@ -93,10 +95,42 @@ def test_the_agent_offers_its_host_store_steps_and_only_whole_copies_after_the_n
     assert agent(1, (0, 1, 2), (0, 1, 2), False) == "7,8"  # a worker failed, no host lost: its own shards fit
     assert agent(1, (0, 1, 2), (1, 2), True) == "7,8,9"  # host 0 lost: whole copies still fit
     capsys.readouterr()
-    assert agent(1, (0, 1, 2), (1, 2), False) == "none"  # the default mode: host 0's shards are gone
+    assert agent(1, (0, 1, 2), (1, 2), False) == "none"  # the default mode: no mirror of host 0's shards anywhere
     said = capsys.readouterr().out
-    assert "only its processes' own shards up to step 8 (the default mode); node(s) [0] held the others'" in said
+    assert "own shards up to step 8 (the default mode); the nodes changed ([0, 1, 2] -> [1, 2])" in said
+    assert "no step has every process's shards in a live host's store" in said
     assert "resuming from the newest checkpoint" in said
+    # with mirrors: host 0's processes mirrored to node 1, node 2's own copies served by its
+    # agent's store server: the steps of which all 6 writers' shards are on a live host
+    from resilax._src.protect import hoststore_net
+
+    six = list(range(6))
+    mine, theirs = tmp_path / "shm-m1", tmp_path / "shm-m2"
+    for step in (7, 8, 9):
+        for slot in (2, 3):
+            _commit(mine, slot, step, False, writers=six)
+        for slot in (0, 1):
+            if step < 9 or slot:  # process 0's mirror of step 9 never arrived
+                _commit(mine, slot, step, False, "mirror", six)
+        for slot in (4, 5):
+            _commit(theirs, slot, step, False, writers=six)
+    server = hoststore_net.StoreServer(theirs)
+    try:
+        a = Agent(["true"], nodes=3, node_rank=1, n=2, devices_per_process=1, run_dir=tmp_path / "run",
+                  host_store_dir=mine)
+        a._members, a.gen = (0, 1, 2), SimpleNamespace(generation=1, members=(1, 2))
+        a._stores = {1: "unused", 2: server.address}
+        assert a._store_steps([2, 3]) == "7,8"
+        said = capsys.readouterr().out
+        assert "the live hosts' stores hold every process's shards of steps [7, 8] (node(s) [0]'s from their " \
+               "mirrors)" in said, said
+        server.close()  # node 2 gone too: not every writer's shards are reachable
+        a._members, a.gen = (0, 1, 2), SimpleNamespace(generation=2, members=(1, 2))
+        a._newest = None
+        assert a._store_steps([2, 3]) == "none"
+        assert f"unreachable: node 2 ({server.address}" in capsys.readouterr().out
+    finally:
+        server.close()
     # a generation that failed before storing a step leaves generation 0's shards the newest:
     # the next one, on the same nodes as the failed one, must not take them (it offered them,
     # "the nodes did not change", and each of its workers' reads failed its shard keys)
@@ -325,3 +359,55 @@ def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tm
     assert json.loads((run / "processes.json").read_text())["status"] == "done"
     a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_default_mode_a_lost_host_resumes_from_its_mirror_on_the_next_host_within_1e_4(tmp_path, child_env):
+    """The default mode across hosts (state sharded over both hosts' devices: each process
+    holds half of every leaf): each worker stores its shards on its own host and mirrors them
+    to the next host's store server. Node 0 (the service host) is SIGKILLed past a
+    checkpoint, its store deleted with it (its RAM is gone). Node 1 re-forms alone: its
+    agent finds every process's shards of the newest steps in its store (its own, node 0's
+    mirror) and offers them; its worker assembles the smaller mesh's shards from both copies
+    and resumes at the step reached, not at the checkpoint. The run ends within 1e-4
+    (relative norm, every leaf) of a failure-free single-process run. 2 agents x 1 worker x
+    2 CPU devices, 2 slices x 2 devices."""
+    steps = 30
+    train = ["resilax", "train", "--topology", _topology(tmp_path, 2), "--layout", "sharded", "--no-deterministic",
+             "--steps", str(steps), "--checkpoint-every", "10", "--log-every", "10"]
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    stores = [tmp_path / f"store{r}" for r in (0, 1)]
+    agents = [_launch(tmp_path, run, r, 2, [*train, "--out", str(out)], child_env, "d", "-n", "1",
+                      "--devices-per-process", "2", "--lease", "2", "--host-store-dir", str(stores[r]))
+              for r in (0, 1)]
+    try:
+        procs = _wait(lambda: _processes(run, 0, (0, 1)), 120, "generation 0 on both nodes", agents)
+        assert procs["service_node"] == 0
+        kill_step = min(_wait(lambda: (s := _steps(run, 0)) and len(s) == 2 and min(s.values()) >= 13 and s,
+                              120, "generation 0 past step 13", agents).values())
+        # node 1's store holds node 0's mirror of a step past the checkpoint before the kill
+        _wait(lambda: any(int(f.stem[4:]) > 10 for f in (stores[1] / "host0" / "mirror").glob("step*.json")), 30,
+              "node 0's mirror on node 1", agents)
+        _signal_host(procs, 0, signal.SIGKILL)
+        shutil.rmtree(stores[0], ignore_errors=True)
+        ref = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir",
+                              str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
+                             env=child_env, capture_output=True, text=True, timeout=240)
+        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+        rc = agents[1].wait(timeout=240)
+    finally:
+        for a in agents:
+            kill_tree(a)
+    log = (tmp_path / "d1.log").read_text(errors="replace")
+    assert rc == 0, log[-4000:]
+    assert "node 1, generation 1: nodes [1], coordination service on node 1" in log, log[-4000:]
+    assert "the live hosts' stores hold every process's shards of steps [" in log and \
+        "(node(s) [0]'s from their mirrors)" in log, log[-4000:]
+    resumed = _resumed(tmp_path / "d1.log", "[g1 n1 p0]")
+    # at most the step being mirrored at the kill is redone; never back to the checkpoint (10)
+    assert resumed is not None and resumed >= kill_step - 1 and resumed > 10, (kill_step, log[-4000:])
+    assert f"[g1 n1 p0] resumed at step {resumed} (host store: assembled from " in log, log[-4000:]
+    a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
+    assert sorted(a.files) == sorted(b.files)
+    rel = {k: float(np.linalg.norm(a[k].astype(np.float64) - b[k]) / max(np.linalg.norm(b[k].astype(np.float64)),
+                                                                         1e-30)) for k in a.files}
+    assert max(rel.values()) <= 1e-4, rel

@@ -117,3 +117,106 @@ def test_a_restored_state_is_stored_again_at_once(tmp_path, mesh):
     b.start(run, run.live)  # e.g. after a checkpoint restore at step 3
     assert hsf.committed_steps(tmp_path / "b" / "host1" / "own") == [3]
     assert hsf.committed_steps(tmp_path / "b" / "host0" / "mirror") == [3]
+
+
+# ------------------------------------------------------------------ across hosts (hoststore_net)
+def _pieces_of(x, devices):
+    """The shards of ``x`` on ``devices``, keyed as a process holding those devices writes them."""
+    idx = x.sharding.devices_indices_map(x.shape)
+    out = {}
+    for d in devices:
+        out[hsf._key(LEAF[id(x)], idx[d], x.shape)] = np.asarray(x)[idx[d]]
+    return out
+
+
+LEAF: dict = {}
+
+
+def _commit_process(d, step, leaves, devices, slot, writers, data_state=None):
+    arrays = {}
+    for i, x in enumerate(leaves):
+        LEAF[id(x)] = i
+        arrays.update(_pieces_of(x, devices))
+    raw = hsf.encode(arrays)
+    meta = hsf.make_meta(step, raw, data_state, len(leaves), slot, False, keys=list(arrays), writers=writers)
+    hsf.write_raw(d, step, raw, meta)
+    return raw, meta
+
+
+def test_a_reformed_mesh_assembles_its_shards_from_this_hosts_copies_and_another_hosts_server(tmp_path):
+    """The default mode across hosts: 4 processes of 2 devices stored their own shards (rows
+    of the 8 devices); the host of processes 0 and 1 is lost. Process 2's host holds its own
+    copy and process 1's mirror, another host's server process 3's own and process 0's mirror.
+    A re-formed mesh shards by columns over 4 devices (pieces of every process's rows): each
+    region is assembled from both hosts' copies, checksummed, equal to the stored values,
+    bf16 included; with a copy missing nowhere is every element found: None."""
+    from resilax._src.protect import hoststore_net as net
+
+    devs = jax.devices()
+    old = Mesh(np.array(devs), ("x",))
+    rows, rep = NamedSharding(old, P("x")), NamedSharding(old, P())
+    leaves = [jax.device_put(jnp.arange(64 * 24, dtype=jnp.float32).reshape(64, 24), rows),
+              jax.device_put((jnp.arange(16 * 8) / 7).astype(jnp.bfloat16).reshape(16, 8), rows),
+              jax.device_put(jnp.arange(8.0), rows), jax.device_put(jnp.int32(11), rep)]
+    procs = {p: devs[2 * p:2 * p + 2] for p in range(4)}
+    here, there = tmp_path / "host-b", tmp_path / "host-c"
+    _commit_process(here / "host2" / "own", 5, leaves, procs[2], 2, [0, 1, 2, 3], {"i": 2})
+    _commit_process(here / "host1" / "mirror", 5, leaves, procs[1], 1, [0, 1, 2, 3])
+    _commit_process(there / "host3" / "own", 5, leaves, procs[3], 3, [0, 1, 2, 3])
+    raw0, meta0 = _commit_process(there / "host0" / "mirror", 5, leaves, procs[0], 0, [0, 1, 2, 3])
+    new = Mesh(np.array(devs[4:8]), ("y",))
+    shardings = [NamedSharding(new, P(None, "y")), NamedSharding(new, P(None, "y")), NamedSharding(new, P()),
+                 NamedSharding(new, P())]
+    server = net.StoreServer(there)
+    try:
+        store = hs.HostStore(str(here), 2, 4, peers=[server.address], writers=[0, 1, 2, 3])
+        got = store.restore(5, leaves, shardings)
+        assert got is not None
+        out, meta, source = got
+        for a, b, sh in zip(out, leaves, shardings):
+            assert a.sharding == sh and a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert meta["process"] == 2 and meta["data_state"] == {"i": 2}  # this process's own record
+        assert source.startswith("assembled from ") and server.address in source and "host2/own" in source
+        # the agents' view: every writer's shards of step 5 are on one of the two hosts
+        assert hsf.covered_steps([hsf.records(here), net.listing(server.address)]) == [5]
+        assert hsf.covered_steps([hsf.records(here)]) == []
+        # damaged bytes on the other host: the server's get refuses them, nothing is assembled
+        npz = there / "host0" / "mirror" / "step5.npz"
+        b = bytearray(npz.read_bytes())
+        b[len(b) // 2] ^= 0xFF
+        npz.write_bytes(bytes(b))
+        assert net.get(server.address, "host0/mirror", 5) is None
+        assert store.restore(5, leaves, shardings) is None
+        # a put of damaged bytes is refused and stores nothing; a good one is committed as a mirror
+        with pytest.raises(OSError, match="do not match their SHA-256"):
+            net.put(server.address, {**meta0, "step": 6}, raw0[:-8] + b"damaged!")
+        assert not (there / "host0" / "mirror" / "step6.json").exists()
+        net.put(server.address, meta0, raw0)
+        assert store.restore(5, leaves, shardings) is not None
+        with pytest.raises(OSError, match="not a store directory"):
+            net._request(server.address, {"op": "get", "dir": "../../etc", "step": 5})
+    finally:
+        server.close()
+    # the other host gone: its copies cannot be reached, so no step is offered and none assembled
+    assert store.restore(5, leaves, shardings) is None
+
+
+def test_the_mirror_across_hosts_goes_to_the_next_hosts_server_and_stops_when_it_is_gone(tmp_path, capsys):
+    from resilax._src.protect import hoststore_net as net
+
+    server = net.StoreServer(tmp_path / "next")
+    store = hs.HostStore(str(tmp_path / "mine"), 3, 4, alive=[3], remote=server.address, writers=[0, 1, 2, 3])
+    arrays = {"0:0-4": np.arange(4.0)}
+    raw = hsf.encode(arrays)
+    meta = hsf.make_meta(7, raw, None, 1, 3, False, keys=list(arrays), writers=[0, 1, 2, 3])
+    store._mirror(raw, meta)
+    store.flush()
+    assert server.puts == 1 and hsf.read(tmp_path / "next" / "host3" / "mirror", 7)[0]["0:0-4"].tolist() == [0, 1, 2, 3]
+    server.close()
+    store._mirror(raw, {**meta, "step": 8})
+    store.flush()
+    assert store.mirror_error is not None and "step 8" in store.mirror_error
+    assert "no mirror on the next host from now on" in capsys.readouterr().err
+    store._mirror(raw, {**meta, "step": 9})  # not tried again: the generation is about to end
+    assert store._sending is None or not store._sending.is_alive()

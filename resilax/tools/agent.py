@@ -32,13 +32,18 @@ newest step every member's host store holds, else from the newest checkpoint in
 ``D/checkpoints``. Host stores (``--host-store-every``, default every step; 0: off): each
 agent owns its host's store (``--host-store-dir``, default a new directory on /dev/shm;
 never under ``D``, a network file system on a cluster; emptied when the agent starts,
-removed when it ends), its workers write their shards there with no mirror (another
-host's memory is not reachable without a transport). At each generation the agent offers
-the steps its store holds for all its processes (`LaunchEnv.host_store_steps`) and the
-workers take the newest step in every host's offer by a key-value vote (all or none of
-them take the host store). After a host loss only whole copies fit (the bit-exact mode:
-each survivor holds the whole state, so no step is lost); the default mode's shards of
-the lost host are gone with it: checkpoint (the agent says so). A replacement agent's
+removed when it ends), its workers write their shards there, and the agent serves it on
+its ``--address`` (`hoststore_net.StoreServer`; the address is in its lease): the workers
+of the previous live host put their mirror copies of the default mode's shards there (a
+whole copy needs none). At each generation the agent offers the steps its store holds for
+all its processes (`LaunchEnv.host_store_steps`) and the workers take the newest step in
+every host's offer by a key-value vote (all or none of them take the host store). After a
+host loss whole copies fit as they are (the bit-exact mode: each survivor holds the whole
+state, so no step is lost); the default mode's re-formed mesh needs other shards, so the
+agents offer the steps of which every process's shards are in a live host's store (the
+lost host's as the next host's mirror), and each worker assembles its new shards from
+them, reading other hosts' copies through their servers; else the checkpoint (the agent
+says why). A replacement agent's
 store is empty, so the generation it joins resumes from the checkpoint (growing back
 saves one at the step it drains at). A generation with fewer nodes than ``--nodes`` runs the job's
 processes of its members only: each worker keeps its place in the job (``RESILAX_SLOTS``:
@@ -71,7 +76,7 @@ import sys
 import time
 
 from resilax._src.io import write_json
-from resilax._src.protect import hoststore_files
+from resilax._src.protect import hoststore_files, hoststore_net
 from resilax._src.runtime import rendezvous
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools.processes import (HEARTBEATS, Output, WorkerProcess, exit_reason, heartbeat_file, popen, read_json,
@@ -141,6 +146,8 @@ class Agent:
         self.gen: rendezvous.Generation | None = None
         self.workers: list[WorkerProcess] = []
         self._service = None
+        self._server: hoststore_net.StoreServer | None = None
+        self._stores: dict[int, str] = {}  # the members' store servers, from their leases
         self._term: int | None = None
 
     # ------------------------------------------------------------------ files
@@ -184,6 +191,12 @@ class Agent:
         slots = [r * self.n + j for r in sorted(gen.members) for j in range(self.n)]
         whole = slots == list(range(self.nodes * self.n))
         self.workers = []
+        leases = self.rdv.leases()
+        self._stores = {r: leases[r]["store"] for r in gen.members if (leases.get(r) or {}).get("store")}
+        ring = sorted(gen.members)
+        after = ring[(ring.index(self.rank) + 1) % len(ring)]
+        remote = self._stores.get(after, "") if after != self.rank else ""
+        peers = ",".join(a for r, a in sorted(self._stores.items()) if r != self.rank)
         steps = self._store_steps([self.rank * self.n + j for j in range(self.n)])
         if gen.service_node == self.rank:
             from resilax._src.runtime import jaxdist
@@ -199,6 +212,7 @@ class Agent:
                 jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
                 init_timeout_s=int(min(self.startup_timeout_s, 600)), host_store=str(self.store_root or ""),
                 host_store_every=self.host_store_every, host_store_mirror=0, host_store_steps=steps,
+                host_store_remote=remote, host_store_peers=peers,
                 slots="" if whole else ",".join(map(str, slots)), num_slots=0 if whole else self.nodes * self.n)
             proc = popen(self.cmd, {**env.to_env(), "PYTHONUNBUFFERED": "1"})
             out = Output(proc, f"[g{g} n{self.rank} p{pid_}] ", self.run_dir / "logs" / f"g{g}.p{pid_}.log")
@@ -214,9 +228,10 @@ class Agent:
         """What this host's store offers the new generation (`LaunchEnv.host_store_steps`): the
         steps it holds for every one of its processes (``mine``: their places in the job); the
         workers resume from the newest step every host offers, else from the checkpoint. When
-        the nodes changed since the copies were written, only whole copies (the bit-exact
-        mode) still fit: the default mode's shards of a lost host are gone with it (there is
-        no mirror across hosts), and the re-formed mesh needs other shards anyway."""
+        the nodes changed since the copies were written, whole copies (the bit-exact mode)
+        still fit as they are; the default mode's shards fit only as pieces of the re-formed
+        mesh's shards: the steps of which every process's shards are in some live host's
+        store, a lost host's on the next host as its mirror (`_covered`)."""
         if self.store_root is None:
             return "none"  # (the workers vote all the same: a host without a store sends every one to the checkpoint)
         r, g, members = self.rank, self.gen.generation, self.gen.members
@@ -230,18 +245,38 @@ class Agent:
         if steps and self._writers is not None and self._writers != members:
             whole = hoststore_files.restorable_steps(self.store_root, n_job, mine, whole=True)
             if whole != steps:
-                lost = sorted(set(self._writers) - set(members))
-                say(f"node {r}, generation {g}: this host's store holds only its processes' own shards up to step "
-                    f"{steps[-1]} (the default mode)" + (f"; node(s) {lost} held the others' and were lost with their "
-                                                         f"host (no mirror across hosts)" if lost else "")
-                    + f"; the nodes changed ({list(self._writers)} -> {list(members)}), so these copies do not fit: "
-                    f"resuming from the newest checkpoint")
+                whole = self._covered(steps, members)
             steps = whole
         self._members, self._newest = members, newest
         if steps:
             say(f"node {r}, generation {g}: this host's store holds steps {steps} for its processes {mine}; the "
                 f"workers resume from the newest step every node's store holds, else from the newest checkpoint")
         return ",".join(map(str, steps)) or "none"
+
+    def _covered(self, steps: list[int], members) -> list[int]:
+        """After the nodes changed, in the default mode (each process holds its own shards):
+        the steps every process that stored them has a copy of in some live host's store
+        (its own host's, or the mirror on the next host), which a re-formed mesh assembles
+        (`HostStore.restore`). Asks the other members' store servers."""
+        r, g = self.rank, self.gen.generation
+        listings, unreachable = [hoststore_files.records(self.store_root)], []
+        for rank, addr in sorted(self._stores.items()):
+            if rank != r:
+                try:
+                    listings.append(hoststore_net.listing(addr, timeout_s=min(hoststore_net.TIMEOUT_S, self.lease_s)))
+                except OSError as e:
+                    unreachable.append(f"node {rank} ({addr}: {e})")
+        covered = [s for s in hoststore_files.covered_steps(listings) if s <= steps[-1]]
+        lost = sorted(set(self._writers) - set(members))
+        say(f"node {r}, generation {g}: this host's store holds its processes' own shards up to step {steps[-1]} "
+            f"(the default mode); the nodes changed ({list(self._writers)} -> {list(members)}), so the re-formed "
+            f"mesh needs other shards: "
+            + (f"the live hosts' stores hold every process's shards of steps {covered}"
+               + (f" (node(s) {lost}'s from their mirrors)" if lost else "") if covered else
+               "no step has every process's shards in a live host's store (a lost host's mirror was lost too, or "
+               "the mirror is off); resuming from the newest checkpoint")
+            + (f"; unreachable: {', '.join(unreachable)}" if unreachable else ""))
+        return covered
 
     def _check(self, w: WorkerProcess, now: float) -> str | None:
         """Why worker ``w`` counts as failed now, or None (running, or exited 0)."""
@@ -342,9 +377,12 @@ class Agent:
             shutil.rmtree(self.store_root, ignore_errors=True)
             for j in range(self.n):
                 (self.store_root / f"host{self.rank * self.n + j}").mkdir(parents=True)
+            # the store's server: the next host's workers put their mirrors here, a re-formed
+            # generation reads this host's copies through it
+            self._server = hoststore_net.StoreServer(self.store_root, host=self.address)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.rdv = rendezvous.Rendezvous(self.run_dir, self.rank, workers=self.n, lease_s=self.lease_s,
-                                         address=self.address)
+                                         address=self.address, store=self._server.address if self._server else "")
         restarts, best = 0, -1
         try:
             self.rdv.register(wait_s=2 * self.lease_s)  # a relaunch after a kill: the old lease expires first
@@ -389,6 +427,8 @@ class Agent:
             if self._service is not None:
                 self._service.shutdown()
             self.rdv.close()
+            if self._server is not None:
+                self._server.close()
             if self.store_root is not None:
                 shutil.rmtree(self.store_root, ignore_errors=True)
             for s, h in old.items():
@@ -487,7 +527,8 @@ def add_arguments(p) -> None:
     g.add_argument("--rendezvous-timeout", type=float, default=300.0, metavar="S",
                    help="how long the agents wait to agree on a generation (s)")
     g.add_argument("--host-store-dir", default=None, metavar="DIR",
-                   help="this host's state store (--host-store-every; no mirror across hosts): a directory on this "
+                   help="this host's state store (--host-store-every; served on --address for the mirror of the previous "
+                        "host's shards): a directory on this "
                         "host, not the shared run dir (default: a new one on /dev/shm, else in the temp dir; emptied "
                         "when the agent starts, removed when it ends)")
 

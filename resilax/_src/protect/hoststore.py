@@ -32,6 +32,8 @@ host memory (a synchronous device-to-host copy plus a write to RAM).
 from __future__ import annotations
 
 import pathlib
+import sys
+import threading
 import time
 
 import jax
@@ -41,7 +43,9 @@ import numpy as np
 from resilax._src.protect import base
 from resilax._src.step.sharding import local_shards
 
-from resilax._src.protect.hoststore_files import _key, _write, committed_steps, read, sources
+from resilax._src.protect import hoststore_files as _files
+from resilax._src.protect import hoststore_net as _net
+from resilax._src.protect.hoststore_files import _key, committed_steps, read, sources
 
 
 class HostStore(base.Protection):
@@ -49,14 +53,29 @@ class HostStore(base.Protection):
 
     name = "host_store"
 
-    def __init__(self, root: str, process: int, n: int, every: int = 1, alive=None):
+    def __init__(self, root: str, process: int, n: int, every: int = 1, alive=None, *, remote: str | None = None,
+                 peers=(), writers=None):
         self.root = pathlib.Path(root)
         self.process, self.n, self.every = process, n, every
         # the ring: this process mirrors to the next live one (a generation smaller than the
         # job, `resilax launch` re-formed without replacements, starts with some hosts gone)
         self.alive = sorted(alive) if alive is not None else list(range(n))
+        # across hosts: the next live host's store server gets the mirror (`hoststore_net`),
+        # and the other hosts' servers are asked for the copies a re-formed mesh needs
+        self.remote, self.peers = remote or None, list(peers)
+        self.writers = sorted(writers) if writers is not None else list(self.alive)  # who stores each step
         self.seconds: list[float] = []
         self._record = None  # () -> the anomaly watcher's verdict record (`anomaly.Watch.record`), or None
+        self._sending: threading.Thread | None = None
+        self.mirror_error: str | None = None  # why the last mirror across hosts failed (then no more are sent)
+
+    @classmethod
+    def for_job(cls, job) -> "HostStore":
+        """The store of a worker started by `resilax launch` (`LaunchEnv` ``job``)."""
+        return cls(job.host_store, job.slot, job.job_processes, job.host_store_every,
+                   alive=job.slot_list if job.host_store_mirror else [job.slot],
+                   remote=job.host_store_remote or None,
+                   peers=[a for a in job.host_store_peers.split(",") if a], writers=job.slot_list)
 
     def _targets(self) -> list[pathlib.Path]:
         out = [self.root / f"host{self.process}" / "own"]
@@ -102,13 +121,47 @@ class HostStore(base.Protection):
             whole = whole and covered
             for s in shards:
                 arrays[_key(i, s.index, x.shape)] = np.array(s.data, copy=True)
+        raw = _files.encode(arrays)
+        meta = _files.make_meta(step, raw, data_pos, len(leaves), self.process, whole, verdicts, keys=list(arrays),
+                                writers=self.writers)
         for d in self._targets():
-            _write(d, step, arrays, data_pos, len(leaves), self.process, whole, verdicts)
+            _files.write_raw(d, step, raw, meta)
+        if self.remote is not None and not whole:  # a whole copy is on every host already
+            self._mirror(raw, meta)
         self.seconds.append(time.perf_counter() - t0)
+
+    def _mirror(self, raw: bytes, meta: dict) -> None:
+        """Sends the step's copy to the next host's store in the background; at most one in
+        flight (the next stored step waits for it), so the mirror is at most a step behind."""
+        if self._sending is not None:
+            self._sending.join()
+        if self.mirror_error is not None:
+            return
+
+        def send():
+            try:
+                _net.put(self.remote, meta, raw)
+            except OSError as e:  # the next host is gone or hung: its generation is about to end
+                self.mirror_error = f"step {meta['step']} to {self.remote}: {e}"
+                print(f"resilax: host store: no mirror on the next host from now on ({self.mirror_error})",
+                      file=sys.stderr, flush=True)
+
+        self._sending = threading.Thread(target=send, name="resilax-store-mirror", daemon=True)
+        self._sending.start()
+
+    def flush(self) -> None:
+        """Waits for the mirror being sent, if any."""
+        if self._sending is not None:
+            self._sending.join()
 
     def restore(self, step: int, abstract_leaves, shardings):
         """Arrays of ``step`` for this process's shards, from its own host or the mirror;
-        ``(leaves, meta, source)`` or None when no verified copy has every shard it needs."""
+        ``(leaves, meta, source)`` or None when no verified copy has every shard it needs.
+
+        Its own copy serves when the mesh is the one that stored it. A re-formed mesh (a
+        generation without a lost host, in the default mode: other shards per process) is
+        assembled from every copy of the step this host holds and the other hosts' stores
+        serve (`hoststore_net`), piece by piece, each copy checked against its SHA-256."""
         for d in sources(self.root, self.process, self.n, step):
             got = read(d, step)
             if got is None:
@@ -119,10 +172,98 @@ class HostStore(base.Protection):
                        for i, (a, sh) in enumerate(zip(abstract_leaves, shardings))]
             except KeyError:
                 continue
-            # fresh buffers: arrays built from host memory may alias it, and the state is donated
-            out = jax.jit(lambda t: [jnp.copy(x) for x in t], out_shardings=list(shardings))(out)
-            return out, meta, str(d)
-        return None
+            return self._fresh(out, shardings), meta, str(d)
+        pieces = _Pieces(self, step)
+        try:
+            out = [jax.make_array_from_callback(a.shape, sh, lambda idx, i=i, a=a: pieces.region(i, idx, a.shape,
+                                                                                                 a.dtype))
+                   for i, (a, sh) in enumerate(zip(abstract_leaves, shardings))]
+        except KeyError:
+            return None
+        return self._fresh(out, shardings), pieces.meta(), pieces.source()
+
+    @staticmethod
+    def _fresh(out, shardings):
+        # fresh buffers: arrays built from host memory may alias it, and the state is donated
+        return jax.jit(lambda t: [jnp.copy(x) for x in t], out_shardings=list(shardings))(out)
+
+
+def _box(key: str) -> tuple[int, list[tuple[int, int]]]:
+    leaf, _, parts = key.partition(":")
+    return int(leaf), [tuple(int(v) for v in p.split("-")) for p in parts.split(",") if p]
+
+
+class _Pieces:
+    """Every copy of ``step`` that ``store``'s process can reach (this host's directories
+    first, then the other hosts' servers), read lazily and checked: a region of a leaf is
+    filled from whichever copies hold its pieces (`region`)."""
+
+    def __init__(self, store: HostStore, step: int):
+        self.step, self.copies, self._loaded, self._used = step, [], {}, set()
+        for d, recs in _files.records(store.root, step).items():
+            self.copies.append((d, recs[step], lambda d=d: _files.read(store.root / d, step)))
+        for addr in store.peers:
+            try:
+                listing = _net.listing(addr, step)
+            except OSError:
+                continue
+            for d, recs in listing.items():
+                if step in recs:
+                    self.copies.append((f"{addr}/{d}", recs[step], lambda a=addr, d=d: _get(a, d, step)))
+        own = [c for c in self.copies if c[1].get("process") == store.process]
+        self._meta = (own or self.copies or [(None, {}, None)])[0][1]
+
+    def _arrays(self, c: int):
+        if c not in self._loaded:
+            got = self.copies[c][2]()
+            self._loaded[c] = None if got is None else got[0]
+        return self._loaded[c]
+
+    def region(self, leaf: int, idx, shape, dtype) -> np.ndarray:
+        want = [sl.indices(n)[:2] for sl, n in zip(idx, shape)]
+        out = np.zeros([b - a for a, b in want], dtype)
+        left = np.ones(out.shape, bool)
+        for c, (_, rec, _) in enumerate(self.copies):
+            if not left.any():
+                break
+            keys = rec.get("keys")
+            if keys is None:  # a record without its keys: read the copy to know them
+                keys = list(self._arrays(c) or ())
+            for k in keys:
+                i, box = _box(k)
+                if i != leaf or len(box) != len(want):
+                    continue
+                cut = [(max(a, p), min(b, q)) for (a, b), (p, q) in zip(want, box)]
+                if any(lo >= hi for lo, hi in cut):
+                    continue
+                dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(cut, want))
+                if not left[dst].any():
+                    continue
+                arrays = self._arrays(c)
+                if arrays is None or k not in arrays:
+                    break  # unreadable or damaged: the next copy
+                src = arrays[k]
+                if src.dtype != out.dtype and src.dtype.itemsize == out.dtype.itemsize and src.dtype.kind == "V":
+                    src = src.view(out.dtype)  # bfloat16 and the like come back as raw bytes
+                out[dst] = src[tuple(slice(lo - p, hi - p) for (lo, hi), (p, _) in zip(cut, box))]
+                left[dst] = False
+                self._used.add(c)
+        if left.any():
+            raise KeyError(f"leaf {leaf} {want}: {int(left.sum())} elements in no copy of step {self.step}")
+        return out
+
+    def meta(self) -> dict:
+        """This process's own record of the step if a copy of it is reachable (its data
+        position), else any copy's."""
+        return self._meta
+
+    def source(self) -> str:
+        return "assembled from " + ", ".join(self.copies[c][0] for c in sorted(self._used))
+
+
+def _get(address: str, d: str, step: int):
+    got = _net.get(address, d, step)
+    return None if got is None else (_files.decode(got[0]), got[1])
 
 
 def resume(run, store: HostStore, state, step: int | None, agree):

@@ -6,7 +6,9 @@ generations and must not pay for importing JAX), a step's arrays and commit reco
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import re
 import os
 import pathlib
 import tempfile
@@ -14,6 +16,7 @@ import tempfile
 import numpy as np
 
 KEEP = 3
+STORE_DIR = re.compile(r"host[0-9]+/(own|mirror)")  # a store's directories, relative to its root
 
 
 def _key(leaf: int, index, shape) -> str:
@@ -84,16 +87,30 @@ def restorable_step(root: pathlib.Path, n: int, processes=None) -> int | None:
     return ok[-1] if ok else None
 
 
-def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, process: int, whole: bool,
-           verdicts=None) -> None:
+def encode(arrays: dict) -> bytes:
+    """A step's arrays as the bytes of one ``.npz`` (no pickle)."""
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def make_meta(step: int, raw: bytes, data_state, leaves: int, process: int, whole: bool, verdicts=None,
+              keys=None, writers=None) -> dict:
+    """A step's commit record: the SHA-256 of ``raw``; ``keys``: the (leaf, shard index)
+    keys it holds (read without the arrays when a re-formed mesh needs other shards);
+    ``writers``: the job's processes that stored this step (a step is whole when each of
+    them has a copy somewhere)."""
+    return {"step": step, "sha256": hashlib.sha256(raw).hexdigest(), "data_state": data_state, "leaves": leaves,
+            "process": process, "whole": whole, "verdicts": verdicts, "keys": keys, "writers": writers}
+
+
+def write_raw(d: pathlib.Path, step: int, raw: bytes, meta: dict) -> None:
+    """Commits ``raw`` (the step's ``.npz``) in ``d``: the bytes, then the record (atomic,
+    last), then drops all but the newest `KEEP` steps."""
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f".step{step}.npz.tmp"
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    tmp.write_bytes(raw)
     os.replace(tmp, d / f"step{step}.npz")
-    meta = {"step": step, "sha256": digest, "data_state": data_state, "leaves": leaves, "process": process,
-            "whole": whole, "verdicts": verdicts}
     (d / f".step{step}.json.tmp").write_text(json.dumps(meta))
     os.replace(d / f".step{step}.json.tmp", d / f"step{step}.json")
     for old in committed_steps(d)[:-KEEP]:
@@ -104,8 +121,56 @@ def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, pr
                 pass
 
 
+def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, process: int, whole: bool,
+           verdicts=None) -> None:
+    raw = encode(arrays)
+    write_raw(d, step, raw, make_meta(step, raw, data_state, leaves, process, whole, verdicts))
+
+
+def records(root: pathlib.Path, step: int | None = None) -> dict[str, dict[int, dict]]:
+    """The commit records under a store ``root``: ``{"host<j>/<own|mirror>": {step: record}}``
+    (only ``step``'s when given; the records' ``keys`` only then, they can be long)."""
+    out: dict[str, dict[int, dict]] = {}
+    for d in sorted(root.glob("host*/*")):
+        if not d.is_dir() or not STORE_DIR.fullmatch(f"{d.parent.name}/{d.name}"):
+            continue
+        recs = {}
+        for s in ([step] if step is not None else committed_steps(d)):
+            rec = _record(d, s)
+            if rec.get("step") == s:
+                recs[s] = rec if step is not None else {k: v for k, v in rec.items() if k != "keys"}
+        if recs:
+            out[f"{d.parent.name}/{d.name}"] = recs
+    return out
+
+
+def covered_steps(listings) -> list[int]:
+    """The steps some store in ``listings`` (each as `records` returns it, from this host or
+    another's server) gives back whole: a whole copy, or a copy of every process that
+    stored the step (its records' ``writers``), from its own host or a mirror. Ascending."""
+    held: dict[int, set] = {}
+    writers: dict[int, set] = {}
+    whole = set()
+    for listing in listings:
+        for recs in listing.values():
+            for s, rec in recs.items():
+                s = int(s)  # a JSON object's keys are strings
+                held.setdefault(s, set()).add(rec.get("process"))
+                if rec.get("whole"):
+                    whole.add(s)
+                if isinstance(rec.get("writers"), list):
+                    writers[s] = set(rec["writers"])
+    return sorted(s for s in held if s in whole or (s in writers and writers[s] <= held[s]))
+
+
 def read(d: pathlib.Path, step: int) -> tuple[dict, dict] | None:
     """``(arrays, meta)`` of ``step`` in ``d`` if it is committed and its bytes match; else None."""
+    got = read_raw(d, step)
+    return None if got is None else (decode(got[0]), got[1])
+
+
+def read_raw(d: pathlib.Path, step: int) -> tuple[bytes, dict] | None:
+    """``(npz bytes, meta)`` of ``step`` in ``d`` if it is committed and its bytes match; else None."""
     try:
         meta = json.loads((d / f"step{step}.json").read_text())
         raw = (d / f"step{step}.npz").read_bytes()
@@ -113,10 +178,13 @@ def read(d: pathlib.Path, step: int) -> tuple[dict, dict] | None:
         return None
     if hashlib.sha256(raw).hexdigest() != meta.get("sha256") or meta.get("step") != step:
         return None
-    import io
+    return raw, meta
 
+
+def decode(raw: bytes) -> dict:
+    """The arrays of a step's ``.npz`` bytes (no pickle)."""
     with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}, meta
+        return {k: z[k] for k in z.files}
 
 
 def ram_root(fallback: str | os.PathLike | None = None) -> pathlib.Path:

@@ -13,7 +13,7 @@ fields; a record that does not parse or whose checksum does not match raises
 `CorruptRecordError` naming the file; no pickle):
 
 - ``leases/node<R>.json``: agent R's lease ``{rank, incarnation, pid, host, address,
-  workers, t, expires}``, rewritten every ``lease_s / 3`` by a thread. A lease whose
+  store, workers, t, expires}`` (``store``: its host store's server), rewritten every ``lease_s / 3`` by a thread. A lease whose
   ``expires`` has passed is dead (wall clocks of the hosts must agree to well within
   ``lease_s``: NTP). ``incarnation`` is new for every agent process: a replacement with a
   dead agent's rank takes the rank over once the old lease expired (never while it is
@@ -187,13 +187,14 @@ class Rendezvous:
       address: how other hosts reach this one (the coordinator address when it is the
         service node); loopback by default.
       ack_timeout_s: a proposal not acked by every member within this is abandoned.
+      store: the address of this host's store server (`hoststore_net`), in the lease ("": none).
       port_fn: picks the coordination service's port on this host (default: a free one).
       clock: wall clock (tests inject one); the renewal thread is off when ``renew=False``
         is passed to `register`.
     """
 
     def __init__(self, run_dir, rank: int, *, workers: int, lease_s: float = 5.0, address: str = "127.0.0.1",
-                 ack_timeout_s: float = 60.0, port_fn=None, clock=time.time, poll_s: float = 0.05):
+                 ack_timeout_s: float = 60.0, port_fn=None, clock=time.time, poll_s: float = 0.05, store: str = ""):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"resilax rendezvous: rank must be an integer >= 0, got {rank!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -202,6 +203,7 @@ class Rendezvous:
             raise ValueError(f"resilax rendezvous: lease_s must be > 0, got {lease_s!r}")
         self.root = pathlib.Path(run_dir).absolute() / RENDEZVOUS
         self.rank, self.workers, self.lease_s, self.address = rank, workers, float(lease_s), address
+        self.store = store
         self.ack_timeout_s, self.poll_s, self.clock = float(ack_timeout_s), poll_s, clock
         self.port_fn = port_fn or (lambda: free_port(self.address))  # the service binds there
         self.incarnation = uuid.uuid4().hex
@@ -220,7 +222,8 @@ class Rendezvous:
         now = self.clock()
         write_record(self._lease_path(self.rank), {
             "rank": self.rank, "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
-            "address": self.address, "workers": self.workers, "t": now, "expires": now + self.lease_s})
+            "address": self.address, "store": self.store, "workers": self.workers, "t": now,
+            "expires": now + self.lease_s})
 
     def register(self, *, renew: bool = True, wait_s: float = 0.0) -> None:
         """Takes this rank's lease and (``renew``) starts the thread that keeps it. A live lease

@@ -66,6 +66,11 @@ class LaunchEnv:
     # newest step in every host's list (a key-value vote) instead of ``host_store_step``.
     # "": one host (the supervisor picked ``host_store_step``).
     host_store_steps: str = ""
+    # Across hosts: the store server of the next live host, which keeps this process's
+    # mirror ("host:port"; "": none), and those of the other live hosts, comma separated
+    # (a re-formed mesh reads the pieces it needs from them: `hoststore_net`).
+    host_store_remote: str = ""
+    host_store_peers: str = ""
     in_place_wait_s: float = 0.0  # in-place shrink: how long survivors wait for the supervisor's verdict (0: off)
     # the supervisor's --step-deadline-factor: its deadline grows with the measured step time
     # (a loaded host), so a survivor's wait grows with it (`in_place_wait`; 0: unknown)

@@ -260,9 +260,7 @@ class ResilientStep:
         # after_step order: the log records, peers snapshot (and tell the log), the watcher reads the last verdict
         check = CrossCheck(cfg.verify) if cfg.verify is not None else None
         job = worker.env()
-        store = (_hoststore.HostStore(job.host_store, job.slot, job.job_processes, job.host_store_every,
-                                      alive=job.slot_list if job.host_store_mirror else [job.slot])
-                 if job is not None and job.host_store else None)
+        store = _hoststore.HostStore.for_job(job) if job is not None and job.host_store else None
         sdc = SdcCheck(cfg.health) if cfg.health is not None else None
         self._protections = [p for p in (check, sdc, self._log, peers, self._watch, store, self._ckpt) if p is not None]
         self._store = store

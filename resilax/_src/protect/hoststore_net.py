@@ -1,0 +1,177 @@
+"""Host stores across hosts: the agent's store server and the workers' client (no JAX).
+
+Under `resilax launch --nodes` each host's store is that host's memory, which another host
+reaches only through the network. The agent of each host serves its store
+(`StoreServer`, a thread of the agent, so it lives as long as the host's store does): a
+worker *puts* a copy of each step's shards into the store of the next live host (its
+mirror, so the shards outlive their host), agents *list* what a store holds when they
+agree on what a new generation can resume from, and a worker of a re-formed mesh *gets*
+the copies it needs from another host's store.
+
+The protocol, one request per connection: 16 bytes (the header's and the body's length,
+big-endian), a JSON header, the body (a step's ``.npz`` bytes, or nothing). Every body
+travels with its commit record, whose SHA-256 the receiver checks before it commits or
+uses anything (a put of damaged bytes is refused, a get of damaged bytes returns None).
+Nothing is unpickled. A store directory named in a request must be ``host<j>/own`` or
+``host<j>/mirror`` under the store's root. The server binds the agent's ``--address``
+(loopback unless told otherwise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import socket
+import socketserver
+import struct
+import threading
+
+from resilax._src.protect import hoststore_files as _files
+
+MAX_HEADER = 64 << 20  # a record with every (leaf, shard) key of a large state fits
+MAX_BODY = 1 << 40
+TIMEOUT_S = 10.0  # a peer that does not answer within this is treated as gone
+
+
+class StoreNetError(OSError):
+    """A store server refused a request, or answered something malformed."""
+
+
+def _exact(sock, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        b = sock.recv(min(n - got, 1 << 22))
+        if not b:
+            raise StoreNetError(f"connection closed after {got} of {n} bytes")
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def _send(sock, header: dict, body: bytes = b"") -> None:
+    h = json.dumps(header).encode()
+    sock.sendall(struct.pack(">QQ", len(h), len(body)) + h)
+    if body:
+        sock.sendall(body)
+
+
+def _recv(sock) -> tuple[dict, bytes]:
+    nh, nb = struct.unpack(">QQ", _exact(sock, 16))
+    if nh > MAX_HEADER or nb > MAX_BODY:
+        raise StoreNetError(f"a message of {nh} + {nb} bytes is over the limits ({MAX_HEADER} + {MAX_BODY})")
+    try:
+        header = json.loads(_exact(sock, nh))
+    except ValueError as e:
+        raise StoreNetError(f"the header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise StoreNetError("the header is not a JSON object")
+    return header, _exact(sock, nb)
+
+
+def _step(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise StoreNetError(f"a step must be an integer >= 0, got {v!r}")
+    return v
+
+
+class StoreServer:
+    """Serves the store under ``root`` on ``host`` (port 0: a free one; `address` says
+    which) until `close`: put into ``host<j>/mirror``, list, get (module docstring)."""
+
+    def __init__(self, root, host: str = "127.0.0.1", port: int = 0):
+        self.root = pathlib.Path(root)
+        self.puts = 0
+        store = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                self.request.settimeout(TIMEOUT_S)
+                try:
+                    header, body = _recv(self.request)
+                    reply, out = store._serve(header, body)
+                except (OSError, ValueError) as e:
+                    reply, out = {"ok": False, "error": str(e)}, b""
+                try:
+                    _send(self.request, reply, out)
+                except OSError:
+                    pass
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = Server((host, port), Handler)
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="resilax-store-server", daemon=True)
+        self._thread.start()
+
+    def _dir(self, name) -> pathlib.Path:
+        if not isinstance(name, str) or not _files.STORE_DIR.fullmatch(name):
+            raise StoreNetError(f"{name!r} is not a store directory (host<j>/own or host<j>/mirror)")
+        return self.root / name
+
+    def _serve(self, header: dict, body: bytes) -> tuple[dict, bytes]:
+        op = header.get("op")
+        if op == "put":
+            meta = header.get("meta")
+            if not isinstance(meta, dict):
+                raise StoreNetError("a put needs the step's commit record ('meta')")
+            step, slot = _step(meta.get("step")), _step(meta.get("process"))
+            if hashlib.sha256(body).hexdigest() != meta.get("sha256"):
+                raise StoreNetError(f"the bytes of step {step} of process {slot} do not match their SHA-256: "
+                                    f"not stored")
+            _files.write_raw(self._dir(f"host{slot}/mirror"), step, body, meta)
+            self.puts += 1
+            return {"ok": True}, b""
+        if op == "list":
+            step = header.get("step")
+            got = _files.records(self.root, None if step is None else _step(step))
+            return {"ok": True, "records": {d: {str(s): r for s, r in recs.items()} for d, recs in got.items()}}, b""
+        if op == "get":
+            got = _files.read_raw(self._dir(header.get("dir")), _step(header.get("step")))
+            if got is None:
+                return {"ok": False, "error": f"no verified copy of step {header.get('step')} in {header.get('dir')}"}, b""
+            return {"ok": True, "meta": got[1]}, got[0]
+        raise StoreNetError(f"unknown request {op!r} (put, list or get)")
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _request(address: str, header: dict, body: bytes = b"", timeout_s: float = TIMEOUT_S) -> tuple[dict, bytes]:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        sock.settimeout(timeout_s)
+        _send(sock, header, body)
+        reply, out = _recv(sock)
+    if not reply.get("ok"):
+        raise StoreNetError(f"the store at {address}: {reply.get('error', 'refused')}")
+    return reply, out
+
+
+def put(address: str, meta: dict, raw: bytes, timeout_s: float = TIMEOUT_S) -> None:
+    """Stores ``raw`` (a step's ``.npz``, committed by ``meta``) as process ``meta["process"]``'s
+    mirror in the store at ``address``. Raises `OSError` (`StoreNetError`) when it is not stored."""
+    _request(address, {"op": "put", "meta": meta}, raw, timeout_s)
+
+
+def listing(address: str, step: int | None = None, timeout_s: float = TIMEOUT_S) -> dict[str, dict[int, dict]]:
+    """What the store at ``address`` holds, as `hoststore_files.records`. Raises `OSError`."""
+    reply, _ = _request(address, {"op": "list", "step": step}, timeout_s=timeout_s)
+    return {d: {int(s): r for s, r in recs.items()} for d, recs in reply.get("records", {}).items()}
+
+
+def get(address: str, directory: str, step: int, timeout_s: float = TIMEOUT_S) -> tuple[bytes, dict] | None:
+    """``(npz bytes, meta)`` of ``step`` in ``directory`` of the store at ``address``, checked
+    against its SHA-256; None when it has no verified copy, cannot be reached, or the bytes
+    arrived damaged."""
+    try:
+        reply, raw = _request(address, {"op": "get", "dir": directory, "step": step}, timeout_s=timeout_s)
+    except OSError:
+        return None
+    meta = reply.get("meta")
+    if not isinstance(meta, dict) or meta.get("step") != step or hashlib.sha256(raw).hexdigest() != meta.get("sha256"):
+        return None
+    return raw, meta
