@@ -20,8 +20,17 @@ gap (two neighbouring hosts lost, or hosts lost earlier in the job by an in-plac
 after which the survivors mirror to the next *live* host: `HostStore.shrunk`) a process
 still gets its shards from any live host.
 
+Across hosts (`resilax launch --nodes`) each agent's store is its host's, and the mirror
+goes through the next live host's store server (`hoststore_net`; sent in the background,
+only for copies that are not whole). After a host loss in the default mode the re-formed
+mesh needs other shards than any process wrote: `HostStore.restore` assembles each of them
+from the pieces in every reachable copy (this host's directories, the other hosts'
+servers), using each record's ``keys``; the agents offer only the steps of which every
+process in the record's ``writers`` has a copy on a live host.
+
 Files: ``step<k>.npz`` (one array per (leaf, shard index), no pickle) committed by
-``step<k>.json`` (written last, atomically: ``{"step", "sha256", "data_state", "leaves"}``).
+``step<k>.json`` (written last, atomically: ``{"step", "sha256", "data_state", "leaves", "process", "whole",
+"verdicts", "keys", "writers"}``).
 The newest ``KEEP`` steps are kept: workers step in lock-step, so a process killed while
 writing step ``k`` leaves every other process with ``k - 1`` still on hand.
 
@@ -92,7 +101,7 @@ class HostStore(base.Protection):
     def shrunk(self, run, state, alive: list[int]) -> None:
         """Processes outside ``alive`` are gone (an in-place shrink): mirror to the next live
         host from now on, and store the restored step at once."""
-        self.alive = sorted(alive)
+        self.alive = self.writers = sorted(alive)
         self.write(run.step, state, run.guard, run.data_position)
 
     def after_step(self, run, rec) -> None:
