@@ -208,7 +208,7 @@ class _Pieces:
     filled from whichever copies hold its pieces (`region`)."""
 
     def __init__(self, store: HostStore, step: int):
-        self.step, self.copies, self._loaded, self._used = step, [], {}, set()
+        self.step, self.copies, self._loaded, self._used, self._index = step, [], {}, set(), {}
         for d, recs in _files.records(store.root, step).items():
             self.copies.append((d, recs[step], lambda d=d: _files.read(store.root / d, step)))
         for addr in store.peers:
@@ -228,19 +228,28 @@ class _Pieces:
             self._loaded[c] = None if got is None else got[0]
         return self._loaded[c]
 
+    def _boxes(self, c: int) -> dict[int, list]:
+        """Copy ``c``'s pieces by leaf: ``{leaf: [(key, box)]}`` (indexed once per copy)."""
+        if c not in self._index:
+            keys = self.copies[c][1].get("keys")
+            if keys is None:  # a record without its keys: read the copy to know them
+                keys = list(self._arrays(c) or ())
+            index: dict[int, list] = {}
+            for k in keys:
+                i, box = _box(k)
+                index.setdefault(i, []).append((k, box))
+            self._index[c] = index
+        return self._index[c]
+
     def region(self, leaf: int, idx, shape, dtype) -> np.ndarray:
         want = [sl.indices(n)[:2] for sl, n in zip(idx, shape)]
         out = np.zeros([b - a for a, b in want], dtype)
         left = np.ones(out.shape, bool)
-        for c, (_, rec, _) in enumerate(self.copies):
+        for c in range(len(self.copies)):
             if not left.any():
                 break
-            keys = rec.get("keys")
-            if keys is None:  # a record without its keys: read the copy to know them
-                keys = list(self._arrays(c) or ())
-            for k in keys:
-                i, box = _box(k)
-                if i != leaf or len(box) != len(want):
+            for k, box in self._boxes(c).get(leaf, ()):
+                if len(box) != len(want):
                     continue
                 cut = [(max(a, p), min(b, q)) for (a, b), (p, q) in zip(want, box)]
                 if any(lo >= hi for lo, hi in cut):
