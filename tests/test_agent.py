@@ -280,14 +280,10 @@ def test_a_hung_service_host_is_found_by_its_lease_and_the_job_grows_back_when_i
 
 
 def _topology(tmp_path, domains=3):
-    """A spec of ``domains`` emulated CPU slices x 2 devices (one per worker process)."""
-    path = tmp_path / f"cpu-{domains}x2.toml"
-    path.write_text(f'name = "cpu-{domains}x2"\nplatform = "cpu"\ndomain = "slice"\nemulated = true\n'
-                    f'domains = {domains}\ndevices_per_domain = 2\n\n[mesh]\naxes = {{ data = {domains}, fsdp = 2 }}\n'
-                    'elastic_axis = "data"\n\n'
-                    '[bandwidth]\nici = 10.0\ndcn = 10.0\nhost = 10.0\nstorage = 1.0\n'
-                    'sources = { ici = "emulated", dcn = "emulated", host = "emulated", storage = "emulated" }\n')
-    return str(path)
+    """A spec of ``domains`` emulated CPU slices x 2 devices (one per worker process), as the bench writes it."""
+    from resilax.tools.bench_multihost import _topology as bench_topology
+
+    return bench_topology(tmp_path, workers=1, devices=2, nodes=domains)
 
 
 def _steps(run, gen):

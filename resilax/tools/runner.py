@@ -242,6 +242,12 @@ def train(
         "skipped_steps": sorted(step.watch.skipped) if step.watch is not None else [],
         "faults_settled": [f.spec() for f in step.faults.settled],
     }
+    hs = step.host_store
+    if hs is not None:  # under `resilax launch`: what storing (and mirroring) cost the step loop
+        summary["host_store"] = {"writes": len(hs.seconds), "seconds": sum(hs.seconds),
+                                 "median_s": float(np.median(hs.seconds)) if hs.seconds else None,
+                                 "mirror": hs.remote, "mirror_wait_s": sum(hs.mirror_wait),
+                                 "mirror_error": hs.mirror_error}
     if curve:
         summary["curve"] = trace
     return summary

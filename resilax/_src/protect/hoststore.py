@@ -73,7 +73,8 @@ class HostStore(base.Protection):
         # and the other hosts' servers are asked for the copies a re-formed mesh needs
         self.remote, self.peers = remote or None, list(peers)
         self.writers = sorted(writers) if writers is not None else list(self.alive)  # who stores each step
-        self.seconds: list[float] = []
+        self.seconds: list[float] = []  # each stored step's time on the step's path (its waits included)
+        self.mirror_wait: list[float] = []  # of that, waiting for the previous step's mirror to be sent
         self._record = None  # () -> the anomaly watcher's verdict record (`anomaly.Watch.record`), or None
         self._sending: threading.Thread | None = None
         self.mirror_error: str | None = None  # why the last mirror across hosts failed (then no more are sent)
@@ -143,7 +144,9 @@ class HostStore(base.Protection):
         """Sends the step's copy to the next host's store in the background; at most one in
         flight (the next stored step waits for it), so the mirror is at most a step behind."""
         if self._sending is not None:
+            t0 = time.perf_counter()
             self._sending.join()
+            self.mirror_wait.append(time.perf_counter() - t0)
         if self.mirror_error is not None:
             return
 
