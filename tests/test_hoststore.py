@@ -2,6 +2,8 @@
 and the workers of `resilax launch` do with it, on real sharded arrays and real files.
 The multi-process path is tested end to end in test_launch.py."""
 
+import functools
+import time
 import types
 
 import jax
@@ -37,6 +39,8 @@ def test_store_round_trip_mirror_and_restorable_step(tmp_path, mesh):
         run = _run(step, mesh)
         for s in stores:  # in one process every "host" writes the same shards; enough for the files' logic
             s.after_step(run, None)
+    for s in stores:
+        s.flush()  # (each stored step is written off the step's path; the next one waits for it)
     assert hsf.committed_steps(tmp_path / "host0" / "own") == [2, 3, 4]  # the newest KEEP
     assert hsf.restorable_step(tmp_path, n) == 4
     # host 1 dies: its shards come from the mirror on host 2
@@ -72,6 +76,7 @@ def test_a_corrupt_copy_is_not_used_and_the_mirror_is(tmp_path, mesh):
     run = _run(7, mesh)
     for s in stores:
         s.after_step(run, None)
+        s.flush()
     f = tmp_path / "host0" / "own" / "step7.npz"
     raw = bytearray(f.read_bytes())
     raw[-40] ^= 0xFF
@@ -91,6 +96,7 @@ def test_a_corrupt_copy_is_not_used_and_the_mirror_is(tmp_path, mesh):
 def test_resume_keeps_the_checkpoint_state_unless_every_process_agrees(tmp_path, mesh):
     store = hs.HostStore(str(tmp_path), 0, 1)
     store.after_step(_run(5, mesh), None)
+    store.flush()
     run = _run(2, mesh)
     before = run.live
     out = hs.resume(run, store, run.live, 5, agree=lambda ok: False)
@@ -108,6 +114,7 @@ def test_a_restored_state_is_stored_again_at_once(tmp_path, mesh):
 
     a = hs.HostStore(str(tmp_path / "a"), 0, 2)
     a.after_step(_run(5, mesh), None)
+    a.flush()
     shutil.rmtree(tmp_path / "a" / "host0")  # host 0 died: its shards live on in host 1's mirror
     run = _run(2, mesh)
     hs.resume(run, a, run.live, 5, agree=lambda ok: ok)
@@ -210,13 +217,72 @@ def test_the_mirror_across_hosts_goes_to_the_next_hosts_server_and_stops_when_it
     arrays = {"0:0-4": np.arange(4.0)}
     raw = hsf.encode(arrays)
     meta = hsf.make_meta(7, raw, None, 1, 3, False, keys=list(arrays), writers=[0, 1, 2, 3])
-    store._mirror(raw, meta)
-    store.flush()
+    store._send(raw, meta)
     assert server.puts == 1 and hsf.read(tmp_path / "next" / "host3" / "mirror", 7)[0]["0:0-4"].tolist() == [0, 1, 2, 3]
     server.close()
-    store._mirror(raw, {**meta, "step": 8})
-    store.flush()
+    store._send(raw, {**meta, "step": 8})
     assert store.mirror_error is not None and "step 8" in store.mirror_error
     assert "no mirror on the next host from now on" in capsys.readouterr().err
-    store._mirror(raw, {**meta, "step": 9})  # not tried again: the generation is about to end
-    assert store._sending is None or not store._sending.is_alive()
+    server2 = net.StoreServer(tmp_path / "next")  # (a server back at another port is not the one named)
+    store._send(raw, {**meta, "step": 9})  # not tried again: the generation is about to end
+    assert server2.puts == 0 and "step 8" in store.mirror_error
+    server2.close()
+
+
+def test_a_stored_step_is_written_off_the_step_path_from_a_copy_the_next_step_cannot_donate(tmp_path, mesh):
+    """`after_step` copies the state on its devices and returns; a thread reads the copy
+    back and writes it. The state's own buffers may be donated (deleted) by the next step
+    at once: the stored values are still the step's. The verdict record is read in the
+    thread too (an unread verdict of a skipped step lands in the record), and a write that
+    fails raises at the next stored step, not silently."""
+    from resilax._src.protect import anomaly
+
+    store = hs.HostStore(str(tmp_path), 0, 1)
+    run = _run(6, mesh)
+    want = {k: np.asarray(v) for k, v in run.live.items()}
+    nan = jax.device_put(jnp.int32(anomaly.NONFINITE))
+    snap = {"through": 5, "counts": {"nonfinite": 0, "spike": 0}, "skipped": {2: anomaly.SPIKE},
+            "pending": [(4, jax.device_put(jnp.int32(anomaly.OK))), (5, nan)]}
+    store._verdicts = lambda: snap
+    store.after_step(run, None)
+    for x in run.live.values():
+        x.delete()  # what the next step's donation does
+    store.flush()
+    got, meta = hsf.read(tmp_path / "host0" / "own", 6)
+    w_rows = sorted((k for k in got if k.startswith("1:")), key=lambda k: int(k[2:].split("-")[0]))  # leaf 1: "w"
+    assert np.array_equal(np.concatenate([got[k] for k in w_rows]), want["w"])
+    assert meta["verdicts"] == {"through": 5, "counts": {"nonfinite": 1, "spike": 0}, "skipped": [[2, 2], [5, 1]]}
+    assert len(store.seconds) == 1 and store.waited == [pytest.approx(0, abs=1.0)]
+    # a write that fails (the store's directory is a file now) raises at the next stored step
+    import shutil
+
+    shutil.rmtree(tmp_path / "host0")
+    (tmp_path / "host0").write_text("not a directory")
+    store.after_step(_run(7, mesh), None)
+    with pytest.raises(OSError):
+        store.after_step(_run(8, mesh), None)
+    store.drain()  # after a failure: said, not raised
+
+
+def test_storing_a_step_does_not_wait_for_the_step_to_finish(tmp_path):
+    """On an accelerator the host runs ahead of the device; a store that read the state back
+    on the step loop would make the host wait for every stored step. `after_step` returns
+    while the step (here a slow chain of matmuls) still runs; the thread writes it after."""
+    heavy = jax.jit(lambda a: functools.reduce(lambda b, _: jnp.tanh(b @ a) , range(30), a))
+    x = jnp.ones((768, 768), jnp.float32) / 768
+    heavy(x).block_until_ready()  # compiled
+    t0 = time.perf_counter()
+    heavy(x).block_until_ready()
+    compute = time.perf_counter() - t0
+    store = hs.HostStore(str(tmp_path), 0, 1)
+    y = heavy(x)
+    run = types.SimpleNamespace(step=3, live={"w": y}, guard=None, data_position=None)
+    t0 = time.perf_counter()
+    store.after_step(run, None)
+    took = time.perf_counter() - t0
+    running = not y.is_ready()
+    store.flush()
+    got, meta = hsf.read(tmp_path / "host0" / "own", 3)
+    assert np.array_equal(got["0:0-768,0-768"], np.asarray(y)) and meta["whole"]
+    assert compute > 0.2, compute  # (a step slow enough to tell)
+    assert running and took < 0.5 * compute, (took, compute)

@@ -246,7 +246,7 @@ def train(
     if hs is not None:  # under `resilax launch`: what storing (and mirroring) cost the step loop
         summary["host_store"] = {"writes": len(hs.seconds), "seconds": sum(hs.seconds),
                                  "median_s": float(np.median(hs.seconds)) if hs.seconds else None,
-                                 "mirror": hs.remote, "mirror_wait_s": sum(hs.mirror_wait),
+                                 "mirror": hs.remote, "waited_s": sum(hs.waited),
                                  "mirror_error": hs.mirror_error}
     if curve:
         summary["curve"] = trace

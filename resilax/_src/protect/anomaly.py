@@ -253,6 +253,12 @@ class Watch(Protection):
         return {"through": int(run.step) - 1, "counts": dict(self.counts),
                 "skipped": [[int(s), int(self.skipped[s])] for s in newest]}
 
+    def snapshot(self, run) -> dict:
+        """What `record` gives, without reading a device value: the verdicts judged so far and
+        the unread ones' arrays (`resolve_record` reads them, off the step loop's path)."""
+        return {"through": int(run.step) - 1, "counts": dict(self.counts), "skipped": dict(self.skipped),
+                "pending": [(step, ok) for step, ok, _ in self._queue]}
+
     def restored(self, record) -> None:
         """The run resumed from a checkpoint or host copy whose metadata holds ``record``."""
         self._queue.clear()
@@ -328,6 +334,20 @@ class Watch(Protection):
 
     def held(self):
         return [x for item in self._queue for x in item[1:] if isinstance(x, jax.Array)]
+
+
+def resolve_record(snap: dict) -> dict:
+    """The verdict record of a `Watch.snapshot` (as `Watch.record`): reads its unread
+    verdicts (blocking until their steps are done); no event, no change to the watcher."""
+    skipped, counts = dict(snap["skipped"]), dict(snap["counts"])
+    for step, ok in snap["pending"]:
+        code = int(np.asarray(ok))
+        if code != OK and step not in skipped:
+            skipped[step] = code
+            if CAUSES.get(code) in counts:
+                counts[CAUSES[code]] += 1
+    newest = sorted(skipped)[-MAX_SKIPPED_KEPT:]
+    return {"through": snap["through"], "counts": counts, "skipped": [[int(s), int(skipped[s])] for s in newest]}
 
 
 def _ready(x) -> bool:

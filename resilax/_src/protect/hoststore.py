@@ -34,8 +34,12 @@ Files: ``step<k>.npz`` (one array per (leaf, shard index), no pickle) committed 
 The newest ``KEEP`` steps are kept: workers step in lock-step, so a process killed while
 writing step ``k`` leaves every other process with ``k - 1`` still on hand.
 
-Cost: each stored step waits for the step to finish and copies the process's shards to
-host memory (a synchronous device-to-host copy plus a write to RAM).
+Cost on the step loop's path: a copy of the state on its own devices (the next step may
+donate the state's buffers) dispatched after the step, and the wait for the previous stored
+step; a thread reads the copy back (waiting for the step there), encodes, checksums and
+writes it and sends the mirror. So a stored step lands a step later than it ran (a
+worker killed meanwhile leaves the one before), and the copy holds one more state's worth
+of device memory until the thread has read it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resilax._src.protect import base
+from resilax._src.protect.anomaly import resolve_record
 from resilax._src.step.sharding import local_shards
 
 from resilax._src.protect import hoststore_files as _files
@@ -73,10 +78,12 @@ class HostStore(base.Protection):
         # and the other hosts' servers are asked for the copies a re-formed mesh needs
         self.remote, self.peers = remote or None, list(peers)
         self.writers = sorted(writers) if writers is not None else list(self.alive)  # who stores each step
-        self.seconds: list[float] = []  # each stored step's time on the step's path (its waits included)
-        self.mirror_wait: list[float] = []  # of that, waiting for the previous step's mirror to be sent
-        self._record = None  # () -> the anomaly watcher's verdict record (`anomaly.Watch.record`), or None
-        self._sending: threading.Thread | None = None
+        self.seconds: list[float] = []  # each stored step's time on the step loop's path (its wait included)
+        self.waited: list[float] = []  # of that, waiting for the previous stored step to be written and sent
+        self._verdicts = None  # () -> the anomaly watcher's verdict snapshot (`anomaly.Watch.snapshot`), or None
+        self._job: threading.Thread | None = None  # the stored step being copied, written and sent
+        self._job_error: BaseException | None = None
+        self._copy = jax.jit(lambda t: [jnp.copy(x) for x in t])  # fresh buffers the next step cannot donate
         self.mirror_error: str | None = None  # why the last mirror across hosts failed (then no more are sent)
 
     @classmethod
@@ -95,35 +102,68 @@ class HostStore(base.Protection):
         return out
 
     def newest(self) -> int | None:
-        """The newest step committed in this process's own host copy."""
+        """The newest step committed in this process's own host copy (the one being written
+        first finishes: after a failure it may be a step the failure broke, then it is not)."""
+        self.drain()
         steps = committed_steps(self._targets()[0])
         return steps[-1] if steps else None
 
     def shrunk(self, run, state, alive: list[int]) -> None:
         """Processes outside ``alive`` are gone (an in-place shrink): mirror to the next live
         host from now on, and store the restored step at once."""
+        self.drain()
         self.alive = self.writers = sorted(alive)
         self.write(run.step, state, run.guard, run.data_position)
 
     def after_step(self, run, rec) -> None:
         if run.step % self.every:
             return
-        self.write(run.step, run.live, run.guard, run.data_position)
+        self.write(run.step, run.live, run.guard, run.data_position, wait=False)
 
     def start(self, run, state) -> None:
         """Re-protects a restored state at once (own host and the neighbour's mirror): until
         this generation's first stored step, a second death would otherwise find the dead
         hosts' copies gone and fall back to the checkpoint."""
+        self.drain()
         watch = getattr(run, "watch", None)
-        self._record = (lambda: watch.record(run)) if watch is not None else None
+        self._verdicts = (lambda: watch.snapshot(run)) if watch is not None else None
         if run.step > 0 and run.step not in committed_steps(self._targets()[0]):
             self.write(run.step, state, run.guard, run.data_position)
 
-    def write(self, step: int, state, guard, data_pos) -> None:
+    def close(self) -> None:
+        self.drain()
+
+    def write(self, step: int, state, guard, data_pos, wait: bool = True) -> None:
+        """Stores ``step``: at once (``wait``), or off the step loop's path: the state is copied
+        on its devices (the next step may donate it) and a thread reads the copy back,
+        writes it and sends the mirror while the loop goes on. At most one step is in flight:
+        the next one waits for it (`flush`), so the store is at most a step behind."""
         t0 = time.perf_counter()
+        self.flush()
+        self.waited.append(time.perf_counter() - t0)
         leaves = jax.tree.leaves((state, guard))
-        # the skipped steps up to this one (the copy below waits for this step anyway)
-        verdicts = self._record() if self._record is not None else None
+        # the skipped steps up to this one: known verdicts, and the unread ones' arrays (no device read here)
+        verdicts = self._verdicts() if self._verdicts is not None else None
+        if wait:
+            self._store(step, leaves, data_pos, verdicts)
+        else:
+            try:
+                copies = self._copy(leaves)
+            except ValueError:  # leaves on different sets of devices: one copy each
+                copies = [jnp.copy(x) for x in leaves]
+            self._job = threading.Thread(target=self._run, args=(step, copies, data_pos, verdicts),
+                                         name="resilax-host-store", daemon=True)
+            self._job.start()
+        self.seconds.append(time.perf_counter() - t0)
+
+    def _run(self, *args) -> None:
+        try:
+            self._store(*args)
+        except BaseException as e:  # raised on the step loop by the next `flush`
+            self._job_error = e
+
+    def _store(self, step: int, leaves, data_pos, verdicts) -> None:
+        verdicts = resolve_record(verdicts) if verdicts is not None else None  # reads the unread verdicts
         arrays = {}
         whole = True
         for i, x in enumerate(leaves):
@@ -137,34 +177,37 @@ class HostStore(base.Protection):
         for d in self._targets():
             _files.write_raw(d, step, raw, meta)
         if self.remote is not None and not whole:  # a whole copy is on every host already
-            self._mirror(raw, meta)
-        self.seconds.append(time.perf_counter() - t0)
+            self._send(raw, meta)
 
-    def _mirror(self, raw: bytes, meta: dict) -> None:
-        """Sends the step's copy to the next host's store in the background; at most one in
-        flight (the next stored step waits for it), so the mirror is at most a step behind."""
-        if self._sending is not None:
-            t0 = time.perf_counter()
-            self._sending.join()
-            self.mirror_wait.append(time.perf_counter() - t0)
+    def _send(self, raw: bytes, meta: dict) -> None:
+        """The step's copy to the next host's store server (once one failed, no more: the
+        next host is gone or hung, and its generation is about to end)."""
         if self.mirror_error is not None:
             return
-
-        def send():
-            try:
-                _net.put(self.remote, meta, raw)
-            except OSError as e:  # the next host is gone or hung: its generation is about to end
-                self.mirror_error = f"step {meta['step']} to {self.remote}: {e}"
-                print(f"resilax: host store: no mirror on the next host from now on ({self.mirror_error})",
-                      file=sys.stderr, flush=True)
-
-        self._sending = threading.Thread(target=send, name="resilax-store-mirror", daemon=True)
-        self._sending.start()
+        try:
+            _net.put(self.remote, meta, raw)
+        except OSError as e:
+            self.mirror_error = f"step {meta['step']} to {self.remote}: {e}"
+            print(f"resilax: host store: no mirror on the next host from now on ({self.mirror_error})",
+                  file=sys.stderr, flush=True)
 
     def flush(self) -> None:
-        """Waits for the mirror being sent, if any."""
-        if self._sending is not None:
-            self._sending.join()
+        """Waits for the stored step in flight, if any; raises what made it fail (a full
+        RAM disk, say), one step late."""
+        if self._job is not None:
+            self._job.join()
+            self._job = None
+        err, self._job_error = self._job_error, None
+        if err is not None:
+            raise err
+
+    def drain(self) -> None:
+        """`flush`, after a failure: a step the failure broke cannot be stored, said, not raised."""
+        try:
+            self.flush()
+        except Exception as e:
+            print(f"resilax: host store: the step in flight was not stored ({type(e).__name__}: {e})",
+                  file=sys.stderr, flush=True)
 
     def restore(self, step: int, abstract_leaves, shardings):
         """Arrays of ``step`` for this process's shards, from its own host or the mirror;
