@@ -367,8 +367,10 @@ class Supervisor:
         if len(known) == len(self.workers) and min(known) < max(known):
             lag = min(self.workers, key=lambda x: started[x.process_id])
             if lag.proc.poll() is None:
-                return lag, (f"hung: never started step {max(known)}, which the other workers are waiting in "
-                             f"(it is at step {started[lag.process_id]}; process {w.process_id} {why})")
+                # (the others' hosts may have dispatched more than one step ahead, as plain jit's do)
+                at = started[lag.process_id]
+                return lag, (f"hung: never started step {at + 1} (it is at step {at}; the other workers have "
+                             f"started up to step {max(known)} and wait for it; process {w.process_id} {why})")
         return w, why
 
     def _watch(self) -> tuple[str, int, str]:
