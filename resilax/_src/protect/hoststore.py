@@ -151,7 +151,7 @@ class HostStore(base.Protection):
                 copies = self._copy(leaves)
             except ValueError:  # leaves on different sets of devices: one copy each
                 copies = [jnp.copy(x) for x in leaves]
-            self._job = threading.Thread(target=self._run, args=(step, copies, data_pos, verdicts),
+            self._job = threading.Thread(target=self._run, args=(step, copies, data_pos, verdicts, True),
                                          name="resilax-host-store", daemon=True)
             self._job.start()
         self.seconds.append(time.perf_counter() - t0)
@@ -162,7 +162,9 @@ class HostStore(base.Protection):
         except BaseException as e:  # raised on the step loop by the next `flush`
             self._job_error = e
 
-    def _store(self, step: int, leaves, data_pos, verdicts) -> None:
+    def _store(self, step: int, leaves, data_pos, verdicts, owned: bool = False) -> None:
+        """Reads ``leaves`` back and commits them as ``step``. ``owned``: the arrays are this
+        store's own copies (nothing donates them), so host views of them need no copy."""
         verdicts = resolve_record(verdicts) if verdicts is not None else None  # reads the unread verdicts
         arrays = {}
         whole = True
@@ -170,7 +172,7 @@ class HostStore(base.Protection):
             shards, covered = local_shards(x)  # a replicated leaf: one copy per index is enough
             whole = whole and covered
             for s in shards:
-                arrays[_key(i, s.index, x.shape)] = np.array(s.data, copy=True)
+                arrays[_key(i, s.index, x.shape)] = np.asarray(s.data) if owned else np.array(s.data, copy=True)
         raw = _files.encode(arrays)
         meta = _files.make_meta(step, raw, data_pos, len(leaves), self.process, whole, verdicts, keys=list(arrays),
                                 writers=self.writers)
