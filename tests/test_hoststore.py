@@ -286,3 +286,28 @@ def test_storing_a_step_does_not_wait_for_the_step_to_finish(tmp_path):
     assert np.array_equal(got["0:0-768,0-768"], np.asarray(y)) and meta["whole"]
     assert compute > 0.2, compute  # (a step slow enough to tell)
     assert running and took < 0.5 * compute, (took, compute)
+
+
+def test_a_step_stored_again_by_other_writers_is_not_mixed_with_the_old_copies(tmp_path):
+    """Across hosts, a generation that resumed from a checkpoint older than the hosts'
+    copies stores the same step numbers again with other writers (a smaller job, another
+    reduction order): another state. A stale mirror of the first state (process 0's, whose
+    host is gone) must not fill regions of the second: the agents count copies together and
+    a worker assembles from them only when their writers are the same."""
+    devs = jax.devices()
+    rows = NamedSharding(Mesh(np.array(devs), ("x",)), P("x"))
+    old = [jax.device_put(jnp.zeros((8, 4)), rows)]
+    new = [jax.device_put(jnp.ones((8, 4)), rows)]
+    procs = {p: devs[2 * p:2 * p + 2] for p in range(4)}
+    here = tmp_path / "host-b"
+    _commit_process(here / "host0" / "mirror", 12, old, procs[0], 0, [0, 1, 2, 3])  # stale: the first state
+    for p in (1, 2, 3):  # the second state of step 12, by processes 1-3 (2 devices each on the old layout too)
+        _commit_process(here / f"host{p}" / "own", 12, new, procs[p] if p else procs[0], p, [1, 2, 3])
+    _commit_process(here / "host1" / "mirror", 12, new, procs[0], 1, [1, 2, 3])  # ... and the rows of 0-1
+    sh = [NamedSharding(Mesh(np.array(devs[:4]), ("y",)), P(None, "y"))]
+    store = hs.HostStore(str(here), 2, 4)
+    got = store.restore(12, new, sh)
+    assert got is not None
+    np.testing.assert_array_equal(np.asarray(got[0][0]), np.ones((8, 4)))
+    assert "host0/mirror" not in got[2], got[2]
+    assert hsf.covered_steps([hsf.records(here)]) == [12]

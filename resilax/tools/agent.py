@@ -377,7 +377,7 @@ class Agent:
             shutil.rmtree(self.store_root, ignore_errors=True)
             for j in range(self.n):
                 (self.store_root / f"host{self.rank * self.n + j}").mkdir(parents=True)
-            # the store's server: the next host's workers put their mirrors here, a re-formed
+            # the store's server: the previous host's workers put their mirrors here, a re-formed
             # generation reads this host's copies through it
             self._server = hoststore_net.StoreServer(self.store_root, host=self.address)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -147,20 +147,21 @@ def records(root: pathlib.Path, step: int | None = None) -> dict[str, dict[int, 
 def covered_steps(listings) -> list[int]:
     """The steps some store in ``listings`` (each as `records` returns it, from this host or
     another's server) gives back whole: a whole copy, or a copy of every process that
-    stored the step (its records' ``writers``), from its own host or a mirror. Ascending."""
-    held: dict[int, set] = {}
-    writers: dict[int, set] = {}
+    stored the step (its records' ``writers``), from its own host or a mirror. Copies count
+    together only when their ``writers`` are the same: a step stored again by a generation
+    of other processes (after a resume from an older checkpoint) is another state, and
+    mixing the two would make neither. Ascending."""
+    held: dict[tuple, set] = {}
     whole = set()
     for listing in listings:
         for recs in listing.values():
             for s, rec in recs.items():
                 s = int(s)  # a JSON object's keys are strings
-                held.setdefault(s, set()).add(rec.get("process"))
                 if rec.get("whole"):
                     whole.add(s)
                 if isinstance(rec.get("writers"), list):
-                    writers[s] = set(rec["writers"])
-    return sorted(s for s in held if s in whole or (s in writers and writers[s] <= held[s]))
+                    held.setdefault((s, tuple(sorted(rec["writers"]))), set()).add(rec.get("process"))
+    return sorted(whole | {s for (s, writers), got in held.items() if set(writers) <= got})
 
 
 def read(d: pathlib.Path, step: int) -> tuple[dict, dict] | None:
