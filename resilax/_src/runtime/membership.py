@@ -188,7 +188,7 @@ def reform_assignment(run_dir, generation: int, process_id: int) -> str:
     return os.path.join(run_dir, "spares", f"reform-g{generation}-p{process_id}.json")
 
 
-def reform_due(step: int) -> bool:
+def reform_due(step: int, settle=None) -> bool:
     """Whether this worker leaves the job now, at the boundary after ``step`` completed
     steps, to re-form (call it before every step, with the same step numbers on all
     workers; False at once unless the job went on in place).
@@ -196,7 +196,11 @@ def reform_due(step: int) -> bool:
     The supervisor asks by adding ``"reform"`` to the membership file; the lowest live
     process reads it here and publishes ``step + 1`` as the boundary in the key-value
     store before it dispatches step ``step + 1``. Any other worker completes that step only
-    after the lowest one dispatched it, so each finds the boundary before it passes it."""
+    after the lowest one dispatched it, so each finds the boundary before it passes it,
+    provided it looks only once its previous step completed: a host that runs ahead of its
+    devices (as plain jit's do) could otherwise dispatch past the boundary. ``settle()``
+    waits for that (the other workers call it before they look; only in a generation that
+    can re-form, where a step costs this wait)."""
     m = _state.get("membership")
     e = _state.get("env")
     if e is None or (m is None and e.job_processes == e.num_processes):
@@ -212,6 +216,8 @@ def reform_due(step: int) -> bool:
                 c.key_value_set(key, str(int(step) + 1))
                 _state["reform_at"] = int(step) + 1
         else:
+            if settle is not None:
+                settle()  # its previous step completed: the lowest process had decided before dispatching it
             try:
                 _state["reform_at"] = int(c.key_value_try_get(key))
             except Exception:  # noqa: BLE001 (not published yet)

@@ -38,7 +38,7 @@ def possible(run) -> bool:
 def grow_back_if_due(run) -> None:
     """The job, smaller than ``-n``, grows back at this step (`membership.reform_due`): stores
     the step in the host store, lets a save in flight commit, and leaves (`leave_for_reform`)."""
-    if not membership.reform_due(run.step):
+    if not membership.reform_due(run.step, settle=lambda: _settle(run)):
         return
     e = worker.env()
     store, ckpt = run.host_store, run.checkpointer
@@ -47,6 +47,13 @@ def grow_back_if_due(run) -> None:
     if ckpt is not None and ckpt.paused is None:
         ckpt.store.wait()  # every worker is here: a save in flight commits before they detach
     leave_for_reform(run, e.generation + 1, f"the job grows back to {e.job_processes} processes")
+
+
+def _settle(run) -> None:
+    """Waits until the last dispatched step completed (one of its outputs is ready)."""
+    leaves = jax.tree.leaves(run.live) if run.live is not None else []
+    if leaves:
+        leaves[0].block_until_ready()
 
 
 def go_on(run, err: BaseException, entry: int, batch, finished, call: Callable):
