@@ -249,9 +249,7 @@ class Watch(Protection):
         """The verdict record of the steps before ``run.step`` (flushes first): JSON for a
         checkpoint's or a host copy's metadata."""
         self.flush(run)
-        newest = sorted(self.skipped)[-MAX_SKIPPED_KEPT:]
-        return {"through": int(run.step) - 1, "counts": dict(self.counts),
-                "skipped": [[int(s), int(self.skipped[s])] for s in newest]}
+        return resolve_record(self.snapshot(run))  # (nothing is left unread after the flush)
 
     def snapshot(self, run) -> dict:
         """What `record` gives, without reading a device value: the verdicts judged so far and

@@ -267,19 +267,19 @@ class _Pieces:
             for d, recs in listing.items():
                 if step in recs:
                     self.copies.append((f"{addr}/{d}", recs[step], lambda a=addr, d=d: _get(a, d, step)))
-        own = [c for c in self.copies if c[1].get("process") == store.process]
-        # one state only: whole copies, or the copies of one set of writers (a step stored
-        # again by a generation of other processes is another state), this process's own first
-        groups: dict = {}
-        for c in self.copies:
-            w = c[1].get("writers")
-            groups.setdefault(tuple(sorted(w)) if isinstance(w, list) else None, []).append(c)
-        full = [w for w, cs in groups.items() if w is not None and set(w) <= {c[1].get("process") for c in cs}]
-        mine = own[0][1].get("writers") if own else None
+        # one state only: whole copies, or the copies of one complete set of writers
+        # (`hoststore_files.complete_writers`), this process's own first
+        full = _files.complete_writers([c[1] for c in self.copies])
+        mine = next((c[1].get("writers") for c in self.copies if c[1].get("process") == store.process), None)
         pick = tuple(sorted(mine)) if isinstance(mine, list) and tuple(sorted(mine)) in full else \
             (max(full, key=len) if full else None)
-        whole = [c for c in self.copies if c[1].get("whole")]
-        self.copies = whole + [c for c in groups.get(pick, []) if not c[1].get("whole")]
+
+        def writers(c):
+            w = c[1].get("writers")
+            return tuple(sorted(w)) if isinstance(w, list) else None
+
+        self.copies = [c for c in self.copies if c[1].get("whole")] + \
+            [c for c in self.copies if not c[1].get("whole") and writers(c) == pick]
         own = [c for c in self.copies if c[1].get("process") == store.process]
         self._meta = (own or self.copies or [(None, {}, None)])[0][1]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import re
 import os
 import pathlib
+import re
 import tempfile
 
 import numpy as np
@@ -121,12 +121,6 @@ def write_raw(d: pathlib.Path, step: int, raw: bytes, meta: dict) -> None:
                 pass
 
 
-def _write(d: pathlib.Path, step: int, arrays: dict, data_state, leaves: int, process: int, whole: bool,
-           verdicts=None) -> None:
-    raw = encode(arrays)
-    write_raw(d, step, raw, make_meta(step, raw, data_state, leaves, process, whole, verdicts))
-
-
 def records(root: pathlib.Path, step: int | None = None) -> dict[str, dict[int, dict]]:
     """The commit records under a store ``root``: ``{"host<j>/<own|mirror>": {step: record}}``
     (only ``step``'s when given; the records' ``keys`` only then, they can be long)."""
@@ -144,24 +138,29 @@ def records(root: pathlib.Path, step: int | None = None) -> dict[str, dict[int, 
     return out
 
 
+def complete_writers(recs) -> list[tuple]:
+    """The sets of writers (sorted tuples) of which ``recs``, records of one step, hold a
+    copy of every process. Copies count together only when their ``writers`` are the same:
+    a step stored again by a generation of other processes (after a resume from an older
+    checkpoint) is another state, and mixing the two would make neither."""
+    held: dict[tuple, set] = {}
+    for rec in recs:
+        if isinstance(rec.get("writers"), list):
+            held.setdefault(tuple(sorted(rec["writers"])), set()).add(rec.get("process"))
+    return [w for w, got in held.items() if set(w) <= got]
+
+
 def covered_steps(listings) -> list[int]:
     """The steps some store in ``listings`` (each as `records` returns it, from this host or
     another's server) gives back whole: a whole copy, or a copy of every process that
-    stored the step (its records' ``writers``), from its own host or a mirror. Copies count
-    together only when their ``writers`` are the same: a step stored again by a generation
-    of other processes (after a resume from an older checkpoint) is another state, and
-    mixing the two would make neither. Ascending."""
-    held: dict[tuple, set] = {}
-    whole = set()
+    stored the step (its records' ``writers``, one set of them: `complete_writers`), from
+    its own host or a mirror. Ascending."""
+    by_step: dict[int, list] = {}
     for listing in listings:
         for recs in listing.values():
             for s, rec in recs.items():
-                s = int(s)  # a JSON object's keys are strings
-                if rec.get("whole"):
-                    whole.add(s)
-                if isinstance(rec.get("writers"), list):
-                    held.setdefault((s, tuple(sorted(rec["writers"]))), set()).add(rec.get("process"))
-    return sorted(whole | {s for (s, writers), got in held.items() if set(writers) <= got})
+                by_step.setdefault(int(s), []).append(rec)  # a JSON object's keys are strings
+    return sorted(s for s, recs in by_step.items() if any(r.get("whole") for r in recs) or complete_writers(recs))
 
 
 def read(d: pathlib.Path, step: int) -> tuple[dict, dict] | None:
