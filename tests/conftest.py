@@ -30,6 +30,9 @@ if os.environ.get("RESILAX_TEST_DEVICE_FREE_CACHE_KEY", "1") != "0":
     _SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
     if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
+    # with the same key in every process, one process of a launched job compiles each
+    # program of the job's mesh and the others load it (JAX's option, off by default)
+    os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS", "true")
     _spec = _ilu.spec_from_file_location("_resilax_test_site", os.path.join(_SITE, "sitecustomize.py"))
     _spec.loader.exec_module(_ilu.module_from_spec(_spec))
 

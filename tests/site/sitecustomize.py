@@ -22,17 +22,58 @@ def _patch(mod) -> None:
     def _hash(hash_obj, compile_options_obj, strip_device_assignment=False):
         return orig(hash_obj, compile_options_obj, strip_device_assignment=True)
 
+    def _hash_devices(hash_obj, accelerators) -> None:
+        # JAX hashes XLA:CPU's topology fingerprint here, which differs from one process of a
+        # job to the next for the same devices: each worker of a launched job had keys of
+        # its own, and none loaded what another (or an earlier job's) process had compiled.
+        # What the executable depends on is the same in every process: the platform, the
+        # device kinds and how the devices fall into processes (numbered in order of first
+        # appearance, so one process's program on its own devices is the same everywhere).
+        devs = list(accelerators.flat)
+        order = {p: i for i, p in enumerate(dict.fromkeys(d.process_index for d in devs))}
+        mod._hash_string(hash_obj, repr([(d.platform, d.device_kind, order[d.process_index]) for d in devs]))
+
     mod._hash_serialized_compile_options = _hash
+    mod._hash_accelerator_config = _hash_devices
 
 
-class _PatchCacheKey(importlib.abc.MetaPathFinder):
-    """Patches `jax._src.cache_key` when it is first imported (this process may never import
-    JAX: importing it here would cost every such process its start-up)."""
+def _patch_compiler(mod) -> None:
+    """With ``jax_share_binary_between_hosts``, one process of a job compiles each program
+    of the job's mesh and the others load it from the coordination service's key-value
+    store; JAX keeps what it shared in a process-wide dict by cache key. A worker that
+    re-forms in place starts a new distributed client (and backend) under the same keys:
+    the dict is emptied when the client changes, so nothing of an old client is reused."""
+    orig = mod._compile_and_share_module
+    last = [None]
+
+    def share(backend, computation, executable_devices, compile_options, host_callbacks, global_client, *a, **kw):
+        if global_client is not last[0]:
+            orig.modules_cache.clear()
+            last[0] = global_client
+        return orig(backend, computation, executable_devices, compile_options, host_callbacks, global_client,
+                    *a, **kw)
+
+    share.modules_cache = orig.modules_cache  # (the original reads it through the module's name)
+    mod._compile_and_share_module = share
+
+
+_PATCHES = {"jax._src.cache_key": _patch, "jax._src.compiler": _patch_compiler}
+
+
+class _PatchJax(importlib.abc.MetaPathFinder):
+    """Patches `jax._src.cache_key` and `jax._src.compiler` when each is first imported (this
+    process may never import JAX: importing it here would cost every such process its
+    start-up)."""
+
+    def __init__(self, todo):
+        self.todo = dict(todo)
 
     def find_spec(self, name, path, target=None):
-        if name != "jax._src.cache_key":
+        patch = self.todo.pop(name, None)
+        if patch is None:
             return None
-        sys.meta_path.remove(self)
+        if not self.todo:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
@@ -40,13 +81,17 @@ class _PatchCacheKey(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
-if "jax._src.cache_key" in sys.modules:
-    _patch(sys.modules["jax._src.cache_key"])
-else:
-    sys.meta_path.insert(0, _PatchCacheKey())
+_todo = {}
+for _name, _fn in _PATCHES.items():
+    if _name in sys.modules:
+        _fn(sys.modules[_name])
+    else:
+        _todo[_name] = _fn
+if _todo:
+    sys.meta_path.insert(0, _PatchJax(_todo))
