@@ -236,7 +236,7 @@ def train(
         "final_accuracy": acc,
         "wall_s": wall,
         "checkpoints": step.checkpoints.steps() if step.checkpoints else [],
-        "checkpoint_blocking_s": sum(step.checkpoints.blocking_s) if step.checkpoints else 0.0,
+        "checkpoint_blocking_s": step.checkpoints.blocking_s.total if step.checkpoints else 0.0,
         "events": [e.to_json() for e in step.events],
         # steps whose update was not applied (NaN/Inf or spike), recorded across restarts
         "skipped_steps": sorted(step.watch.skipped) if step.watch is not None else [],
@@ -244,9 +244,9 @@ def train(
     }
     hs = step.host_store
     if hs is not None:  # under `resilax launch`: what storing (and mirroring) cost the step loop
-        summary["host_store"] = {"writes": len(hs.seconds), "seconds": sum(hs.seconds),
-                                 "median_s": float(np.median(hs.seconds)) if hs.seconds else None,
-                                 "mirror": hs.remote, "waited_s": sum(hs.waited),
+        summary["host_store"] = {"writes": hs.seconds.count, "seconds": hs.seconds.total,
+                                 "median_s": hs.seconds.median(),
+                                 "mirror": hs.remote, "waited_s": hs.waited.total,
                                  "mirror_error": hs.mirror_error}
     if curve:
         summary["curve"] = trace

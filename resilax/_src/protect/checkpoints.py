@@ -48,6 +48,7 @@ import orbax.checkpoint as ocp
 from resilax._src.protect.checksum import anchor_tree, tree_checksums
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
 from resilax._src.protect import base
+from resilax._src.timings import Timings
 from resilax._src.protect.planner import Candidate, Copy
 
 FORMAT = 1
@@ -188,8 +189,8 @@ class CheckpointStore:
         except OSError as e:
             raise StorageError(f"resilax checkpoints: cannot create checkpoint_dir {str(self.directory)!r}: {e}") from e
         self._mgr = self._open()
-        self.blocking_s: list[float] = []  # seconds the caller blocked per save
-        self.persist_s: list[float] = []  # seconds from handing a snapshot to Orbax to its commit (persister thread)
+        self.blocking_s = Timings()  # seconds the caller blocked per save
+        self.persist_s = Timings()  # seconds from handing a snapshot to Orbax to its commit (persister thread)
         self._lock = ORBAX_LOCK
         self._q: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None

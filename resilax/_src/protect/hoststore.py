@@ -56,6 +56,7 @@ import numpy as np
 from resilax._src.protect import base
 from resilax._src.protect.anomaly import resolve_record
 from resilax._src.step.sharding import local_shards
+from resilax._src.timings import Timings
 
 from resilax._src.protect import hoststore_files as _files
 from resilax._src.protect import hoststore_net as _net
@@ -78,8 +79,8 @@ class HostStore(base.Protection):
         # and the other hosts' servers are asked for the copies a re-formed mesh needs
         self.remote, self.peers = remote or None, list(peers)
         self.writers = sorted(writers) if writers is not None else list(self.alive)  # who stores each step
-        self.seconds: list[float] = []  # each stored step's time on the step loop's path (its wait included)
-        self.waited: list[float] = []  # of that, waiting for the previous stored step to be written and sent
+        self.seconds = Timings()  # each stored step's time on the step loop's path (its wait included)
+        self.waited = Timings()  # of that, waiting for the previous stored step to be written and sent
         self._verdicts = None  # () -> the anomaly watcher's verdict snapshot (`anomaly.Watch.snapshot`), or None
         self._job: threading.Thread | None = None  # the stored step being copied, written and sent
         self._job_error: BaseException | None = None

@@ -47,6 +47,7 @@ import jax
 import numpy as np
 
 from resilax._src.errors import SilentDataCorruptionError
+from resilax._src.timings import Timings
 from resilax._src.protect import ring as _ring
 from resilax._src.protect.base import Protection
 from resilax._src.protect.checksum import replica_sums
@@ -69,7 +70,7 @@ class SdcCheck(Protection):
         self._good_at = None  # the newest step whose replicas were found equal
         self._told = weakref.WeakSet()  # programs whose coverage event was recorded
         self._fns: dict = {}
-        self.seconds: list[float] = []
+        self.seconds = Timings()  # each check's time
         self.decisions: list[dict] = []
         self.why = None
         self._ckpt_seen = False
