@@ -222,11 +222,42 @@ def test_the_mirror_across_hosts_goes_to_the_next_hosts_server_and_stops_when_it
     server.close()
     store._send(raw, {**meta, "step": 8})
     assert store.mirror_error is not None and "step 8" in store.mirror_error
-    assert "no mirror on the next host from now on" in capsys.readouterr().err
+    assert f"no mirror on the host at {server.address} from now on" in capsys.readouterr().err
     server2 = net.StoreServer(tmp_path / "next")  # (a server back at another port is not the one named)
     store._send(raw, {**meta, "step": 9})  # not tried again: the generation is about to end
     assert server2.puts == 0 and "step 8" in store.mirror_error
     server2.close()
+
+
+def test_with_two_mirrors_a_host_and_its_neighbour_lost_at_once_still_leave_every_shard(tmp_path, capsys):
+    """``--host-store-mirrors 2``: host 0's shards go to the next two hosts' servers. Hosts 0
+    and 1 are lost at once (host 1's server closed, host 0's store gone): host 2 still has
+    host 0's mirror beside its own copy, so the step is offered. With one mirror (the next
+    host only) the same two losses leave host 0's shards nowhere."""
+    from resilax._src.protect import hoststore_net as net
+
+    arrays = {"0:0-4": np.arange(4.0)}
+    raw = hsf.encode(arrays)
+    meta = hsf.make_meta(7, raw, None, 1, 0, False, keys=list(arrays), writers=[0, 2])
+    own2 = hsf.encode({"0:4-8": np.arange(4.0, 8.0)})
+    hsf.write_raw(tmp_path / "h2" / "host2" / "own", 7,
+                  own2, hsf.make_meta(7, own2, None, 1, 2, False, keys=["0:4-8"], writers=[0, 2]))
+    for mirrors, want in ((1, []), (2, [7])):
+        servers = {j: net.StoreServer(tmp_path / f"h{j}") for j in (1, 2)}
+        store = hs.HostStore(str(tmp_path / "h0"), 0, 3, alive=[0], writers=[0, 2],
+                             remote=",".join(servers[j].address for j in (1, 2)[:mirrors]))
+        store._send(raw, meta)
+        assert [servers[j].puts for j in (1, 2)] == [1, mirrors - 1]
+        servers[1].close()  # host 1 lost; host 0 is the writer, lost with its own copy
+        store._send(raw, {**meta, "step": 8})  # the next stored step: host 1 refuses, host 2 (if named) takes it
+        assert "step 8" in store.mirror_error and servers[1].address in store.mirror_error
+        assert f"no mirror on the host at {servers[1].address} from now on" in capsys.readouterr().err
+        assert servers[2].puts == 2 * (mirrors - 1)
+        assert hsf.covered_steps([net.listing(servers[2].address)]) == want, mirrors
+        servers[2].close()
+        import shutil
+
+        shutil.rmtree(tmp_path / "h2" / "host0", ignore_errors=True)  # (the next round starts with no mirror there)
 
 
 def test_a_stored_step_is_written_off_the_step_path_from_a_copy_the_next_step_cannot_donate(tmp_path, mesh):

@@ -34,10 +34,10 @@ agent owns its host's store (``--host-store-dir``, default a new directory on /d
 never under ``D``, a network file system on a cluster; emptied when the agent starts,
 removed when it ends), its workers write their shards there, and the agent serves it on
 its ``--address`` (`hoststore_net.StoreServer`; the address is in its lease): the workers
-of the previous live host put their mirror copies of the default mode's shards there (a
-whole copy needs none). At each generation the agent offers the steps its store holds for
-all its processes (`LaunchEnv.host_store_steps`) and the workers take the newest step in
-every host's offer by a key-value vote (all or none of them take the host store). After a
+of the previous live host (of the previous K, ``--host-store-mirrors K``) put their mirror
+copies of the default mode's shards there (a whole copy needs none). At each generation
+the agent offers the steps its store holds for all its processes
+(`LaunchEnv.host_store_steps`) and the workers take the newest step in every host's offer by a key-value vote (all or none of them take the host store). After a
 host loss whole copies fit as they are (the bit-exact mode: each survivor holds the whole
 state, so no step is lost); the default mode's re-formed mesh needs other shards, so the
 agents offer the steps of which every process's shards are in a live host's store (the
@@ -108,7 +108,7 @@ class Agent:
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, collective_timeout_s: int = 15,
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 60, grace_s: float = 60.0,
                  min_nodes: int | None = None, max_restarts: int = 3, host_store_every: int = 1,
-                 host_store_dir=None):
+                 host_store_dir=None, host_store_mirrors: int = 1):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if nodes < 1 or not 0 <= node_rank < nodes:
@@ -122,6 +122,9 @@ class Agent:
             raise ValueError(f"resilax launch: --min-nodes must be in [1, --nodes={nodes}], got {min_nodes}")
         if host_store_every < 0:
             raise ValueError(f"resilax launch: --host-store-every must be >= 0, got {host_store_every}")
+        if not 1 <= host_store_mirrors < max(nodes, 2):
+            raise ValueError(f"resilax launch: --host-store-mirrors must be in [1, --nodes - 1 = {nodes - 1}] (each "
+                             f"host's shards are mirrored on that many other hosts), got {host_store_mirrors}")
         if heartbeat_timeout_s <= heartbeat_s:
             raise ValueError(f"resilax launch: --heartbeat-timeout ({heartbeat_timeout_s} s) must exceed the heartbeat "
                              f"interval --heartbeat ({heartbeat_s} s)")
@@ -132,7 +135,7 @@ class Agent:
         self.collective_timeout_s, self.startup_timeout_s = collective_timeout_s, startup_timeout_s
         self.jax_heartbeat_timeout_s, self.grace_s = jax_heartbeat_timeout_s, grace_s
         self.min_nodes, self.max_restarts = min_nodes, max_restarts
-        self.host_store_every = host_store_every
+        self.host_store_every, self.host_store_mirrors = host_store_every, host_store_mirrors
         # this host's store (RAM where there is /dev/shm; never under the shared run dir, which
         # is a network file system on a cluster): made by `run`, removed when the agent ends
         tag = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
@@ -193,9 +196,11 @@ class Agent:
         self.workers = []
         leases = self.rdv.leases()
         self._stores = {r: leases[r]["store"] for r in gen.members if (leases.get(r) or {}).get("store")}
+        # the mirror: the next --host-store-mirrors live hosts in rank order (fewer when fewer are left)
         ring = sorted(gen.members)
-        after = ring[(ring.index(self.rank) + 1) % len(ring)]
-        remote = self._stores.get(after, "") if after != self.rank else ""
+        i = ring.index(self.rank)
+        after = [ring[(i + d) % len(ring)] for d in range(1, min(self.host_store_mirrors, len(ring) - 1) + 1)]
+        remote = ",".join(self._stores[r] for r in after if r in self._stores)
         peers = ",".join(a for r, a in sorted(self._stores.items()) if r != self.rank)
         steps = self._store_steps([self.rank * self.n + j for j in range(self.n)])
         if gen.service_node == self.rank:
@@ -531,6 +536,10 @@ def add_arguments(p) -> None:
                         "host's shards): a directory on this "
                         "host, not the shared run dir (default: a new one on /dev/shm, else in the temp dir; emptied "
                         "when the agent starts, removed when it ends)")
+    g.add_argument("--host-store-mirrors", type=int, default=1, metavar="K",
+                   help="mirror each host's shards (the default mode's; a whole copy is on every host) on the next K "
+                        "live hosts: any K hosts next to each other may be lost at once and the job still resumes "
+                        "from the host stores (default 1; each more costs one more copy's network and memory)")
 
 
 def main(cmd, args, environ=os.environ) -> int | None:
@@ -551,7 +560,7 @@ def main(cmd, args, environ=os.environ) -> int | None:
                       collective_timeout_s=args.collective_timeout or 15, startup_timeout_s=args.startup_timeout,
                       min_nodes=args.min_nodes, max_restarts=args.max_restarts,
                       rendezvous_timeout_s=args.rendezvous_timeout, host_store_every=args.host_store_every,
-                      host_store_dir=args.host_store_dir)
+                      host_store_dir=args.host_store_dir, host_store_mirrors=args.host_store_mirrors)
     except ValueError as e:
         print(f"resilax: error: resilax launch: {e}" if not str(e).startswith("resilax") else f"resilax: error: {e}",
               file=sys.stderr)

@@ -104,8 +104,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
     p.add_argument("--cases", default=None,
-                   help=f"comma-separated, of {', '.join(CASES)} (default: service, other, relaunch; with --soak: "
-                        f"service)")
+                   help=f"comma-separated, of {', '.join(CASES)} (default: service, other, relaunch; --soak: service)")
     p.add_argument("--workers-per-host", type=int, default=1, metavar="P",
                    help="workers per agent (the topology gets one failure domain per process: 3 P domains)")
     p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
@@ -122,8 +121,8 @@ def add_arguments(p) -> None:
                    help="instead: N runs of the case(s) (default service), each with replacements; outcome and "
                         "fallbacks per run")
     p.add_argument("--lease", type=float, default=2.0, metavar="S", help="the agents' --lease")
-    p.add_argument("--host-store-every", type=int, default=1, metavar="K",
-                   help="the agents' --host-store-every (0: host stores off, every restart from the checkpoint)")
+    p.add_argument("--host-store-every", type=int, default=1, metavar="K", help="the agents' (0: host stores off)")
+    p.add_argument("--host-store-mirrors", type=int, default=1, metavar="K", help="the agents' (default 1)")
     p.add_argument("--timeout", type=float, default=240.0, metavar="S",
                    help="the most one case may take (start to every agent's exit); past it: a hang")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory, removed "
@@ -340,15 +339,15 @@ def _reforming(run, dead, at: str):
 
 
 def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int, lease: float, timeout: float,
-             replace: bool = False, host_store_every: int = 1, workers: int = 1, devices: int = 2,
+             replace: bool = False, host_store_every: int = 1, workers: int = 1, devices: int = 2, mirrors: int = 1,
              min_nodes: int | None = None, second_kill_at: str = "attached", nodes: int = NODES, log=print) -> dict:
-    """One job of ``nodes`` agents; ``case`` as in the module docstring. Raises `Hang` or
-    `BenchError`; returns the measurements (``bitwise`` says whether the final state
-    matched ``ref``, ``distance`` how far it is from it)."""
+    """One job of ``nodes`` agents; ``case`` as in the module docstring. Raises `Hang` or `BenchError`;
+    returns the measurements (``bitwise``: the final state is ``ref``'s; ``distance``: how far from it)."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
     cmd = [*train, "--out", str(out), "--summary", str(summ)]
     opts = ["-n", str(workers), "--devices-per-process", str(devices), "--lease", str(lease), "--heartbeat", "0.2",
-            "--heartbeat-timeout", "10", "--rendezvous-timeout", "120", "--host-store-every", str(host_store_every)]
+            "--heartbeat-timeout", "10", "--rendezvous-timeout", "120", "--host-store-every", str(host_store_every),
+            "--host-store-mirrors", str(mirrors)]
     if min_nodes is not None:
         opts += ["--min-nodes", str(min_nodes)]
     nproc = nodes * workers
@@ -510,7 +509,7 @@ def _stats(xs):
 
 
 def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=None, repeat=1, replace=False, soak=0,
-                    lease=2.0, timeout=240.0, workdir=None, host_store_every=1, workers_per_host=1,
+                    lease=2.0, timeout=240.0, workdir=None, host_store_every=1, workers_per_host=1, mirrors=1,
                     devices_per_process=None, min_nodes=None, second_kill_at="attached", nodes=NODES,
                     deterministic=True, log=print) -> dict:
     import numpy as np
@@ -565,7 +564,7 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=None, 
         try:
             res = run_case(work / name, case, train=train, ref=ref, kill_after=kill_after, lease=lease,
                            timeout=timeout, replace=rep, host_store_every=host_store_every, workers=workers,
-                           devices=devices, min_nodes=min_nodes if min_nodes or case != "double" else 1,
+                           mirrors=mirrors, devices=devices, min_nodes=min_nodes if min_nodes or case != "double" else 1,
                            second_kill_at=second_kill_at, nodes=nodes, log=log)
             res["outcome"] = "bitwise" if res["bitwise"] else (f"within {tol:g}" if res["distance"] <= tol else
                                                                f"off by {res['distance']:.2e}")
@@ -589,7 +588,7 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=None, 
                   "second_kill_at": second_kill_at if "double" in cases else None,
                   "mode": mode, "tolerance": tol, "batch": 48, "steps": steps, "checkpoint_every": checkpoint_every,
                   "kill_after": kill_after, "lease_s": lease, "heartbeat_s": 0.2, "host_store_every": host_store_every,
-                  "repeat": repeat, "soak": soak,
+                  "host_store_mirrors": mirrors, "repeat": repeat, "soak": soak,
                   "replace": bool(replace or soak), "cpu_count": os.cpu_count(), "loopback": True},
         "runs": runs, "wall_s": time.time() - t0, "ok": not failed,
     }
@@ -685,6 +684,7 @@ def run(args) -> int:
     r = bench_multihost(steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
                         cases=cases, repeat=args.repeat, replace=args.replace, soak=args.soak, lease=args.lease,
                         timeout=args.timeout, workdir=args.workdir, host_store_every=args.host_store_every,
+                        mirrors=args.host_store_mirrors,
                         workers_per_host=args.workers_per_host, devices_per_process=args.devices_per_process,
                         min_nodes=args.min_nodes, second_kill_at=args.second_kill_at, nodes=args.nodes,
                         deterministic=not args.no_deterministic, log=lambda m: print(m, flush=True))

@@ -22,7 +22,8 @@ still gets its shards from any live host.
 
 Across hosts (`resilax launch --nodes`) each agent's store is its host's, and the mirror
 goes through the next live host's store server (`hoststore_net`; sent in the background,
-only for copies that are not whole). After a host loss in the default mode the re-formed
+only for copies that are not whole), or the next *k* hosts' (``--host-store-mirrors k``):
+then any k hosts next to each other may be lost at once. After a host loss in the default mode the re-formed
 mesh needs other shards than any process wrote: `HostStore.restore` assembles each of them
 from the pieces in every reachable copy (this host's directories, the other hosts'
 servers), using each record's ``keys``; the agents offer only the steps of which every
@@ -75,9 +76,11 @@ class HostStore(base.Protection):
         # the ring: this process mirrors to the next live one (a generation smaller than the
         # job, `resilax launch` re-formed without replacements, starts with some hosts gone)
         self.alive = sorted(alive) if alive is not None else list(range(n))
-        # across hosts: the next live host's store server gets the mirror (`hoststore_net`),
-        # and the other hosts' servers are asked for the copies a re-formed mesh needs
-        self.remote, self.peers = remote or None, list(peers)
+        # across hosts: the next live hosts' store servers get the mirror (`hoststore_net`;
+        # ``remote``: their addresses, comma-separated), and the other hosts' servers are
+        # asked for the copies a re-formed mesh needs
+        self.remotes = [a for a in (remote or "").split(",") if a]
+        self.remote, self.peers = ",".join(self.remotes) or None, list(peers)
         self.writers = sorted(writers) if writers is not None else list(self.alive)  # who stores each step
         self.seconds = Timings()  # each stored step's time on the step loop's path (its wait included)
         self.waited = Timings()  # of that, waiting for the previous stored step to be written and sent
@@ -85,7 +88,7 @@ class HostStore(base.Protection):
         self._job: threading.Thread | None = None  # the stored step being copied, written and sent
         self._job_error: BaseException | None = None
         self._copy = jax.jit(lambda t: [jnp.copy(x) for x in t])  # fresh buffers the next step cannot donate
-        self.mirror_error: str | None = None  # why the last mirror across hosts failed (then no more are sent)
+        self.mirror_errors: dict[str, str] = {}  # a host's address -> why a mirror to it failed (then no more to it)
 
     @classmethod
     def for_job(cls, job) -> "HostStore":
@@ -179,20 +182,26 @@ class HostStore(base.Protection):
                                 writers=self.writers)
         for d in self._targets():
             _files.write_raw(d, step, raw, meta)
-        if self.remote is not None and not whole:  # a whole copy is on every host already
+        if self.remotes and not whole:  # a whole copy is on every host already
             self._send(raw, meta)
 
+    @property
+    def mirror_error(self) -> str | None:
+        """Why mirrors across hosts failed (None: none did)."""
+        return "; ".join(self.mirror_errors.values()) or None
+
     def _send(self, raw: bytes, meta: dict) -> None:
-        """The step's copy to the next host's store server (once one failed, no more: the
-        next host is gone or hung, and its generation is about to end)."""
-        if self.mirror_error is not None:
-            return
-        try:
-            _net.put(self.remote, meta, raw)
-        except OSError as e:
-            self.mirror_error = f"step {meta['step']} to {self.remote}: {e}"
-            print(f"resilax: host store: no mirror on the next host from now on ({self.mirror_error})",
-                  file=sys.stderr, flush=True)
+        """The step's copy to the next hosts' store servers (to one that failed, no more: that
+        host is gone or hung, and its generation is about to end)."""
+        for address in self.remotes:
+            if address in self.mirror_errors:
+                continue
+            try:
+                _net.put(address, meta, raw)
+            except OSError as e:
+                self.mirror_errors[address] = f"step {meta['step']} to {address}: {e}"
+                print(f"resilax: host store: no mirror on the host at {address} from now on "
+                      f"({self.mirror_errors[address]})", file=sys.stderr, flush=True)
 
     def flush(self) -> None:
         """Waits for the stored step in flight, if any; raises what made it fail (a full
