@@ -278,8 +278,9 @@ class Agent:
             f"mesh needs other shards: "
             + (f"the live hosts' stores hold every process's shards of steps {covered}"
                + (f" (node(s) {lost}'s from their mirrors)" if lost else "") if covered else
-               "no step has every process's shards in a live host's store (a lost host's mirror was lost too, or "
-               "the mirror is off); resuming from the newest checkpoint")
+               f"no step has every process's shards in a live host's store (a lost host's mirrors were lost too: "
+               f"{self.host_store_mirrors} mirror(s), --host-store-mirrors; or the store is off); resuming from the "
+               f"newest checkpoint")
             + (f"; unreachable: {', '.join(unreachable)}" if unreachable else ""))
         return covered
 
