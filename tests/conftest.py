@@ -33,6 +33,9 @@ if os.environ.get("RESILAX_TEST_DEVICE_FREE_CACHE_KEY", "1") != "0":
     # with the same key in every process, one process of a launched job compiles each
     # program of the job's mesh and the others load it (JAX's option, off by default)
     os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS", "true")
+    # a process killed while it compiles for the others leaves them waiting: 2 minutes, not
+    # JAX's 20, then their compile raises and their supervisor sees a failed worker
+    os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "120000")
     _spec = _ilu.spec_from_file_location("_resilax_test_site", os.path.join(_SITE, "sitecustomize.py"))
     _spec.loader.exec_module(_ilu.module_from_spec(_spec))
 
