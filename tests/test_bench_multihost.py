@@ -1,24 +1,26 @@
 """`resilax bench multihost`, and through it the job across hosts that loses the host running
-the coordination service, resumes from the survivors' own host stores and grows back.
+the coordination service, then, during the recovery, the host running the next one; resumes
+from the last host's own store and grows back.
 
-One case of the bench (``service`` with a replacement) is the end-to-end test of issue 29's
+One case of the bench (``double`` with replacements) is the end-to-end test of issue 29's
 promise: three agents (each its own process group, as three hosts) x 2 workers x 1 CPU
 device run `resilax train` on a 6-slice topology (a failure domain per process, two per
-host) in the bit-exact mode (2 devices per process until 2026-11-27: ~30 s more; processes
-of 2 devices across hosts are in test_agent's SIGTERM and default-mode tests). Once every worker is past a checkpoint, host 0 is SIGKILLed
+host) in the bit-exact mode. Once every worker is past a checkpoint, host 0 is SIGKILLed
 (its agent, which runs the coordination service, and its two workers; its host store is
 deleted with it: its RAM is gone). Nodes 1 and 2 see it go, stop their workers and re-form
-as generation 1 without it (processes 2-5 of the job's 6), node 1 now the service node.
-Each survivor holds a whole copy of the newest step in its own host's store, so they resume
-from there, redoing at most the one step a worker may have been killed while storing. Once
-the job is back at the step it had reached, a replacement agent for rank 0 joins (an empty
-store): the agents stop their workers at a step boundary (SIGTERM: JAX's preemption sync, a
-checkpoint of that step) and generation 2 has all three again, every worker resuming from
-that checkpoint (the vote on the host-store step finds none on the replacement). The run
-completes bitwise equal to a failure-free single-process run. The bench's JSON has the
-documented keys and phases. (Until 2026-11-26 the bench's own test killed a host without the
-service, 1 worker per host, beside a separate test of this case: the same agents, workers
-and checks twice.)"""
+as generation 1 without it, node 1 now the service node; once generation 1's workers have
+attached to that service, host 1 is SIGKILLed too. Node 2 re-forms alone as generation 2
+(``--min-nodes 1``, the service on node 2) and its workers resume from its own host's
+whole copies of the newest step, redoing at most the one step a worker may have been
+killed while storing. Once the job is back at the step it had reached, replacement agents
+for ranks 0 and 1 join (empty stores): node 2 stops its workers at a step boundary
+(SIGTERM: JAX's preemption sync, a checkpoint of that step) and generation 3 has all three
+again, every worker resuming from that checkpoint (the vote on the host-store step finds
+none on the replacements). The run completes bitwise equal to a failure-free
+single-process run; the bench's JSON has the documented keys and phases. (Until
+2026-11-27 this test ran the ``service`` case, one kill: the double case costs the same
+CPU, 120 vs 125 s, and adds the second kill during the recovery; earlier still the bench's
+own test killed a host without the service beside a separate test of that case.)"""
 
 import json
 import subprocess
@@ -27,61 +29,66 @@ import sys
 PHASES = {"detect", "agree", "start", "restore", "setup", "redo"}
 
 
-def test_service_host_killed_with_two_workers_per_host_resumes_from_host_stores_grows_back_bitwise(tmp_path,
-                                                                                                   child_env):
+def test_service_host_then_the_next_service_host_killed_in_the_recovery_last_host_resumes_and_grows_back_bitwise(
+        tmp_path, child_env):
     out, work = tmp_path / "mh.json", tmp_path / "work"
-    r = subprocess.run([sys.executable, "-m", "resilax", "bench", "multihost", "--cases", "service", "--replace",
+    r = subprocess.run([sys.executable, "-m", "resilax", "bench", "multihost", "--cases", "double", "--replace",
                         "--workers-per-host", "2", "--devices-per-process", "1", "--steps", "40", "--kill-after", "7",
                         "--checkpoint-every", "5", "--timeout", "240", "--workdir", str(work), "--json", str(out)],
                        env=child_env, capture_output=True, text=True, timeout=330, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "[2/2] service0: SIGKILL the coordination service's host (+ a replacement agent)" in r.stdout
+    assert "[2/2] double0: SIGKILL the service's host, then the next service's host (attached)" in r.stdout
     assert "death -> back (s)" in r.stdout
     res = json.loads(out.read_text())
-    assert res["ok"] and res["benchmark"] == "multihost" and set(res["cases"]) == {"service"}
-    assert {"nodes", "steps", "checkpoint_every", "kill_after", "lease_s"} <= set(res["setup"])
+    assert res["ok"] and res["benchmark"] == "multihost" and set(res["cases"]) == {"double"}
+    assert {"nodes", "steps", "checkpoint_every", "kill_after", "lease_s", "host_store_mirrors"} <= set(res["setup"])
     assert (res["setup"]["workers_per_node"], res["setup"]["devices_per_process"], res["setup"]["topology"]) == \
         (2, 1, "cpu-6x1")
-    case = res["cases"]["service"]
-    assert case["bitwise"] and case["runs"] == 1 and set(case["phases"]) == PHASES
+    case = res["cases"]["double"]
+    assert case["bitwise"] and case["runs"] == 1 and PHASES <= set(case["phases"])
     (run,) = res["runs"]
     # the final state: bitwise that of a failure-free single-process run of the same topology
     assert run["outcome"] == "bitwise" and run["bitwise"] and run["fallbacks"] == [], run
-    # host 0 ran the service; generation 1 (nodes 1 and 2) has it on node 1
-    assert run["killed"] == [0] and run["service_node_before"] == 0 and run["service_node_after"] == 1, run
-    assert run["generation_back"] == 1 and run["nodes_back"] == [1, 2], run
+    # host 0 ran the service; generation 1 (nodes 1 and 2) had it on node 1, which was killed
+    # once generation 1's workers had attached; generation 2 is node 2 alone, the service there
+    assert run["killed"] == [0, 1] and run["service_node_before"] == 0 and run["service_node_after"] == 2, run
+    second = run["second_kill"]
+    assert (second["at"], second["generation"], second["members"], second["service_node"]) == \
+        ("attached", 1, [1, 2], 1), second
+    assert second["workers_attached"] == second["workers"] == 4, second
+    assert run["generation_back"] == 2 and run["nodes_back"] == [2], run
     assert run["death_to_back_s"] > 0 and run["phases"]["agree"] > 0 and run["phases"]["start"] > 0
-    # the survivors resume from their own hosts' stores (bit-exact: whole copies): at most the
-    # step being stored at the kill is redone (the kill's step is read from heartbeats, so the
+    # node 2 resumes from its own host's store (bit-exact: whole copies): at most the step
+    # being stored at the kill is redone (the kill's step is read from heartbeats, so the
     # restored step may be past it)
     assert run["restored_from"] == "host store" and run["restored_step"] >= run["kill_step"] - 1, run
     assert run["lost_steps"] == max(0, run["kill_step"] - run["restored_step"]) <= 1
     assert {e["node"] for e in run["generation_ends"] if e["generation"] == 0} == {1, 2}
-    # growing back redoes no step: the workers stopped after a step they agreed on and saved it
+    # growing back redoes no step: the worker stopped after a step they agreed on and saved it
     grow = run["grow_back"]
-    assert grow["generation"] == 2 and grow["drained"] and grow["redone_steps"] == 0, grow
+    assert grow["generation"] == 3 and grow["drained"] and grow["redone_steps"] == 0, grow
     assert grow["resumed_step"] >= grow["stopped_step"] >= run["kill_step"], grow
 
     # what the agents and workers said (their logs stay in the bench's workdir)
-    case_dir, run_dir = work / "service0", work / "service0" / "run"
-    logs = {r: (case_dir / f"agent{r}.log").read_text(errors="replace") for r in (1, 2)}
-    logs[0] = (case_dir / "agent0.replacement.log").read_text(errors="replace")
+    case_dir, run_dir = work / "double0", work / "double0" / "run"
+    log2 = (case_dir / "agent2.log").read_text(errors="replace")
     gens = run_dir / "rendezvous" / "generations"
-    coord = [json.loads((gens / f"g{g}.proposal.json").read_text())["coordinator"] for g in (0, 1)]
-    assert coord[0] != coord[1], coord  # the service moved with its node
-    for r in (1, 2):
-        assert f"node {r}, generation 0 ended: " in logs[r], logs[r][-3000:]
-        assert f"node {r}, generation 1: nodes [1, 2], coordination service on node 1" in logs[r], logs[r][-3000:]
+    coord = [json.loads((gens / f"g{g}.proposal.json").read_text())["coordinator"] for g in (0, 1, 2)]
+    assert len(set(coord)) == 3, coord  # the service moved with each lost node
+    for g, line in ((0, "generation 0 ended: "), (1, "generation 1: nodes [1, 2], coordination service on node 1"),
+                    (1, "generation 1 ended: "), (2, "generation 2: nodes [2], coordination service on node 2")):
+        assert f"node 2, {line}" in log2, (g, log2[-3000:])
     r1 = run["restored_step"]
-    assert f"[g1 n1 p0] resumed at step {r1} (host store: " in logs[1], logs[1][-3000:]
-    assert "node 1, generation 1: this host's store holds steps [" in logs[1], logs[1][-3000:]
-    assert "growing back at a step boundary" in logs[1] and "the workers saved their step and exited" in logs[1]
-    # the replacement's store is empty: every worker of generation 2 takes the checkpoint of the drain
+    assert f"[g2 n2 p0] resumed at step {r1} (host store: " in log2, log2[-3000:]
+    assert "growing back at a step boundary" in log2 and "the workers saved their step and exited" in log2
+    # the replacements' stores are empty: every worker of generation 3 takes the checkpoint of the drain
     r2 = grow["resumed_step"]
-    assert f"[g2 n0 p0] resumed at step {r2} (checkpoint)" in logs[0], logs[0][-3000:]
-    assert "[g2 n1 p2] host store not used (step " in logs[1], logs[1][-3000:]
+    for rank, proc in ((0, 0), (1, 2)):
+        text = (case_dir / f"agent{rank}.replacement.log").read_text(errors="replace")
+        assert f"[g3 n{rank} p{proc}] resumed at step {r2} (checkpoint)" in text, text[-3000:]
+    assert "[g3 n2 p4] host store not used (step " in log2, log2[-3000:]
     final = json.loads((run_dir / "processes.json").read_text())
-    assert final["generation"] == 2 and final["status"] == "done" and final["service_node"] == 0, final
+    assert final["generation"] == 3 and final["status"] == "done" and final["service_node"] == 0, final
 
 
 def test_double_kill_picks_the_reforming_generation_and_expects_its_end(tmp_path):
