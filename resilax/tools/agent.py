@@ -123,8 +123,8 @@ class Agent:
         if host_store_every < 0:
             raise ValueError(f"resilax launch: --host-store-every must be >= 0, got {host_store_every}")
         if not 1 <= host_store_mirrors < max(nodes, 2):
-            raise ValueError(f"resilax launch: --host-store-mirrors must be in [1, --nodes - 1 = {nodes - 1}] (each "
-                             f"host's shards are mirrored on that many other hosts), got {host_store_mirrors}")
+            raise ValueError(f"resilax launch: --host-store-mirrors must be in [1, {max(nodes - 1, 1)}] (--nodes - 1: "
+                             f"each host's shards are mirrored on that many other hosts), got {host_store_mirrors}")
         if heartbeat_timeout_s <= heartbeat_s:
             raise ValueError(f"resilax launch: --heartbeat-timeout ({heartbeat_timeout_s} s) must exceed the heartbeat "
                              f"interval --heartbeat ({heartbeat_s} s)")
