@@ -38,8 +38,9 @@ of the previous live host (of the previous K, ``--host-store-mirrors K``) put th
 copies of the default mode's shards there (a whole copy needs none). At each generation
 the agent offers the steps its store holds for all its processes
 (`LaunchEnv.host_store_steps`) and the workers take the newest step in every host's offer
-by a key-value vote (all or none of them take the host store). After a host loss whole copies fit as they are (the bit-exact mode: each survivor holds the whole
-state, so no step is lost); the default mode's re-formed mesh needs other shards, so the
+by a key-value vote (all or none of them take the host store). After a host loss whole
+copies fit as they are (the bit-exact mode: each survivor holds the whole state, so no
+step is lost); the default mode's re-formed mesh needs other shards, so the
 agents offer the steps of which every process's shards are in a live host's store (the
 lost host's as the next host's mirror), and each worker assembles its new shards from
 them, reading other hosts' copies through their servers; else the checkpoint (the agent
