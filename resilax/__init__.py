@@ -21,6 +21,8 @@ _WHERE = {
                      "ProgramMismatchError", "Preempted", "ResilaxError", "StateLostError",
                      "SilentDataCorruptionError", "StorageError", "TopologyError", "WrapError"), "resilax._src.errors"),
     "Event": "resilax._src.events",
+    "exclusive_orbax_save": "resilax._src.protect.checkpoints",
+    "orbax_lock": "resilax._src.protect.checkpoints",
     "Fault": "resilax._src.runtime.faults",
     "FaultPlan": "resilax._src.runtime.faults",
     "record": "resilax._src.step.record",
@@ -57,6 +59,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
                                      StateLostError as StateLostError, StorageError as StorageError,
                                      TopologyError as TopologyError, WrapError as WrapError)
     from resilax._src.events import Event as Event  # noqa: F401
+    from resilax._src.protect.checkpoints import (exclusive_orbax_save as exclusive_orbax_save,  # noqa: F401
+                                                  orbax_lock as orbax_lock)
     from resilax._src.runtime.faults import Fault as Fault, FaultPlan as FaultPlan  # noqa: F401
     from resilax._src.step.record import record as record  # noqa: F401
     from resilax._src.runtime.topology import Topology as Topology  # noqa: F401
@@ -92,7 +96,9 @@ __all__ = [
     "Topology",
     "TopologyError",
     "WrapError",
+    "exclusive_orbax_save",
     "launched",
+    "orbax_lock",
     "record",
     "wrap",
 ]

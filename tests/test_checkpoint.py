@@ -367,9 +367,10 @@ def test_a_save_due_while_the_previous_one_writes_waits_and_says_so(tmp_path):
 def test_a_plain_orbax_save_beside_resilax_waits_for_the_lock_and_returns_committed(tmp_path):
     """Orbax runs one save per process at a time (a class-wide operation id): a bench's plain
     manager saving while resilax's persister saved waited on the other's keys until Orbax's
-    300 s timeout (CI, `bench overhead`). `exclusive_orbax_save` holds the lock every resilax
-    store holds until its commit: it waits while another thread holds it, the step is
-    committed when it returns, and the wait is reported apart from the save's own blocking."""
+    300 s timeout (CI, `bench overhead`). `resilax.exclusive_orbax_save` (public, for a user's
+    own manager) holds the lock every resilax store holds until its commit,
+    `resilax.orbax_lock`: it waits while another thread holds it, the step is committed when
+    it returns, and the wait is reported apart from the save's own blocking."""
     import threading
     import time
 
@@ -377,11 +378,16 @@ def test_a_plain_orbax_save_beside_resilax_waits_for_the_lock_and_returns_commit
 
     from resilax._src.protect import checkpoints as ck
 
+    assert resilax.orbax_lock is ck.ORBAX_LOCK and resilax.exclusive_orbax_save is ck.exclusive_orbax_save
+    assert {"orbax_lock", "exclusive_orbax_save"} <= set(resilax.__all__)
+    store = ck.CheckpointStore(str(tmp_path / "ck"), keep=1)
+    assert store._lock is resilax.orbax_lock  # what every resilax store holds
+    store.close()
     mgr = ocp.CheckpointManager(tmp_path / "plain", options=ocp.CheckpointManagerOptions(max_to_keep=2))
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with ck.ORBAX_LOCK:  # as a persister does from its save to its commit
+        with resilax.orbax_lock:  # as a persister does from its save to its commit
             held.set()
             release.wait(10)
 
@@ -390,7 +396,7 @@ def test_a_plain_orbax_save_beside_resilax_waits_for_the_lock_and_returns_commit
     held.wait(10)
     threading.Timer(0.5, release.set).start()
     t0 = time.perf_counter()
-    blocked, waited = ck.exclusive_orbax_save(mgr, 3, ocp.args.StandardSave({"w": np.arange(4.0)}))
+    blocked, waited = resilax.exclusive_orbax_save(mgr, 3, ocp.args.StandardSave({"w": np.arange(4.0)}))
     total = time.perf_counter() - t0
     t.join()
     assert waited >= 0.4 and blocked + waited == pytest.approx(total, abs=0.05), (blocked, waited, total)

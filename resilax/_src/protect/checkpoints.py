@@ -115,11 +115,13 @@ class Restored:
 # Every Orbax call of every store holds this lock, for a save until it is committed; other
 # Orbax saves in the process must too (`exclusive_orbax_save`).
 ORBAX_LOCK = threading.RLock()
+orbax_lock = ORBAX_LOCK  # public: `resilax.orbax_lock` (hold it around your own Orbax saves, to their commit)
 
 
 def exclusive_orbax_save(mgr, step: int, args) -> tuple[float, float]:
     """``mgr.save(step, args=args)`` for a CheckpointManager of the caller's own beside
-    resilax's checkpoints in one process (the benches' plain Orbax baselines): holds
+    resilax's checkpoints in one process (public: `resilax.exclusive_orbax_save`; the
+    benches' plain Orbax baselines use it): holds
     `ORBAX_LOCK` from the save until it is committed. Returns ``(blocked, waited)``: the
     seconds ``save`` blocked the caller (what a plain Orbax user's loop pays) and the seconds
     spent waiting for the lock and the commit (not part of that; a caller timing its loop
