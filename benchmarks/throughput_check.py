@@ -109,7 +109,7 @@ def child(name: str, steps: int, out: str) -> None:
             wrapped.close()  # waits for the last save's commit: counted below, not above
             extra |= {"close_s": time.perf_counter() - t0 - wall, "peer_cadence": {
                 k: v for k, v in (wrapped.peer_cadence() or {}).items() if k != "decisions"},
-                "saves": len(wrapped.checkpoints.blocking_s) if wrapped.checkpoints is not None else 0}
+                "saves": wrapped.checkpoints.blocking_s.count if wrapped.checkpoints is not None else 0}
     with open(out, "w") as f:
         json.dump({"config": name, "steps": steps, "wall_s": wall, "step_s": wall / steps, **extra}, f)
 

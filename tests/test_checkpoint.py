@@ -206,7 +206,7 @@ def test_save_blocks_only_for_a_snapshot_that_is_a_real_copy(tmp_path):
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), host)
         got = store.restore_newest(abstract)
         assert got.step == 3 and state_equal(got.state, host)
-        assert len(store.blocking_s) == 1 and len(store.persist_s) == 1
+        assert store.blocking_s.count == 1 and store.persist_s.count == 1
     finally:
         store.close()
 

@@ -123,7 +123,7 @@ def test_auto_cadence_is_measured_and_a_find_within_it_is_recovered(tmp_path):
     assert sdc.step - 17 in range(0, 4) and (sdc.step - cad.step) % 4 == 0 and sdc.fields["bad_domains"] == [1]
     assert tree_rel_diff(got, ref) == 0.0
     _, plain, _, _ = _run(health=H4, steps=3)
-    assert plain._sdc.report()["phase"] == "fixed" and plain._sdc.every == 1 and len(plain._sdc.seconds) == 3
+    assert plain._sdc.report()["phase"] == "fixed" and plain._sdc.every == 1 and plain._sdc.seconds.count == 3
 
 
 def _host_checksum(x):

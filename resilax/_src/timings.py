@@ -7,9 +7,11 @@ import statistics
 
 
 class Timings:
-    """How many times an action ran and its total seconds over the whole run, and its last
-    ``keep`` durations (iterating gives those; `median` is theirs). A list of every
-    duration grew by one float per stored step or check: a million-step run held millions."""
+    """How many times an action ran (`count`) and its total seconds (`total`) over the whole
+    run, and its last ``keep`` durations (`recent`; iterating gives those, `median` is
+    theirs). No ``len``: the count and the recent durations differ once there are more than
+    ``keep``. A list of every duration grew by one float per stored step or check: a
+    million-step run held millions."""
 
     def __init__(self, keep: int = 1024):
         self.count, self.total = 0, 0.0
@@ -22,9 +24,6 @@ class Timings:
 
     def median(self) -> float | None:
         return statistics.median(self.recent) if self.recent else None
-
-    def __len__(self) -> int:
-        return self.count
 
     def __iter__(self):
         return iter(self.recent)

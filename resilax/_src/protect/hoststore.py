@@ -79,8 +79,7 @@ class HostStore(base.Protection):
         # across hosts: the next live hosts' store servers get the mirror (`hoststore_net`;
         # ``remote``: their addresses, comma-separated), and the other hosts' servers are
         # asked for the copies a re-formed mesh needs
-        self.remotes = [a for a in (remote or "").split(",") if a]
-        self.remote, self.peers = ",".join(self.remotes) or None, list(peers)
+        self.remotes, self.peers = [a for a in (remote or "").split(",") if a], list(peers)
         self.writers = sorted(writers) if writers is not None else list(self.alive)  # who stores each step
         self.seconds = Timings()  # each stored step's time on the step loop's path (its wait included)
         self.waited = Timings()  # of that, waiting for the previous stored step to be written and sent
@@ -184,6 +183,11 @@ class HostStore(base.Protection):
             _files.write_raw(d, step, raw, meta)
         if self.remotes and not whole:  # a whole copy is on every host already
             self._send(raw, meta)
+
+    @property
+    def remote(self) -> str | None:
+        """The mirrors' addresses, comma-separated (None: no mirror across hosts)."""
+        return ",".join(self.remotes) or None
 
     @property
     def mirror_error(self) -> str | None:
