@@ -35,9 +35,10 @@ def host(tree):
     return jax.tree.map(lambda x: np.array(x), tree)
 
 
-def run(name, faults=(), *, topo=None, layout=sharded, config=None, steps=STEPS, case=None, keep=(), **wrap_kw):
+def run(name, faults=(), *, topo=None, layout=sharded, config=None, steps=STEPS, case=None, keep=(), reuse=False,
+        **wrap_kw):
     """Trains ``steps`` steps; returns (final host state, ResilientStep, {step: host state} for ``keep``,
-    metrics per step)."""
+    metrics per step). ``reuse``: the caller overwrites its batch arrays once each step is done."""
     case = case or CASES[name]
     topo = topo or resilax.Topology.emulated(2, 4)
     st = case.make_state(0)
@@ -49,6 +50,10 @@ def run(name, faults=(), *, topo=None, layout=sharded, config=None, steps=STEPS,
     for b in case.make_batches(steps):
         state, m = step(state, b)
         mets.append(host(m))
+        if reuse:
+            jax.block_until_ready(state)
+            for x in jax.tree.leaves(b):
+                x[...] = 7
         if step.step in keep:
             kept[step.step] = host(state)
     step.close()
@@ -377,10 +382,11 @@ def test_transformer_slice_loss_with_a_step_or_a_save_in_flight(phase, tmp_path)
 def test_copies_every_4_without_log_entries_recompute_since_the_copy():
     """``PeersConfig(every=4, log_entries_between=False)``: no device log between copies; a
     slice lost 3 steps after a copy is rebuilt from that copy plus 3 steps recomputed from
-    their retained batches (dropout: each example draws the same bits on the smaller mesh)."""
+    their retained batches (dropout: each example draws the same bits on the smaller mesh).
+    The caller overwrites its batch arrays after each step: the log retains its own copies."""
     ref, _, _ = reference("dropout_mlp", steps=10)
     cfg = resilax.Config(peers=resilax.PeersConfig(every=4, log_entries_between=False))
-    got, step, _, _ = run("dropout_mlp", ["fail_slice@7:after_step/1"], config=cfg, steps=10)
+    got, step, _, _ = run("dropout_mlp", ["fail_slice@7:after_step/1"], config=cfg, steps=10, reuse=True)
     (ev,) = recovery(step)
     f = ev.fields
     assert f["source"] == "peer" and f["restored_step"] == 4 and f["steps_recomputed"] == 3

@@ -286,13 +286,58 @@ def test_grads_budget_writes_few_grads_entries_and_resume_stays_bitwise(tmp_path
     assert cad2["grads_entries"] >= cad["grads_entries"] and cad2["grads_cost_s"] > 0, (cad2, cad)
 
 
-def test_grads_budget_is_ignored_without_a_data_iterator(tmp_path):
+def test_without_a_data_iterator_inputs_entries_carry_the_batch(tmp_path):
+    """No data iterator: an inputs entry holds the step's batch (copied at the call: the
+    caller's arrays are overwritten after each step here), so the grads budget applies and
+    most steps pay for a batch, not their gradients; a resume replays the batches (and the
+    few grads entries) and ends bitwise on the uninterrupted run."""
     cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log")))
+    batches = [next(it) for it in [ex.make_iterator(SPEC)] for _ in range(8)]
     step = make_step("adamw", cfg)
-    data = ex.make_iterator(SPEC)
     with step:
         state = step.init(MODELS["adamw"][0]())
+        for b in batches:
+            mine = jax.tree.map(np.copy, b)
+            state, m = step(state, mine)
+            jax.block_until_ready((state, m))
+            for x in jax.tree.leaves(mine):
+                x[...] = 7  # the caller reuses its buffers; the logged batch must not change
+        final = flat(state)
+        cad = step.log_cadence()
+    assert cad["grads_entries"] >= 1 and cad["inputs_only_entries"] >= 4, cad
+    log = DiskLog(tmp_path / "log")
+    assert log.steps("inputs") == list(range(8)) and len(log.steps("grads")) == cad["grads_entries"]
+    for i, b in enumerate(batches):
+        got = log.read(i, "inputs").batch
+        assert jax.tree.structure(got) == jax.tree.structure(b)
+        assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(b))), i
+    step = make_step("adamw", cfg)
+    with step:
+        state = step.init(MODELS["adamw"][0]())
+        ev = [e for e in step.events if e.kind == "replay"][-1]
+        assert step.step == 8 and ev.fields["inputs_steps"] >= 4 and ev.fields["grads_steps"] >= 1, ev.fields
+        assert_bitwise(flat(state), final)
+
+
+def _tiny_linear_step(state, batch):
+    loss, g = jax.value_and_grad(lambda p: jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2))(state.params)
+    return state.apply_gradients(grads=resilax.record(g)), {"loss": loss}
+
+
+def test_a_batch_larger_than_the_gradients_is_not_logged_every_step_keeps_grads(tmp_path):
+    """No data iterator and a batch (256 x 4 + 256 floats) larger than the recorded values
+    (4 floats): the smaller replayable record is the grads entry, so every step has one and
+    no inputs entry carries a batch."""
+    cfg = resilax.Config(log=resilax.LogConfig(directory=str(tmp_path / "log")), peers=None)
+    st = train_state.TrainState.create(apply_fn=None, params={"w": jnp.zeros((4,), jnp.float32)}, tx=optax.sgd(0.1))
+    rng = np.random.default_rng(0)
+    step = resilax.wrap(_tiny_linear_step, topology=TOPO, config=cfg)
+    with step:
+        state = step.init(st)
         for _ in range(5):
-            state, _ = step(state, next(data))
+            state, _ = step(state, {"x": rng.normal(size=(256, 4)).astype(np.float32),
+                                    "y": rng.normal(size=(256,)).astype(np.float32)})
         assert step.log_cadence()["inputs_only_entries"] == 0
-    assert DiskLog(tmp_path / "log").steps("grads") == list(range(5))
+    log = DiskLog(tmp_path / "log")
+    assert log.steps("grads") == list(range(5))
+    assert all(log.read(i, "inputs").batch is None for i in range(5))

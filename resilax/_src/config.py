@@ -72,7 +72,8 @@ class LogConfig:
       directory: disk sink; default ``<checkpoint directory>/record_log``; with neither,
         no disk sink (nothing is written to a place a restart could not find).
       mode: what a disk entry holds: ``"grads"`` (the recorded values: replay runs only the
-        update) or ``"inputs"`` (the data position: replay reruns the step on the batch).
+        update) or ``"inputs"`` (the data position: replay reruns the step on the batch;
+        without a data iterator the entry holds the batch itself, copied at the call).
       budget_bytes: grads entries on disk kept within this many bytes (older steps keep their
         inputs entry); ``None``: no limit.
       max_lag: disk entries that may be in flight before a step blocks; a SIGKILL resumes
@@ -85,8 +86,11 @@ class LogConfig:
         resume replays by rerunning the step from the data iterator: bitwise the same on the
         same mesh, just slower to replay. On a 41 MB model on 2 CPU cores a grads entry
         every step cost ~20% of the step (13.7 MB hashed, copied and written per step).
-        Applies only when the data iterator is known (``init(state, data=...)``); without
-        it an inputs entry cannot be replayed, so every step keeps its grads entry.
+        Without a data iterator (``init(state, data=...)``) the inputs entries carry the
+        step's batch (copied at the call; replayed by rerunning the step on it) when the
+        batch is no larger than the recorded values; when it is larger, every step keeps its
+        grads entry instead. On the tiny GPT (8 emulated CPU devices) a grads entry every
+        step cost +34% of the step, an inputs entry with the batch +5%.
         ``None``: a grads entry every step.
     """
 

@@ -8,6 +8,9 @@ Two kinds of entries, one file each, per step ``i`` (the step that takes the sta
   state) and the on-device checksums of the state step ``i`` started from. The RNG needs
   no logging (``fold_in(key(seed), i)``). Replaying it reruns the whole step on the batch
   the iterator yields from that position: exact when the data pipeline is deterministic.
+  A run without a data iterator has no position to log: its inputs entries carry the
+  batch itself (``"batch": true`` in the header, the batch's leaves as the payload), and a
+  replay reruns the step on that batch.
 - ``grads``: the values given to `resilax.record` (batch-mean gradients, and whatever else
   the update consumes) as raw arrays. Replaying it runs only `Split.update`: the forward
   and backward pass are dead code and XLA removes them.
@@ -88,10 +91,20 @@ def batch_signature(batch) -> list:
     return out
 
 
-def batch_template(sig):
-    """A nest of ``jax.ShapeDtypeStruct`` rebuilt from `batch_signature`."""
+def batch_template(sig, leaves=None):
+    """A nest of ``jax.ShapeDtypeStruct`` rebuilt from `batch_signature`; with ``leaves``
+    (host arrays in the signature's order), the batch itself."""
+    if leaves is not None:
+        if len(leaves) != len(sig) or any(list(np.shape(x)) != list(shape) or str(x.dtype) != dtype
+                                          for x, (_, shape, dtype) in zip(leaves, sig)):
+            raise ReplayLogError("resilax replay log: a logged batch does not match its batch signature")
+    at = iter(leaves) if leaves is not None else None
+
+    def leaf(shape, dtype):
+        return next(at) if at is not None else jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
     if len(sig) == 1 and not sig[0][0]:
-        return jax.ShapeDtypeStruct(tuple(sig[0][1]), jnp.dtype(sig[0][2]))
+        return leaf(sig[0][1], sig[0][2])
     root: Any = None
 
     def put(node, elems, leaf):
@@ -108,7 +121,7 @@ def batch_template(sig):
         return node
 
     for elems, shape, dtype in sig:
-        root = put(root, elems, jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)))
+        root = put(root, elems, leaf(shape, dtype))
     return root
 
 
@@ -126,6 +139,7 @@ class LogEntry:
     recorded: list[np.ndarray] | None  # grads: recorded leaves in tree order
     recorded_paths: list[str] | None
     scalars: dict = dataclasses.field(default_factory=dict)  # per-step scalars (verdict, watched value, variant)
+    batch: Any = None  # inputs entries of a run without a data iterator: the step's batch (host arrays)
 
 
 def encode_entry(header: dict, arrays: list[np.ndarray] = ()) -> bytes:
@@ -287,11 +301,16 @@ class DiskLog:
 
     # ---------------------------------------------------------- writing
     def append(self, step: int, *, recorded=None, state_sums=None, data_state=None, data_next=None,
-               batch_sig=None, scalars=None) -> None:
+               batch_sig=None, scalars=None, batch=None) -> None:
         """Queues entry ``step`` (grads too when ``recorded`` is given). Starts the
         device-to-host copies now; the writer thread waits for them. Returns once at most
-        ``max_lag`` entries are in flight (this one included). Raises the writer's error, if any."""
+        ``max_lag`` entries are in flight (this one included). Raises the writer's error, if any.
+
+        ``batch``: the step's batch leaves (in ``batch_sig``'s order), carried by the inputs
+        entry; the log owns them (nothing may change them: `RecordLog` hands it its copy)."""
         self._raise_error()
+        if batch is not None and batch_sig is None:
+            raise ValueError("DiskLog.append: a batch needs its batch_sig")
         leaves, paths = [], None
         if recorded is not None:
             leaves, treedef = jax.tree.flatten(recorded)
@@ -299,7 +318,7 @@ class DiskLog:
                 self._paths = (treedef, [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(recorded)[0]])
             paths = self._paths[1]
         scalars = dict(scalars or {})
-        for x in leaves + ([state_sums] if isinstance(state_sums, jax.Array) else []) + list(scalars.values()):
+        for x in leaves + (batch or []) + ([state_sums] if isinstance(state_sums, jax.Array) else []) + list(scalars.values()):
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
         with self._cv:
@@ -307,7 +326,7 @@ class DiskLog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._writer, name="resilax-replay-log", daemon=True)
             self._thread.start()
-        self._q.put((int(step), leaves, paths, state_sums, data_state, data_next, batch_sig, scalars))
+        self._q.put((int(step), leaves, paths, state_sums, data_state, data_next, batch_sig, scalars, batch))
         # at most max_lag entries in flight when this returns: entries up to step - max_lag are durable
         with self._cv:
             while self._pending > self.max_lag and self._error is None:
@@ -318,7 +337,7 @@ class DiskLog:
             job = self._q.get()
             if job is None:
                 return
-            step, leaves, paths, sums, ds, dn, bsig, scalars = job
+            step, leaves, paths, sums, ds, dn, bsig, scalars, batch = job
             try:
                 if self._error is None:
                     if sums is not None and not isinstance(sums, (np.ndarray, jax.Array)):
@@ -327,7 +346,8 @@ class DiskLog:
                     head = {"step": step, "data_state": ds, "data_next": dn, "batch_sig": bsig,
                             "state_sums": None if sums is None else np.asarray(sums).tolist(),
                             "scalars": {k: _json_scalar(v) for k, v in scalars.items()}}
-                    files = [("inputs", encode_entry(dict(head, kind="inputs")))]
+                    files = [("inputs", encode_entry(dict(head, kind="inputs")) if batch is None else
+                              encode_entry(dict(head, kind="inputs", batch=True), [np.asarray(x) for x in batch]))]
                     if paths is not None:
                         c0 = time.thread_time()
                         arrays = [np.asarray(x) for x in leaves]  # waits for the async copies
@@ -463,10 +483,18 @@ class DiskLog:
         if header.get("step") != step or header.get("kind") != kind:
             raise ReplayLogError(f"{where}: header names step {header.get('step')} ({header.get('kind')})")
         sums = header.get("state_sums")
+        batch = None
+        if kind == "inputs" and header.get("batch"):
+            if header.get("batch_sig") is None:
+                raise ReplayLogError(f"{where}: a batch without its batch signature")
+            try:
+                batch = batch_template(header["batch_sig"], arrays)
+            except ReplayLogError as e:
+                raise ReplayLogError(f"{where}: {e}") from e
         return LogEntry(step, kind, header.get("data_state"), header.get("data_next"),
                         None if sums is None else np.asarray(sums, np.uint32).reshape(-1, 2),
                         header.get("batch_sig"), arrays if kind == "grads" else None, header.get("paths"),
-                        header.get("scalars") or {})
+                        header.get("scalars") or {}, batch)
 
     def nbytes(self, kind: str | None = None) -> int:
         return sum((self.directory / entry_name(s, k)).stat().st_size

@@ -10,7 +10,10 @@ checksum)``, with three sinks.
   verdict and watched value (replicated device scalars; host copies after a recovery):
   every redo of a step, from any source, is gated by its recorded verdict.
 - **disk** (`disk_log.DiskLog`, when a directory is known): grads or inputs entries
-  written in the background and checksummed (sha256); a restart replays them.
+  written in the background and checksummed (sha256); a restart replays them. Without a
+  data iterator an inputs entry carries the step's batch (when it is no larger than the
+  recorded values; else every step gets a grads entry), so that every step stays
+  replayable while most steps pay for a batch, not for their gradients.
 
 One replay (`ResilientStep._redo`) serves slice recovery and crash resume.
 """
@@ -52,6 +55,7 @@ class RecordLog(base.Protection):
         self.pending: dict[int, DeviceEntry] = {}  # in flight: dies with a failure during its step
         self.verdicts: dict[int, tuple] = {}  # step -> (verdict, value) device scalars
         self._entry_bytes = weakref.WeakKeyDictionary()  # program -> bytes of one device entry
+        self._carry = weakref.WeakKeyDictionary()  # program -> whether inputs entries carry the batch
         self.batches: dict[int, Any] = {}
         self.covered = 0  # newest step a peer copy holds
         self.ckpt_step = None  # newest checkpoint step
@@ -115,7 +119,10 @@ class RecordLog(base.Protection):
             self.covered = self.now
         g = rec.gout
         self.verdicts[rec.step] = (g.ok, g.loss)
-        self.batches[rec.step] = rec.batch
+        # the log's own copy: the caller may reuse its buffers once the call returned, and a
+        # recompute or a replay must run on the batch the step ran on
+        batch = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.array(x, copy=True), rec.batch)
+        self.batches[rec.step] = batch
         if rec.copy is None and self.peers and rec.program.protects and run.peer_log_entries():
             leaves = jax.tree.leaves(g.rec)
             nbytes = self._entry_bytes.get(rec.program)
@@ -129,22 +136,39 @@ class RecordLog(base.Protection):
             sums = None
             if self._anchor is not None and self._anchor[0] == rec.step:
                 sums, self._anchor = self._anchor[1], None
-            grads = self._take_grads(run)
+            carry = run.data is None and self._carries_batch(rec.program)
+            grads = self._take_grads(run, replayable=run.data is not None or carry)
             self.disk.append(rec.step, recorded=g.rec if grads else None, state_sums=sums,
                              data_state=rec.data_before, data_next=rec.data_after, batch_sig=self._batch_sig,
-                             scalars={"verdict": g.ok, "value": g.loss, "copy": rec.copy})
+                             scalars={"verdict": g.ok, "value": g.loss, "copy": rec.copy},
+                             batch=jax.tree.leaves(batch) if carry else None)
         self._trim()
 
-    def _take_grads(self, run) -> bool:
+    def _carries_batch(self, program) -> bool:
+        """Without a data iterator: whether this program's inputs entries carry the batch
+        (``"inputs"`` mode: always; ``"grads"`` mode: when the batch is no larger than the
+        recorded values, else a grads entry every step is the smaller replayable record)."""
+        got = self._carry.get(program)
+        if got is None:
+            if self.cfg.mode == "inputs":
+                got = True
+            else:
+                nbytes = lambda tree: sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+                                          for x in jax.tree.leaves(tree))
+                got = nbytes(program.spec.abstract_batch) <= nbytes(program.abstract_rec)
+            self._carry[program] = got
+        return got
+
+    def _take_grads(self, run, replayable: bool) -> bool:
         """Whether this step's disk entry carries its recorded values (`LogConfig.grads_budget`):
         a token bucket filled with ``budget x step time`` per step and drained by the
         measured cost of each grads entry. The first entry is written to measure that cost;
-        until it is measured no other is. Without a data iterator every step keeps its grads
-        (an inputs entry could not be replayed)."""
+        until it is measured no other is. When its inputs entry cannot be replayed (no data
+        iterator, and a batch larger than the recorded values) every step keeps its grads."""
         if self.cfg.mode != "grads":
             return False
         budget = self.cfg.grads_budget
-        if budget is None or run.data is None:
+        if budget is None or not replayable:
             self.grads_entries += 1
             return True
         # the last step's own time: a smoothed one still held the first step's compile many

@@ -1,6 +1,7 @@
 """Replay: redo steps ``start..stop`` from the record log's disk entries (`disk_log.DiskLog`),
 each gated by its recorded verdict; grads entries run only the update, inputs entries the
-whole step on the batch the data iterator yields from the logged position."""
+whole step on the batch they carry (a run without a data iterator) or on the one the data
+iterator yields from the logged position."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def replay(
 
     Per step it prefers the grads entry (``update(state, step, recorded_leaves, batch_sig)``,
     no gradient computation) and falls back to the inputs entry (``full(state, batch, step)``
-    on the batch ``data`` yields from the logged position; needs ``data`` and ``full``).
+    on the batch the entry carries, else on the one ``data`` yields from the logged
+    position; needs ``full``, and ``data`` for an entry without its batch).
 
     Args:
       stop: last step + 1; ``None``: as far as the log has an unbroken run of good entries.
@@ -78,17 +80,22 @@ def replay(
     while step < limit:
         entry, reasons = None, []
         for kind in ("grads", "inputs"):
-            if kind == "inputs" and (full is None or data is None):
-                reasons.append("inputs entry unusable without a data iterator")
+            if kind == "inputs" and full is None:
+                reasons.append("inputs entry unusable without a step function (full=)")
                 continue
             if (step, kind) not in files:
                 reasons.append(f"resilax replay log: no {kind} entry for step {step}")
                 continue
             try:
                 entry = log.read(step, kind)
-                break
             except ReplayLogError as e:
                 reasons.append(str(e))
+                continue
+            if entry.kind == "inputs" and entry.batch is None and data is None:
+                entry = None
+                reasons.append("inputs entry without its batch unusable without a data iterator")
+                continue
+            break
         if entry is None:
             failed.append((step, "; ".join(reasons)))
             break
@@ -105,6 +112,8 @@ def replay(
         extra = (recorded_verdict(entry.scalars.get("verdict"), step),) if verdicts else ()
         if entry.kind == "grads":
             state = update(state, step, entry.recorded, entry.batch_sig, *extra)
+        elif entry.batch is not None:
+            state = full(state, entry.batch, step, *extra)
         else:
             # Consecutive inputs steps read consecutive batches: position the iterator once
             # (grain's set_state costs ~10 steps' time) and then iterate.

@@ -130,11 +130,13 @@ def replay_disk_log(run, state, first_program):
                 entry = log.read(s, "grads") if s in set(log.steps("grads")) else log.read(s, "inputs")
             except ReplayLogError as e:
                 entry = None
-                if data is not None and s in set(log.steps("inputs")):
+                if s in set(log.steps("inputs")):
                     try:  # a damaged grads entry: the step is recomputed from its inputs entry
                         entry = log.read(s, "inputs")
                     except ReplayLogError:
                         pass
+                    if entry is not None and entry.batch is None and data is None:
+                        entry = None  # neither its batch nor the data iterator: not replayable
                 if entry is None:
                     failed.append((s, str(e)))
                     break
@@ -153,13 +155,15 @@ def replay_disk_log(run, state, first_program):
                                                 entry.scalars.get("verdict"),
                                                 scalar_value(entry.scalars.get("value")))
             else:
-                if data is None:
-                    failed.append((s, "an inputs entry needs the data iterator (init(state, data=...))"))
+                if entry.batch is None and data is None:
+                    failed.append((s, "an inputs entry without its batch needs the data iterator (init(state, data=...))"))
                     break
-                data.set_state(decode_data_state(entry.data_state))
+                if entry.batch is None:
+                    data.set_state(decode_data_state(entry.data_state))
                 prog = run.program
-                gout = prog.grad(False)(state, run.guard, prog.put_batch(next(data)), np.uint32(s))
-                # recomputed from the data, gated by the verdict the step had (a fault, a
+                batch = entry.batch if entry.batch is not None else next(data)
+                gout = prog.grad(False)(state, run.guard, prog.put_batch(batch), np.uint32(s))
+                # recomputed from the batch, gated by the verdict the step had (a fault, a
                 # spike judged on a window, anything outside the step is not recomputed)
                 state, run.guard = gated(run, state, run.guard, s, gout.rec, entry.scalars.get("verdict"),
                                          scalar_value(entry.scalars.get("value")))
