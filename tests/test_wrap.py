@@ -68,6 +68,26 @@ def test_batch_that_does_not_divide_is_named():
         step(state, bad)
 
 
+def test_every_batch_is_checked_against_the_first():
+    """A batch of another shape, dtype or structure than the first is refused (the compiled
+    step and the log depend on them), also after batches of the same shapes took the
+    cheap path; the step goes on with a good batch after the refusal."""
+    step = resilax.wrap(ex.train_step, topology=TOPO, config=resilax.Config(log=None, peers=None, verify=None))
+    it = ex.make_iterator(SMALL)
+    state = step.init(ex.make_state(SMALL))
+    b = next(it)
+    for _ in range(2):
+        state, _ = step(state, next(it))
+    bad = [{k: v[: len(v) // 2] for k, v in b.items()}, {**b, "x": b["x"].astype(np.float16)},
+           {**b, "extra": b["y"]}, {**b, "x": jnp.asarray(b["x"][:, :1])}]
+    for x in bad:
+        with pytest.raises(resilax.WrapError, match="every batch must have the first batch's structure"):
+            step(state, x)
+    state, _ = step(state, next(it))
+    assert step.step == 3
+    step.close()
+
+
 def test_step_must_keep_state_structure_and_record_once():
     def changes_shape(state, batch):
         return {"w": jnp.zeros(3)}, {}

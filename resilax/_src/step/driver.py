@@ -191,6 +191,7 @@ class ResilientStep:
         self._keep_input = False  # the next step does not donate the live state (a save reads it)
         self._store = None  # the host state store (under `resilax launch`)
         self._finished = None  # (step, metrics) of the current call once its step completed
+        self._batch_key = None  # (treedef, shapes and dtypes) of the last batch checked against the program
         self._timed_prog = None  # the program the last step_seconds sample ran on
         self._steady_dt = None  # the last step's seconds, None after a program's first step
         self.goodput_recorder = GoodputRecorder()
@@ -414,21 +415,17 @@ class ResilientStep:
             self._broken = "the live state's buffers are gone"
 
     def _call(self, batch):
-        abstract_batch = _sh.abstract(batch)
+        key = (self.program, _sh.batch_key(batch))
         if self.program is None:
-            self.program = self._first_program(abstract_batch)
+            self.program = self._first_program(_sh.abstract(batch))
             for p in self._protections:
                 p.start(self, self.live)
             self.compile_ahead()
             worker.offer_in_place(in_place.possible(self))
             membership.barrier("compiled")  # no worker enters the first collective while another still compiles
-        elif jax.tree.structure(abstract_batch) != jax.tree.structure(self.program.spec.abstract_batch) or any(
-                a.shape != b.shape or a.dtype != b.dtype for a, b in
-                zip(jax.tree.leaves(abstract_batch), jax.tree.leaves(self.program.spec.abstract_batch))):
-            raise WrapError(
-                f"resilax.ResilientStep: every batch must have the first batch's structure, shapes and dtypes "
-                f"(the compiled step and the record log depend on them), but got {abstract_batch} after "
-                f"{self.program.spec.abstract_batch}")
+        elif key[1] is None or key != self._batch_key:  # the same shapes as the last batch: checked already
+            _sh.check_batch(batch, self.program.spec.abstract_batch)
+        self._batch_key = (self.program, key[1])
         worker.step_started(self.step + 1)  # the supervisor tells a hung worker from the ones waiting on it
         lv = self._liveness
         if lv is not None:

@@ -207,6 +207,24 @@ def as_array(x):
     return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
 
 
+def batch_key(batch):
+    """``(treedef, shapes and dtypes)`` of a batch of host or device arrays (None when a leaf
+    is anything else): equal keys need no second `check_batch`. Cheaper than `abstract`."""
+    leaves, tdef = jax.tree.flatten(batch)
+    if not all(isinstance(x, (np.ndarray, jax.Array)) for x in leaves):
+        return None
+    return tdef, tuple((x.shape, x.dtype) for x in leaves)
+
+
+def check_batch(batch, expected) -> None:
+    """Raises WrapError unless ``batch`` has ``expected``'s structure, shapes and dtypes."""
+    got = abstract(batch)
+    if jax.tree.structure(got) != jax.tree.structure(expected) or any(
+            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))):
+        raise WrapError(f"resilax.ResilientStep: every batch must have the first batch's structure, shapes and dtypes "
+                        f"(the compiled step and the record log depend on them), but got {got} after {expected}")
+
+
 def abstract(tree, shardings=None):
     if shardings is None:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
