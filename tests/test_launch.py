@@ -467,7 +467,76 @@ def test_jax_assumptions_hold_and_a_broken_one_is_named(monkeypatch):
         jaxdist.check()
 
 
-def test_hung_worker_then_sigterm_to_one_worker_then_relaunch_resumes_exactly(tmp_path):
+# The program of the relaunch tests: 2 workers x 4 devices, the default mode, no checkpoint
+# before the end (only the record log, the hosts' stores and a preemption's save bring a
+# restart past the start). The SIGTERM of the preemption test goes out once both workers are
+# past step 8; under load the test process saw that up to ~0.7 s late (steps take ~0.15 s
+# warm), and with 16 steps the sync point once was the last step (nothing left to resume).
+# 32 leaves ample room before the end.
+RELAUNCH_STEPS = 32
+RELAUNCH_TRAIN = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", str(RELAUNCH_STEPS),
+                  "--checkpoint-every", "100", "--log-every", "4", "--no-deterministic"]
+
+
+@pytest.fixture(scope="module")
+def launched_reference(tmp_path_factory):
+    """The relaunch tests' program, failure-free, under `resilax launch -n 2` (the same gloo
+    collectives: a run without `launch` adds a domain's 4 devices in another order)."""
+    from helpers import child_env
+
+    d = tmp_path_factory.mktemp("launched_ref")
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir",
+           str(d / "run"), "--max-restarts", "0", "--", *RELAUNCH_TRAIN, "--out", str(d / "ref.npz"), "--quiet"]
+    p = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        assert p.wait(timeout=180) == 0
+    finally:
+        kill_tree(p)
+    return np.load(d / "ref.npz", allow_pickle=False)
+
+
+def _same(path, ref) -> bool:
+    a = np.load(path, allow_pickle=False)
+    return sorted(a.files) == sorted(ref.files) and all(np.array_equal(a[k], ref[k]) for k in a.files)
+
+
+def test_a_whole_job_killed_resumes_from_the_record_log_that_process_0_wrote(tmp_path, launched_reference):
+    """The whole job SIGKILLed (supervisor and workers: the hosts' stores die with them) past
+    step 10, with no checkpoint but the start: the relaunch replays the record log that
+    process 0 wrote in the run directory (inputs entries: the data position; every worker
+    replays the same agreed steps) to within ``max_lag`` of the kill, and ends bitwise on the
+    failure-free run."""
+    from helpers import child_env
+
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
+           "--max-restarts", "0", "--", *RELAUNCH_TRAIN, "--out", str(out)]
+    for attempt in range(2):
+        with open(tmp_path / f"launch{attempt}.log", "wb") as log:
+            p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                if attempt == 0:
+                    _wait(lambda: _past_n(run, 0, 10, 2), 180, "step 10", p)
+                    killed_past = min(_steps(run, 0).values())
+                    kill_tree(p)
+                rc = p.wait(timeout=180)
+            finally:
+                kill_tree(p)
+        text = (tmp_path / f"launch{attempt}.log").read_text(errors="replace")
+        if attempt == 0:
+            entries = sorted(int(f.name.split(".")[0]) for f in (run / "checkpoints" / "record_log").glob("*.inputs.rxl"))
+            assert entries and entries[0] == 0 and not list((run / "checkpoints" / "record_log").glob("*.grads.rxl"))
+            assert not (run / "checkpoints" / "record_log" / "quarantine").exists(), "one writer: nothing overwritten"
+    assert rc == 0, text[-5000:]
+    got = [ln for ln in text.splitlines() if "resumed at step" in ln]
+    assert len(got) == 2 and "steps replayed from the log" in got[0], text[-3000:]
+    resumed = int(got[0].split("resumed at step ")[1].split(" ")[0])
+    assert killed_past - 2 <= resumed and resumed == entries[-1] + 1, (resumed, killed_past, entries)
+    assert _same(out, launched_reference)
+
+
+def test_hung_worker_then_sigterm_to_one_worker_then_relaunch_resumes_exactly(tmp_path, launched_reference):
     """A worker whose main thread hangs after step 5 (its heartbeat thread lives on, the
     others wait in step 6's collective) is found by the step deadline and killed; the next
     generation resumes from the host stores. Then preemption: SIGTERM to one worker reaches
@@ -477,12 +546,7 @@ def test_hung_worker_then_sigterm_to_one_worker_then_relaunch_resumes_exactly(tm
     same program ends, bitwise."""
     from helpers import child_env
 
-    # The SIGTERM goes out once both workers are past step 8; under load the test process
-    # saw that up to ~0.7 s late (steps take ~0.15 s warm), and with 16 steps the sync point
-    # once was the last step (nothing left to resume). 32 leaves ample room before the end.
-    steps = 32
-    train = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", str(steps),
-             "--checkpoint-every", "100", "--log-every", "4", "--no-deterministic"]
+    steps, train = RELAUNCH_STEPS, RELAUNCH_TRAIN
     run, out = tmp_path / "run", tmp_path / "final.npz"
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
            "--heartbeat", "0.2", "--heartbeat-timeout", "3", "--min-step-deadline", "10", "--step-deadline-factor", "5",
@@ -513,18 +577,7 @@ def test_hung_worker_then_sigterm_to_one_worker_then_relaunch_resumes_exactly(tm
             assert len(stopped) == 2 and stopped[0] == stopped[1] and 8 <= stopped[0] < steps, text[-3000:]
         else:
             assert f"resumed at step {stopped[0]} (checkpoint)" in text, text[-3000:]
-    # the same program without the SIGTERM: bitwise
-    ref_run, ref_out = tmp_path / "ref", tmp_path / "ref.npz"
-    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir",
-           str(ref_run), "--max-restarts", "0", "--", *train, "--out", str(ref_out), "--quiet"]
-    p = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
-    try:
-        assert p.wait(timeout=180) == 0
-    finally:
-        kill_tree(p)
-    a, b = np.load(out, allow_pickle=False), np.load(ref_out, allow_pickle=False)
-    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+    assert _same(out, launched_reference)  # the same program without the failures: bitwise
 
 
 def test_bit_exact_mode_with_4_device_domains_keeps_its_bits_when_processes_go(tmp_path):

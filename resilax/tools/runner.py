@@ -145,14 +145,17 @@ def train(
     job = worker.env()
     if job is not None:
         # Under `resilax launch` a restarted generation resumes from durable state only: the
-        # checkpoints default to the run directory. The record log's disk sink and the peer
-        # copies are single-process for now (each would need per-process shards and an
-        # agreed resume step); see docs/multiprocess.md.
+        # checkpoints (and the record log's disk sink in them: process 0 writes its inputs
+        # entries, every process replays them) default to the run directory. Peer copies are
+        # single-process for now; see docs/multiprocess.md.
         checkpoint_dir = checkpoint_dir or os.path.join(job.run_dir, "checkpoints")
-        if (log or peers) and job.process_id == 0:
-            print("resilax train under `resilax launch`: record log and peer copies are off in multi-process runs "
-                  "(not yet supported); a restart resumes from the newest checkpoint", flush=True)
-        log, log_mode, peers, peers_every = False, None, False, None
+        if peers and job.process_id == 0:
+            print("resilax train under `resilax launch`: peer copies are off in multi-process runs (not yet "
+                  "supported); a restart resumes from the hosts' stores or the newest checkpoint and the record log",
+                  flush=True)
+        peers, peers_every = False, None
+        if job.in_place_wait_s > 0:  # going on in place re-forms the survivors' backends: no device log across it
+            log, log_mode = False, None
         health = False  # replica checks and the liveness watchdog read other processes' domains: one process only
     if deterministic and layout == "sharded" and not worker.env():
         print("layout sharded: the bit-exact mode (default) holds the state whole in every slice, sharded over the "

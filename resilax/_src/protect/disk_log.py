@@ -261,12 +261,17 @@ class DiskLog:
         may lose or tear the last ``sync_every_s`` of entries, which the sha256 detects: the
         resume then replays less and trains those steps again from the data.
 
+      writes: whether this process writes and tidies the directory (a callable, asked at
+        each change): in a job of several processes (`resilax launch`) the log lives in the
+        shared run directory and one process (id 0) writes, truncates and quarantines; the
+        others only read it (a resume). Default: always.
+
     Thread-safety: `append` and the query methods are called from the training thread;
     one writer thread does the host copies and file writes.
     """
 
     def __init__(self, directory: str | os.PathLike, *, policy: SelectivePolicy | None = None, max_lag: int = 2,
-                 sync_every_s: float = 1.0):
+                 sync_every_s: float = 1.0, writes=None):
         self.directory = pathlib.Path(directory).absolute()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -275,6 +280,7 @@ class DiskLog:
         self.policy = policy or SelectivePolicy()
         self.max_lag = max(int(max_lag), 0)
         self.sync_every_s = float(sync_every_s)
+        self.writes = writes or (lambda: True)
         self._kv = ts.KvStore.open({"driver": "file", "path": str(self.directory) + "/",
                                     "context": {"file_io_sync": False}}).result()
         self._unsynced: list[pathlib.Path] = []
@@ -294,6 +300,7 @@ class DiskLog:
         # written): its CPU time copying the shards together plus the wall time of hashing,
         # joining and writing it (tensorstore writes on its own threads)
         self.grads_cost_s: float | None = None
+        self.unwritten: list[tuple[int, str]] = []  # (step, why): entries whose step's values failed
         self.grads_cost_total_s = 0.0
         for step, kind in self.files():
             if kind == "grads":
@@ -309,6 +316,8 @@ class DiskLog:
         ``batch``: the step's batch leaves (in ``batch_sig``'s order), carried by the inputs
         entry; the log owns them (nothing may change them: `RecordLog` hands it its copy)."""
         self._raise_error()
+        if not self.writes():
+            raise StorageError(f"resilax replay log: this process only reads {str(self.directory)!r} (another writes it)")
         if batch is not None and batch_sig is None:
             raise ValueError("DiskLog.append: a batch needs its batch_sig")
         leaves, paths = [], None
@@ -362,6 +371,11 @@ class DiskLog:
                         with self._lock:
                             self._grads_sizes[step] = len(files[1][1])
                         self._apply_budget()
+            except jax.errors.JaxRuntimeError as e:
+                # the step's own computation failed (a collective broke: a process died or hung):
+                # its values do not exist, so it has no entry; the training thread sees the
+                # failure itself, and a replay stops before the missing step
+                self.unwritten.append((step, str(e).splitlines()[0][:200]))
             except BaseException as e:  # surfaced on the training thread by the next call
                 self._error = e
             finally:
@@ -503,8 +517,11 @@ class DiskLog:
     # ---------------------------------------------------------- truncation
     def truncate_before(self, step: int) -> int:
         """Deletes entries for steps ``< step`` (a checkpoint or peer copy at ``step``
-        makes them unnecessary). Returns how many files were removed."""
+        makes them unnecessary). Returns how many files were removed (none where another
+        process writes the log)."""
         n = 0
+        if not self.writes():
+            return n
         with self._lock:
             for s, k in self.files():
                 if s < step:
@@ -515,7 +532,10 @@ class DiskLog:
 
     def discard_from(self, step: int, reason: str) -> list[str]:
         """Moves entries for steps ``>= step`` to ``quarantine/`` (never deleted): after a
-        rollback or a resume they describe steps that will be run again."""
+        rollback or a resume they describe steps that will be run again. Where another
+        process writes the log, it moves them."""
+        if not self.writes():
+            return []
         self.wait()
         with self._lock:
             paths = [self.directory / entry_name(s, k) for s, k in self.files() if s >= step]

@@ -10,7 +10,9 @@ checksum)``, with three sinks.
   verdict and watched value (replicated device scalars; host copies after a recovery):
   every redo of a step, from any source, is gated by its recorded verdict.
 - **disk** (`disk_log.DiskLog`, when a directory is known): grads or inputs entries
-  written in the background and checksummed (sha256); a restart replays them. Without a
+  written in the background and checksummed (sha256); a restart replays them. In a job of
+  several processes (`resilax launch`) process 0 writes it (inputs entries only: no process
+  holds every shard of the recorded values) and every process replays it. Without a
   data iterator an inputs entry carries the step's batch (when it is no larger than the
   recorded values; else every step gets a grads entry), so that every step stays
   replayable while most steps pay for a batch, not for their gradients.
@@ -41,6 +43,19 @@ class DeviceEntry:
     nbytes: int
 
 
+def _writes() -> bool:
+    """Whether this process writes the disk log: the only one, or process 0 of a job."""
+    return jax.process_count() == 1 or jax.process_index() == 0
+
+
+def local(x):
+    """A replicated device value as one that this process can read (its first shard); others
+    as they are."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x.addressable_data(0)
+    return x
+
+
 class RecordLog(base.Protection):
     name = "log"
 
@@ -60,8 +75,8 @@ class RecordLog(base.Protection):
         self.covered = 0  # newest step a peer copy holds
         self.ckpt_step = None  # newest checkpoint step
         self.now = 0  # steps completed
-        self.disk = DiskLog(directory, policy=SelectivePolicy(cfg.budget_bytes), max_lag=cfg.max_lag) \
-            if directory else None
+        self.disk = DiskLog(directory, policy=SelectivePolicy(cfg.budget_bytes), max_lag=cfg.max_lag,
+                            writes=_writes) if directory else None
         self._batch_sig = None
         self._anchor = None  # (step, device checksums of anchor_tree(state, guard) at that step)
         self.sums = checksums or tree_checksums  # how anchors are checksummed: tree -> [n, 2]
@@ -80,6 +95,8 @@ class RecordLog(base.Protection):
         (off the loop) instead of this one."""
         if self.disk is not None:
             tree = anchor_tree(state, guard)
+            # several processes: every one runs the checksum program (a collective), now
+            defer = defer and jax.process_count() == 1
             self._anchor = (step, tree if defer else self.sums(tree))
 
     def start(self, run, state):
@@ -136,12 +153,14 @@ class RecordLog(base.Protection):
             sums = None
             if self._anchor is not None and self._anchor[0] == rec.step:
                 sums, self._anchor = self._anchor[1], None
-            carry = run.data is None and self._carries_batch(rec.program)
-            grads = self._take_grads(run, replayable=run.data is not None or carry)
-            self.disk.append(rec.step, recorded=g.rec if grads else None, state_sums=sums,
-                             data_state=rec.data_before, data_next=rec.data_after, batch_sig=self._batch_sig,
-                             scalars={"verdict": g.ok, "value": g.loss, "copy": rec.copy},
-                             batch=jax.tree.leaves(batch) if carry else None)
+            multi = jax.process_count() > 1  # no grads entries: no process holds every shard
+            carry = run.data is None and (multi or self._carries_batch(rec.program))
+            grads = not multi and self._take_grads(run, replayable=run.data is not None or carry)
+            if self.disk.writes():
+                self.disk.append(rec.step, recorded=g.rec if grads else None, state_sums=local(sums),
+                                 data_state=rec.data_before, data_next=rec.data_after, batch_sig=self._batch_sig,
+                                 scalars={"verdict": local(g.ok), "value": local(g.loss), "copy": rec.copy},
+                                 batch=jax.tree.leaves(batch) if carry else None)
         self._trim()
 
     def _carries_batch(self, program) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import warnings
 
+import jax
 import numpy as np
 
 from resilax._src.errors import ReplayLogError
@@ -21,6 +22,7 @@ from resilax._src.protect import hoststore as _hoststore
 from resilax._src.protect.checkpoints import collectives, decode_data_state
 from resilax._src.protect.checksum import anchor_tree, legacy_anchor_order
 from resilax._src.protect.disk_log import batch_template, scalar_value
+from resilax._src.protect.record_log import local
 from resilax._src.runtime import membership
 from resilax._src.step import sharding as _sh
 from resilax._src.step.recovery import apply_logged, gated
@@ -110,6 +112,14 @@ def replay_disk_log(run, state, first_program):
         return state
     start = run.step
     steps = set(log.steps())
+    limit = None
+    if jax.process_count() > 1:
+        # a job of several processes (`resilax launch`): every one replays the same steps (each
+        # a collective), so they agree on how many entries every one of them can read
+        limit = start + membership.agree_min(_replayable(log, start, steps, run.data),
+                                                  f"record_log/replayable/{start}")
+        if limit == start:
+            steps = set()
     if start in steps:  # a foreign log is refused before anything in it is touched
         try:
             first = log.read(start, "grads") if start in set(log.steps("grads")) else log.read(start, "inputs")
@@ -119,13 +129,13 @@ def replay_disk_log(run, state, first_program):
             _start_mismatch(run, first, state)
     log.truncate_before(start)
     if start not in steps:
-        log.discard_from(start, f"resumed at step {start}; later entries will be recomputed")
+        log.discard_from(start, f"a resume at step {start}: later entries will be recomputed")
         return state
     t0 = time.perf_counter()
     s, failed, modes = start, [], []
     data = run.data
     with run.goodput_recorder.span("replay"):
-        while s in steps:
+        while s in steps and (limit is None or s < limit):
             try:
                 entry = log.read(s, "grads") if s in set(log.steps("grads")) else log.read(s, "inputs")
             except ReplayLogError as e:
@@ -178,15 +188,34 @@ def replay_disk_log(run, state, first_program):
     run.event("replay", s, source="record_log", from_step=start, steps=s - start,
               grads_steps=modes.count("grads"), inputs_steps=modes.count("inputs"),
               seconds=time.perf_counter() - t0, unreplayable=[{"step": a, "reason": b} for a, b in failed])
-    log.discard_from(s, f"resumed at step {s}; later entries will be recomputed")
+    log.discard_from(s, f"a resume at step {s}: later entries will be recomputed")
     return state
+
+
+def _replayable(log, start: int, steps: set, data) -> int:
+    """How many entries from ``start`` on this process can read and replay, in a row."""
+    s = start
+    while s in steps:
+        entry = None
+        for kind in ("grads", "inputs"):
+            try:
+                entry = log.read(s, kind)
+            except ReplayLogError:
+                continue
+            if kind == "grads" or entry.batch is not None or data is not None:
+                break
+            entry = None
+        if entry is None:
+            break
+        s += 1
+    return s - start
 
 
 def _start_mismatch(run, entry, state) -> str | None:
     """Why the log's first entry may not be replayed onto ``state`` (None: it may)."""
     if entry.state_sums is None:
         return "the entry does not record the state it started from, so it cannot be checked against this one"
-    got = np.asarray(run.record_log.sums(anchor_tree(state, run.guard)))
+    got = np.asarray(local(run.record_log.sums(anchor_tree(state, run.guard))))
     want = entry.state_sums
     if got.shape != want.shape or not (np.array_equal(got, want) or
                                        np.array_equal(legacy_anchor_order(got, run.guard), want)):
