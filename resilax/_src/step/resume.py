@@ -127,7 +127,12 @@ def replay_disk_log(run, state, first_program):
             first = None  # damaged: handled (and named) below
         if first is not None:
             _start_mismatch(run, first, state)
-    log.truncate_before(start)
+    # entries before a checkpoint (or the start) are not needed again; before a host store's
+    # step they are: a later relaunch (the stores die with their hosts) replays them from
+    # the checkpoint
+    if not any(e.kind == "restore" and e.step == start and e.fields.get("source") == "host_store"
+               for e in run.events):
+        log.truncate_before(start)
     if start not in steps:
         log.discard_from(start, f"a resume at step {start}: later entries will be recomputed")
         return state
