@@ -287,10 +287,10 @@ def _resumed(text: str, g: int) -> int | None:
 
 
 def _resumed_from(text: str, g: int) -> str | None:
-    """Where generation ``g``'s workers resumed from: ``host store``, ``checkpoint`` (None: started over)."""
+    """Where generation ``g``'s workers resumed from: host store, checkpoint (+ record log), or None."""
     for ln in text.splitlines():
         if ln.startswith(f"[g{g} ") and "resumed at step " in ln:
-            return "host store" if "(host store" in ln else "checkpoint"
+            return "host store" if "(host store" in ln else "checkpoint + record log" if "replayed" in ln else "checkpoint"
     return None
 
 
