@@ -341,3 +341,25 @@ def test_a_batch_larger_than_the_gradients_is_not_logged_every_step_keeps_grads(
     log = DiskLog(tmp_path / "log")
     assert log.steps("grads") == list(range(5))
     assert all(log.read(i, "inputs").batch is None for i in range(5))
+
+
+def test_an_entry_whose_step_failed_is_left_out_and_the_log_goes_on(tmp_path):
+    """A step whose computation failed (under `launch`: a collective broken by a dead peer)
+    has no values to log: the writer leaves its entry out and says so, instead of failing
+    the log (which ended the surviving process with a StorageError); later entries are
+    written and a replay stops before the missing step."""
+
+    class Failed:  # a device value whose computation failed: reading it raises what JAX raises then
+        def __array__(self, *a, **k):
+            raise jax.errors.JaxRuntimeError("INTERNAL: Gloo AllGather failed: Connection reset by peer")
+
+    failed = Failed()
+    log = DiskLog(tmp_path)
+    log.append(0, data_state={"next_index": 0}, scalars={"verdict": np.int32(0)})
+    log.append(1, data_state={"next_index": 1}, scalars={"verdict": failed})
+    log.append(2, data_state={"next_index": 2}, scalars={"verdict": np.int32(0)})
+    log.wait()
+    assert [s for s, _ in log.unwritten] == [1] and log.steps() == [0, 2]
+    out = replay(None, log, 0, update=lambda *a: a[0], full=lambda s, b, i: s, data=ex.make_iterator(SPEC))
+    assert out.step == 1 and out.failed[0][0] == 1
+    log.close()
