@@ -255,8 +255,14 @@ class HostStore(base.Protection):
 
     @staticmethod
     def _fresh(out, shardings):
-        # fresh buffers: arrays built from host memory may alias it, and the state is donated
-        return jax.jit(lambda t: [jnp.copy(x) for x in t], out_shardings=list(shardings))(out)
+        # fresh buffers: arrays built from host memory may alias it, and the state is donated.
+        # A module-level function: JAX's caches serve every restore of a layout (a lambda per
+        # call was traced, lowered and compiled again each time)
+        return jax.jit(_copy_list, out_shardings=list(shardings))(out)
+
+
+def _copy_list(t):
+    return [jnp.copy(x) for x in t]
 
 
 def _box(key: str) -> tuple[int, list[tuple[int, int]]]:
