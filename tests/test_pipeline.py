@@ -580,3 +580,22 @@ def test_a_launch_generation_missing_a_domain_fits_the_layout_as_a_shrink_does(m
     monkeypatch.undo()
     ref, *_ = run("batchnorm_mlp", topo=resilax.Topology.emulated(4, 2), steps=4)
     assert tree_rel_diff(got, ref) <= TOL
+
+
+def test_the_suites_sitecustomize_runs_the_one_it_shadows(tmp_path):
+    """The suite's processes import tests/site/sitecustomize.py (first on PYTHONPATH), which
+    would shadow the environment's own; it runs that one too."""
+    import os
+    import subprocess
+    import sys
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITECUSTOMIZE_RAN'] = '1'\n")
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, str(other)]))
+    r = subprocess.run([sys.executable, "-c", "import os, sys; print(os.environ.get('OTHER_SITECUSTOMIZE_RAN'), "
+                        "sys.modules['sitecustomize'].__file__)"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    ran, first = r.stdout.split()
+    assert ran == "1" and os.path.dirname(first) == site, r.stdout

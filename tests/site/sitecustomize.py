@@ -95,3 +95,24 @@ for _name, _fn in _PATCHES.items():
         _todo[_name] = _fn
 if _todo:
     sys.meta_path.insert(0, _PatchJax(_todo))
+
+
+def _chain() -> None:
+    """Python imports one ``sitecustomize``: this one, being first on PYTHONPATH. Runs the one
+    the environment would have imported otherwise (a later entry of ``sys.path``), so that
+    the suite's processes keep what the machine's own sitecustomize sets up."""
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if not entry or os.path.abspath(entry) == here:
+            continue
+        path = os.path.join(entry, "sitecustomize.py")
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("_resilax_next_sitecustomize", path)
+            if spec is not None and spec.loader is not None:
+                spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return
+
+
+_chain()
