@@ -175,3 +175,28 @@ def test_a_log_anchor_in_the_layout_before_0_3_is_still_accepted_and_a_foreign_o
     for sums in (np.asarray(tree_checksums(anchor_tree(other, guard))), np.asarray(tree_checksums((other, guard)))):
         with pytest.raises(ReplayLogError, match="recorded from another state"):
             _start_mismatch(run, SimpleNamespace(step=4, state_sums=sums), state)
+
+
+def test_copy_batches_decides_whether_the_log_keeps_its_own_copy_of_each_batch():
+    """`LogConfig.copy_batches` (default True): the batches the log retains for a recompute
+    are its own copies, not the caller's arrays; False keeps the caller's (one memcpy a step
+    saved, for callers that never change a batch). A non-bool is refused by name."""
+    template = ex.make_state(SMALL)
+    for copy in (True, False):
+        cfg = resilax.Config(log=resilax.LogConfig(copy_batches=copy),
+                             peers=resilax.PeersConfig(every=4, log_entries_between=False))
+        step = resilax.wrap(ex.train_step, topology=TOPO, state_sharding=sharded(template), config=cfg)
+        s = step.init(template)
+        data = ex.make_iterator(SMALL)
+        given = [next(data) for _ in range(3)]
+        for b in given:
+            s, _ = step(s, b)
+        kept = step.record_log.batches
+        assert sorted(kept) and all(k < 3 for k in kept), sorted(kept)
+        for k, b in kept.items():
+            same = [x is y for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(given[k]))]
+            assert all(same) if not copy else not any(same), (copy, k)
+            assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(given[k])))
+        step.close()
+    with pytest.raises(resilax.ConfigError, match="copy_batches must be bool"):
+        resilax.LogConfig(copy_batches="yes")

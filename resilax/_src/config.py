@@ -92,6 +92,13 @@ class LogConfig:
         grads entry instead. On the tiny GPT (8 emulated CPU devices) a grads entry every
         step cost +34% of the step, an inputs entry with the batch +5%.
         ``None``: a grads entry every step.
+      copy_batches: the log keeps its own copy of each host batch it retains (for a
+        recompute after a domain loss, and the disk entries): the caller may then reuse its
+        arrays once a call returned. ``False`` saves that copy, one host memcpy of the batch
+        per step (measured here: 0.04 ms for 32 x 512 int32 tokens; 11 ms for 256 x 224 x
+        224 x 3 uint8 images, 34 ms as float32), for a caller that gives every step fresh
+        arrays and never changes them (grain's iterators do): a changed array would make a
+        recompute or a replay run on the changed values.
     """
 
     directory: str | None = None
@@ -100,6 +107,7 @@ class LogConfig:
     max_lag: int = 2
     device_bytes: int | None = 1 << 30
     grads_budget: float | None = 0.01
+    copy_batches: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "directory", _path("LogConfig", "directory", self.directory, optional=True))
@@ -112,6 +120,7 @@ class LogConfig:
         _check_type("LogConfig", "max_lag", self.max_lag, (int,))
         if self.max_lag < 0:
             raise ConfigError(f"resilax.LogConfig: max_lag must be >= 0, but got {self.max_lag}")
+        _check_type("LogConfig", "copy_batches", self.copy_batches, (bool,))
         _check_type("LogConfig", "grads_budget", self.grads_budget, (int, float, type(None)))
         if self.grads_budget is not None and not 0 < self.grads_budget <= 1:
             raise ConfigError(f"resilax.LogConfig: grads_budget must be in (0, 1] or None, but got {self.grads_budget}")

@@ -137,8 +137,9 @@ class RecordLog(base.Protection):
         g = rec.gout
         self.verdicts[rec.step] = (g.ok, g.loss)
         # the log's own copy: the caller may reuse its buffers once the call returned, and a
-        # recompute or a replay must run on the batch the step ran on
-        batch = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.array(x, copy=True), rec.batch)
+        # recompute or a replay must run on the batch the step ran on (`LogConfig.copy_batches`)
+        batch = rec.batch if not self.cfg.copy_batches else jax.tree.map(
+            lambda x: x if isinstance(x, jax.Array) else np.array(x, copy=True), rec.batch)
         self.batches[rec.step] = batch
         if rec.copy is None and self.peers and rec.program.protects and run.peer_log_entries():
             leaves = jax.tree.leaves(g.rec)
