@@ -56,7 +56,7 @@ import numpy as np
 
 from resilax._src.protect import base
 from resilax._src.protect.anomaly import resolve_record
-from resilax._src.step.sharding import local_shards
+from resilax._src.step.sharding import copy_tree, local_shards
 from resilax._src.timings import Timings
 
 from resilax._src.protect import hoststore_files as _files
@@ -86,7 +86,7 @@ class HostStore(base.Protection):
         self._verdicts = None  # () -> the anomaly watcher's verdict snapshot (`anomaly.Watch.snapshot`), or None
         self._job: threading.Thread | None = None  # the stored step being copied, written and sent
         self._job_error: BaseException | None = None
-        self._copy = jax.jit(lambda t: [jnp.copy(x) for x in t])  # fresh buffers the next step cannot donate
+        self._copy = jax.jit(copy_tree)  # fresh buffers the next step cannot donate
         self.mirror_errors: dict[str, str] = {}  # a host's address -> why a mirror to it failed (then no more to it)
 
     @classmethod
@@ -255,14 +255,8 @@ class HostStore(base.Protection):
 
     @staticmethod
     def _fresh(out, shardings):
-        # fresh buffers: arrays built from host memory may alias it, and the state is donated.
-        # A module-level function: JAX's caches serve every restore of a layout (a lambda per
-        # call was traced, lowered and compiled again each time)
-        return jax.jit(_copy_list, out_shardings=list(shardings))(out)
-
-
-def _copy_list(t):
-    return [jnp.copy(x) for x in t]
+        # fresh buffers: arrays built from host memory may alias it, and the state is donated
+        return jax.jit(copy_tree, out_shardings=list(shardings))(out)
 
 
 def _box(key: str) -> tuple[int, list[tuple[int, int]]]:

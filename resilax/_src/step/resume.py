@@ -111,18 +111,21 @@ def replay_disk_log(run, state, first_program):
     if log is None:
         return state
     start = run.step
-    steps = set(log.steps())
+    files = set(log.files())
+    steps = {s for s, _ in files}
     limit = None
     if jax.process_count() > 1:
         # a job of several processes (`resilax launch`): every one replays the same steps (each
         # a collective), so they agree on how many entries every one of them can read
-        limit = start + membership.agree_min(_replayable(log, start, steps, run.data),
-                                                  f"record_log/replayable/{start}")
+        mine = start
+        while mine in steps and _entry(log, mine, files, run.data)[0] is not None:
+            mine += 1
+        limit = start + membership.agree_min(mine - start, f"record_log/replayable/{start}")
         if limit == start:
             steps = set()
     if start in steps:  # a foreign log is refused before anything in it is touched
         try:
-            first = log.read(start, "grads") if start in set(log.steps("grads")) else log.read(start, "inputs")
+            first = log.read(start, "grads") if (start, "grads") in files else log.read(start, "inputs")
         except ReplayLogError:
             first = None  # damaged: handled (and named) below
         if first is not None:
@@ -141,20 +144,10 @@ def replay_disk_log(run, state, first_program):
     data = run.data
     with run.goodput_recorder.span("replay"):
         while s in steps and (limit is None or s < limit):
-            try:
-                entry = log.read(s, "grads") if s in set(log.steps("grads")) else log.read(s, "inputs")
-            except ReplayLogError as e:
-                entry = None
-                if s in set(log.steps("inputs")):
-                    try:  # a damaged grads entry: the step is recomputed from its inputs entry
-                        entry = log.read(s, "inputs")
-                    except ReplayLogError:
-                        pass
-                    if entry is not None and entry.batch is None and data is None:
-                        entry = None  # neither its batch nor the data iterator: not replayable
-                if entry is None:
-                    failed.append((s, str(e)))
-                    break
+            entry, why = _entry(log, s, files, data)
+            if entry is None:
+                failed.append((s, why))
+                break
             if s == start:  # raises for a foreign log (the ReplayLogError below is for damage)
                 why = _start_mismatch(run, entry, state)
                 if why:
@@ -170,9 +163,6 @@ def replay_disk_log(run, state, first_program):
                                                 entry.scalars.get("verdict"),
                                                 scalar_value(entry.scalars.get("value")))
             else:
-                if entry.batch is None and data is None:
-                    failed.append((s, "an inputs entry without its batch needs the data iterator (init(state, data=...))"))
-                    break
                 if entry.batch is None:
                     data.set_state(decode_data_state(entry.data_state))
                 prog = run.program
@@ -197,23 +187,24 @@ def replay_disk_log(run, state, first_program):
     return state
 
 
-def _replayable(log, start: int, steps: set, data) -> int:
-    """How many entries from ``start`` on this process can read and replay, in a row."""
-    s = start
-    while s in steps:
-        entry = None
-        for kind in ("grads", "inputs"):
-            try:
-                entry = log.read(s, kind)
-            except ReplayLogError:
-                continue
-            if kind == "grads" or entry.batch is not None or data is not None:
-                break
-            entry = None
-        if entry is None:
-            break
-        s += 1
-    return s - start
+def _entry(log, s: int, files: set, data):
+    """Step ``s``'s entry as this process replays it, and None, or None and why not: the grads
+    entry, else (a damaged one included) the inputs entry when it carries its batch or the
+    data iterator yields it. The first reason met is the one given."""
+    why = None
+    for kind in ("grads", "inputs"):
+        if (s, kind) not in files:
+            continue
+        try:
+            entry = log.read(s, kind)
+        except ReplayLogError as e:
+            why = why or str(e)
+            continue
+        if entry.batch is None and kind == "inputs" and data is None:
+            why = why or "an inputs entry without its batch needs the data iterator (init(state, data=...))"
+            continue
+        return entry, None
+    return None, why
 
 
 def _start_mismatch(run, entry, state) -> str | None:

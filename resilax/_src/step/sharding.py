@@ -158,10 +158,12 @@ def place_copy(tree, shardings):
         tree = put(jax.tree.map(np.asarray, tree), shardings)
     # one module-level function: JAX's caches then serve a second `init` on a layout (a new
     # lambda per call traced, lowered and compiled its copy again)
-    return jax.jit(_copy_tree, out_shardings=shardings)(tree)
+    return jax.jit(copy_tree, out_shardings=shardings)(tree)
 
 
-def _copy_tree(t):
+def copy_tree(t):
+    """Traced: a copy of every leaf (jit this module-level function, never a lambda per call:
+    JAX's caches are keyed by the function)."""
     return jax.tree.map(jnp.copy, t)
 
 
