@@ -37,10 +37,10 @@ def test_random_external_sigkills_resume_bitwise_and_lose_nothing(tmp_path, refe
     rng = random.Random(seed)
     ckpt = tmp_path / "ckpt"
     kills, last = [], None  # last: the newest step the previous (killed) run printed
-    for _ in range(3):
+    for life in range(3):
         target = rng.randrange(3, 12)
-        p = subprocess.Popen(train_cmd(ckpt, *GRADS), env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True)
+        err = open(tmp_path / f"stderr{life}.txt", "w")
+        p = subprocess.Popen(train_cmd(ckpt, *GRADS), env=child_env(), stdout=subprocess.PIPE, stderr=err, text=True)
         seen = 0
         for line in p.stdout:
             m = re.match(r"resumed at step (\d+)", line)
@@ -55,9 +55,10 @@ def test_random_external_sigkills_resume_bitwise_and_lose_nothing(tmp_path, refe
                     os.kill(p.pid, signal.SIGKILL)
                     break
         p.wait()
+        err.close()
         if p.returncode == 0:
             break  # it finished before we got to kill it
-        assert p.returncode == -signal.SIGKILL
+        assert p.returncode == -signal.SIGKILL, (seed, (tmp_path / f"stderr{life}.txt").read_text()[-3000:])
         kills.append(committed(ckpt)[-1] if committed(ckpt) else 0)
     assert kills, "at least one kill happened"
     state, summary = finish(tmp_path, ckpt, *GRADS)
