@@ -266,7 +266,7 @@ class DeterministicProgram(Program):
             return self._grad_multi(fault)
 
         def run(state, guard, batches, step_no):
-            views = [_view(state, d.state_sh, d.devset) for d in doms]
+            views = [_view(state, d.state_sh, d) for d in doms]
             outs = []
             for (v, j), b in zip(self.assignment(), batches):
                 outs.append(self._grad_exe(doms[j])(views[j], b, step_no, np.uint32(v)))
@@ -276,10 +276,10 @@ class DeterministicProgram(Program):
                 recs = [jax.device_put(o[0], d.rec_sh) for o in outs]
                 ws = [jax.device_put(o[1], d.rep) for o in outs] if self.has_weight else None
                 mets = [jax.device_put(o[2], d.rep) for o in outs]
-                g = None if guard is None else _view(guard, jax.tree.map(lambda _: d.rep, guard), d.devset)
+                g = None if guard is None else _view(guard, jax.tree.map(lambda _: d.rep, guard), d)
                 results.append(self._combine_exe(d, fault)(recs, ws, mets, g))
             rec, weight, metrics, ok, loss, new_guard = (
-                _assemble([r[i] for r in results], sh) for i, sh in enumerate(
+                _assemble([r[i] for r in results], sh, doms) for i, sh in enumerate(
                     (self.rec_sh, self.rep, self.rep, self.rep, self.rep, self.rep)))
             return GradOut(rec, metrics, ok, new_guard, loss, None, weight)
 
@@ -294,10 +294,10 @@ class DeterministicProgram(Program):
 
         def run(state, rec, ok, step_no):
             # every view first: a donation deletes the donated buffers in the global arrays too
-            args = [(_view(state, d.state_sh, d.devset), _view(rec, d.rec_sh, d.devset), _view(ok, d.rep, d.devset))
+            args = [(_view(state, d.state_sh, d), _view(rec, d.rec_sh, d), _view(ok, d.rep, d))
                     for d in doms]
             parts = [self._update_exe(d, donate)(*a, step_no) for d, a in zip(doms, args)]
-            return _assemble(parts, self.state_sh), None, None
+            return _assemble(parts, self.state_sh, doms), None, None
 
         return run
 
@@ -403,7 +403,7 @@ class DeterministicProgram(Program):
         def run(state, guard, batches, step_no):
             outs = {}
             for d in self.mine:
-                view = _view(state, d.state_sh, d.devset)
+                view = _view(state, d.state_sh, d)
                 for v in reps[d.key]:
                     outs[v] = self._grad_exe(d)(view, batches[v], step_no, np.uint32(v))
             self.last_replica0 = outs[0][0] if 0 in outs else None
@@ -423,11 +423,11 @@ class DeterministicProgram(Program):
             gathered = self._gather_exe()(stacked)
             results = []
             for d in self.mine:
-                parts = _view(gathered, dsh[d.key], d.devset)
-                g = None if guard is None else _view(guard, jax.tree.map(lambda _: d.rep, guard), d.devset)
+                parts = _view(gathered, dsh[d.key], d)
+                g = None if guard is None else _view(guard, jax.tree.map(lambda _: d.rep, guard), d)
                 results.append(self._combine_multi_exe(d, fault)(*parts, g))
             rec, weight, metrics, ok, loss, new_guard = (
-                _assemble([r[i] for r in results], sh) for i, sh in enumerate(
+                _assemble([r[i] for r in results], sh, self.mine) for i, sh in enumerate(
                     (self.rec_sh, self.rep, self.rep, self.rep, self.rep, self.rep)))
             return GradOut(rec, metrics, ok, new_guard, loss, None, weight)
 
@@ -458,16 +458,30 @@ def build_all(builders, first: int = 0) -> None:
             f.result()
 
 
-def _view(tree, shardings, devset):
-    """The part of each (domain-replicated) global array held by one domain, as an array
-    on that domain's mesh: no copy."""
+def _view(tree, shardings, dom):
+    """The part of each (domain-replicated) global array held by domain ``dom``, as an array
+    on that domain's mesh: no copy. An array `_assemble` made from per-domain arrays gives
+    back the one of ``dom`` (the step's outputs, read by the next part: state, records,
+    verdict, guard) instead of a new array per leaf built from its buffers: that was a third
+    of this mode's per-step Python on the demo's MLP."""
+    devset, key = dom.devset, dom.key
 
     def one(x, sh):
         if not isinstance(x, jax.Array):  # a host value (a logged verdict): placed on the domain
             return jax.device_put(x, sh)
+        parts = getattr(x, _PARTS, None)
+        if parts is not None:
+            p = parts.get(key)
+            if p is not None and p.sharding == sh and not p.is_deleted():
+                x._check_if_deleted()  # as domain_buffers does: a donated global array is an error
+                return p
         return _make(x.shape, sh, domain_buffers(x, devset))
 
     return jax.tree.map(one, tree, shardings)
+
+
+#: attribute `_assemble` sets on a global array: ``{domain key: that domain's array}``
+_PARTS = "_resilax_domain_parts"
 
 
 _DEVICE_ORDER: dict = {}
@@ -512,9 +526,10 @@ def domain_buffers(x, devset) -> list:
     return [a for a, d in zip(arrays, order) if d in devset]
 
 
-def _assemble(parts, sharding):
-    """Per-domain arrays (one tree per live domain, equal values) -> global arrays laid out
-    as ``sharding`` (a tree, or one sharding for every leaf): no copy."""
+def _assemble(parts, sharding, doms):
+    """Per-domain arrays (one tree per domain of ``doms``, equal values) -> global arrays laid
+    out as ``sharding`` (a tree, or one sharding for every leaf): no copy. Each global array
+    keeps its domains' arrays (`_view` hands them back)."""
     if parts[0] is None:
         return None
     treedef = jax.tree.structure(parts[0])
@@ -523,6 +538,12 @@ def _assemble(parts, sharding):
     out = []
     for i, sh in enumerate(shs):
         x0 = leaves[0][i]
-        shards = [a for p in leaves for a in p[i]._arrays]  # each part is one domain's: all its buffers
-        out.append(_make(x0.shape, sh, shards))
+        mine = [p[i] for p in leaves]
+        shards = [a for x in mine for a in x._arrays]  # each part is one domain's: all its buffers
+        g = _make(x0.shape, sh, shards)
+        try:
+            setattr(g, _PARTS, {d.key: x for d, x in zip(doms, mine)})
+        except AttributeError:  # an array type without attributes of its own: _view builds views
+            pass
+        out.append(g)
     return jax.tree.unflatten(treedef, out)
