@@ -302,10 +302,15 @@ def tolerance(fn, rtol: float, *args) -> tuple[float, str, int]:
 PERTURBATION = 2.0 ** -6
 
 
-@jax.jit
 def _perturbed(state):
     """``state`` with each float leaf ``x`` made ``x * (1 + PERTURBATION * r)``, ``r`` standard
-    normal (a fixed key): signs and zeros kept; integer leaves (a step counter) unchanged."""
+    normal (a fixed key): signs and zeros kept; integer leaves (a step counter) unchanged.
+    Each leaf keeps its sharding (the programs take their arguments as laid out, and the
+    bit-exact mode reads a domain's part from the buffers). Compiled on the rare path only."""
+    return jax.jit(_perturb, out_shardings=jax.tree.map(lambda x: x.sharding, state))(state)
+
+
+def _perturb(state):
     leaves, treedef = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(0x5EC0D), max(len(leaves), 1))
     out = [x * (1 + PERTURBATION * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
