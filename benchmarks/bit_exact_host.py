@@ -15,7 +15,6 @@ compute) and ``python_ms`` is the rest. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import warnings
@@ -31,7 +30,7 @@ import resilax  # noqa: E402
 from resilax._src.io import write_json  # noqa: E402
 from resilax.tools import example as ex  # noqa: E402
 
-from _clock import ExecutableClock  # noqa: E402
+from _clock import ExecutableClock, finish  # noqa: E402
 
 
 def main(argv=None):
@@ -87,13 +86,7 @@ def main(argv=None):
             states[k] = s
         if (r + 1) % 5 == 0:
             print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
-    for k in runs:
-        jax.block_until_ready(states[k])
-        if k != "plain":
-            runs[k].close()
-    host = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    exe = {k: statistics.median(v) * 1e3 for k, v in inside.items()}
-    py = {k: statistics.median(a - b for a, b in zip(times[k], inside[k])) * 1e3 for k in runs}
+    host, exe, py = finish(runs, states, times, inside)
     n_leaves = len(jax.tree.leaves(state))
     res = {"leaves": n_leaves, "mesh": "cpu-2x4", "steps": args.steps, "thread_cpu_ms": host, "xla_call_ms": exe,
            "python_ms": py, "python_over_plain_ms": {k: py[k] - py["plain"] for k in runs if k != "plain"}}

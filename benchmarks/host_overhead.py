@@ -25,7 +25,6 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import sys
 import tempfile
 import time
@@ -65,7 +64,7 @@ def make(layers: int):
     return state, step
 
 
-from _clock import ExecutableClock as _ExecutableClock  # noqa: E402
+from _clock import ExecutableClock as _ExecutableClock, finish  # noqa: E402
 
 
 def main(argv=None):
@@ -137,13 +136,7 @@ def main(argv=None):
             states[k] = s
             times[k].append(dt / args.block)
         print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True) if (r + 1) % 5 == 0 else None
-    for k in runs:
-        jax.block_until_ready(states[k])
-        if k != "plain":
-            runs[k].close()
-    host = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    exe = {k: statistics.median(v) * 1e3 for k, v in inside.items()}
-    py = {k: statistics.median(a - b for a, b in zip(times[k], inside[k])) * 1e3 for k in runs}
+    host, exe, py = finish(runs, states, times, inside)
     res = {"leaves": n_leaves, "platform": jax.devices()[0].platform, "steps": args.steps, "gc": not args.no_gc,
            "thread_cpu_ms": host, "xla_call_ms": exe, "python_ms": py,
            "host_overhead_ms": {k: py[k] - py["plain"] for k in runs if k != "plain"},
