@@ -47,7 +47,8 @@ case's final state is compared with a failure-free single-process run of the sam
 (``distance``: the largest relative norm of a leaf's difference); a case that is not bitwise
 (the default mode: within 1e-4) makes the bench exit 1. ``--repeat N`` runs each case
 N times (median/min/max). ``--replace`` starts a replacement agent for the killed rank once
-the job is back at the step, and records the growing back (the agents stop their workers
+the job is back at the step (the live nodes' workers stall, SIGSTOP, until its lease is
+live, so that a short job on a busy machine cannot end first), and records the growing back (the agents stop their workers
 at a step boundary, the new generation resumes at that step: 0 redone, else it fell back
 to the checkpoint).
 
@@ -262,6 +263,39 @@ class Hosts:
                 raise Hang(f"timed out waiting for agent {r} to exit") from None
         return rcs
 
+    def hold(self, g: int, nodes) -> list[int]:
+        """SIGSTOPs the workers of generation ``g`` on ``nodes`` (a stalled host); returns their pids."""
+        pids = []
+        for r in nodes:
+            pids += [int(x) for x in ((_json(self.run / "nodes" / f"g{g}.node{r}.json") or {}).get("workers")
+                                      or {}).values()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    @staticmethod
+    def release(pids) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def leased(self, ranks) -> bool:
+        """Whether an agent holds a live lease for each of ``ranks``."""
+        now = time.time()
+        for r in ranks:
+            try:
+                rec = rendezvous.read_record(self.run / rendezvous.RENDEZVOUS / "leases" / f"node{r}.json")
+            except rendezvous.CorruptRecordError:
+                return False
+            if rec is None or rec["expires"] <= now:
+                return False
+        return True
+
     def close(self) -> None:
         for p in self.all:
             for pid in [p.pid, *self._workers_of(p.pid)]:
@@ -409,8 +443,17 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
         grow = None
         if replace and case != "relaunch":
             t_join = time.time()
-            for v in victims:
-                hosts.start(v, ".replacement")
+            # the live nodes' workers stall (SIGSTOP) until the replacements hold their leases, so
+            # that they join a running job however loaded the machine is (on 2 busy cores the few
+            # steps left could end it first; a stall of a second or two is far below the heartbeat
+            # timeouts); then they go on and see the join at their next poll
+            held = hosts.hold(g, survivors)
+            try:
+                for v in victims:
+                    hosts.start(v, ".replacement")
+                hosts.wait(lambda: hosts.leased(victims), "the replacement agents' leases")
+            finally:
+                hosts.release(held)
             others = [p for r, p in hosts.agents.items() if r not in victims]
             got = hosts.wait(lambda: _back(run, g, 1, range(nodes)) or all(p.poll() == 0 for p in others),
                              "a generation with the replacement(s) stepping")
