@@ -65,6 +65,7 @@ process group and its workers' sessions (from ``nodes/*.json``) get SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -78,12 +79,11 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.runtime import rendezvous
+from resilax.tools.bench_multihost_table import DOUBLE_PHASES, PHASES, print_table
 from resilax.tools.processes import heartbeats
 
 NODES = 3
 CASES = ("service", "other", "relaunch", "double")
-PHASES = ("detect", "agree", "start", "restore", "setup", "redo")
-DOUBLE_PHASES = ("detect", "recovering", "detect2", "agree", "start", "restore", "setup", "redo")
 SECOND_KILL_AT = ("proposed", "committed", "attached")
 
 
@@ -263,38 +263,19 @@ class Hosts:
                 raise Hang(f"timed out waiting for agent {r} to exit") from None
         return rcs
 
-    def hold(self, g: int, nodes) -> list[int]:
-        """SIGSTOPs the workers of generation ``g`` on ``nodes`` (a stalled host); returns their pids."""
-        pids = []
+    def signal_workers(self, g: int, nodes, sig) -> None:
+        """Sends ``sig`` to the workers of generation ``g`` on ``nodes`` (SIGSTOP: a stalled host)."""
         for r in nodes:
-            pids += [int(x) for x in ((_json(self.run / "nodes" / f"g{g}.node{r}.json") or {}).get("workers")
-                                      or {}).values()]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
-        return pids
-
-    @staticmethod
-    def release(pids) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            for pid in ((_json(self.run / "nodes" / f"g{g}.node{r}.json") or {}).get("workers") or {}).values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), sig)
 
     def leased(self, ranks) -> bool:
         """Whether an agent holds a live lease for each of ``ranks``."""
-        now = time.time()
-        for r in ranks:
-            try:
-                rec = rendezvous.read_record(self.run / rendezvous.RENDEZVOUS / "leases" / f"node{r}.json")
-            except rendezvous.CorruptRecordError:
-                return False
-            if rec is None or rec["expires"] <= now:
-                return False
-        return True
+        with contextlib.suppress(rendezvous.CorruptRecordError):
+            recs = [rendezvous.read_record(self.run / rendezvous.RENDEZVOUS / "leases" / f"node{r}.json") for r in ranks]
+            return all(rec is not None and rec["expires"] > time.time() for rec in recs)
+        return False
 
     def close(self) -> None:
         for p in self.all:
@@ -447,13 +428,13 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
             # that they join a running job however loaded the machine is (on 2 busy cores the few
             # steps left could end it first; a stall of a second or two is far below the heartbeat
             # timeouts); then they go on and see the join at their next poll
-            held = hosts.hold(g, survivors)
+            hosts.signal_workers(g, survivors, signal.SIGSTOP)
             try:
                 for v in victims:
                     hosts.start(v, ".replacement")
                 hosts.wait(lambda: hosts.leased(victims), "the replacement agents' leases")
             finally:
-                hosts.release(held)
+                hosts.signal_workers(g, survivors, signal.SIGCONT)
             others = [p for r, p in hosts.agents.items() if r not in victims]
             got = hosts.wait(lambda: _back(run, g, 1, range(nodes)) or all(p.poll() == 0 for p in others),
                              "a generation with the replacement(s) stepping")
@@ -664,62 +645,6 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=None, 
     else:
         result["workdir"] = str(work)
     return result
-
-
-def print_table(r: dict) -> None:
-    s = r["setup"]
-    wk = s.get("workers_per_node", 1)
-    print(f"\nresilax bench multihost  ({s['nodes']} agents x {wk} worker{'s' if wk > 1 else ''} x "
-          f"{s['devices_per_process']} CPU device{'s' if s['devices_per_process'] > 1 else ''} on "
-          f"loopback, {s['mode']}, {s['steps']} steps, checkpoint every {s['checkpoint_every']}, lease "
-          f"{s['lease_s']:g} s, {s['cpu_count']} cores)")
-    if "soak" in r:
-        print(f"{'run':<8}{'outcome':<13}{'death->back s':>14}{'2nd kill at s':>14}{'lost':>6}"
-              f"{'grow-back redone':>18}  fallbacks")
-        for i, x in enumerate(r["runs"]):
-            gb = (x.get("grow_back") or {}).get("redone_steps")
-            d = x.get("death_to_back_s")
-            k2 = (x.get("second_kill") or {}).get("after_first_kill_s")
-            print(f"{i:<8}{x['outcome']:<13}{'-' if d is None else format(d, '.2f'):>14}"
-                  f"{'-' if k2 is None else format(k2, '.2f'):>14}"
-                  f"{x.get('lost_steps', '-')!s:>6}{gb if gb is not None else '-'!s:>18}  "
-                  f"{'; '.join(x.get('fallbacks') or []) or x.get('error', '-')}")
-        k = r["soak"]
-        print(f"{k['bitwise']}/{k['runs']} bitwise ({k['ok']} within {s.get('tolerance', 0):g}), {k['not_bitwise']} "
-              f"off, {k['hang']} hang, {k['failed']} "
-              f"failed; {k['fell_back_to_checkpoint']} fell back to a checkpoint restart")
-        return
-    heads = list(r["cases"])
-    rep = s["repeat"] > 1
-
-    def cell(st, fmt):
-        if st is None:
-            return "-"
-        return f"{st['median']:{fmt}}" + (f" [{st['min']:{fmt}}-{st['max']:{fmt}}]" if rep else "")
-
-    w = 24 if rep else 12
-    print(f"{'':<26}" + "".join(f"{h:>{w}}" for h in heads))
-    keys = DOUBLE_PHASES if "double" in heads else PHASES
-    rows = [("death -> back (s)", "death_to_back_s", ".2f")] + [(f"  {k}", k, ".2f") for k in keys] + \
-        [("lost (redone) steps", "lost_steps", ".0f")]
-    for label, key, fmt in rows:
-        vals = [r["cases"][c]["phases"].get(key) if key in keys else r["cases"][c][key] for c in heads]
-        print(f"{label:<26}" + "".join(f"{cell(v, fmt):>{w}}" for v in vals))
-    print(f"{'bitwise':<26}" + "".join(f"{r['cases'][c]['bitwise']!s:>{w}}" for c in heads))
-    if s.get("tolerance"):
-        print(f"{'max relative difference':<26}" + "".join(f"{r['cases'][c]['distance']:>{w}.1e}" for c in heads))
-    print("(service: the coordination service's host killed; other: another host; relaunch: every host killed and "
-          "the job started again; double: the service's host, then during the recovery the next service's host ("
-          f"{s.get('second_kill_at')}), the last host alone;" + (" median [min-max]" if rep else "")
-          + " vs a failure-free single-process run)")
-    for x in r["runs"]:
-        k2 = x.get("second_kill")
-        if k2:
-            print(f"{x['dir']}: second kill {k2['after_first_kill_s']:.2f} s after the first, generation "
-                  f"{k2['generation']} {k2['outcome'] or 'proposed'} (nodes {k2['members']}), "
-                  f"{k2['workers_attached']}/{k2['workers']} workers attached, {k2['workers_resumed']} resumed; "
-                  f"back {k2['death_to_back_s']:.2f} s after it; restored step {x['restored_step']} from "
-                  f"{x['restored_from']}, {x['lost_steps']} lost")
 
 
 def run(args) -> int:
