@@ -118,14 +118,21 @@ def shard_groups(sharding, shape):
     return [(k, idx, devs) for k, (idx, devs) in by.items()]
 
 
-def leaf_shards(arrays, shardings, shapes, ring=None):
+def leaf_shards(arrays, shardings, shapes, ring=None, packed=None):
     """Planner shards of a tree of device arrays (flat lists): each shard's copies are the
-    devices holding it, then (``ring=(pack, group arrays)``) the ring holders of those."""
+    devices holding it, then (``ring=(pack, group arrays)``) the ring holders of those.
+    ``packed=(layout, group arrays)``: the leaves are not arrays of their own but blocks of
+    `ring.local_pack` buffers (``arrays`` is then ignored), each device holding its own."""
     out = []
+    if packed is not None:
+        pgids = tuple(id(g) for g in packed[1])
+        arrays = [None] * len(shapes)
     for i, (a, sh, shape) in enumerate(zip(arrays, shardings, shapes)):
         leaf = []
         for key, idx, devs in shard_groups(sh, shape):
             copies = [Copy(d, ("buf", id(a), d, idx)) for d in devs] if a is not None else []
+            if packed is not None:
+                copies = [Copy(d, ("packed", packed[0], pgids, i, d, idx)) for d in devs]
             if ring is not None and ring[0] is not None and ring[0].slots[i] is not None:
                 pack, groups = ring
                 gids = tuple(id(g) for g in groups)
@@ -141,6 +148,9 @@ def read_copy(copy: Copy, bufmaps: dict) -> tuple[Any, np.ndarray]:
     if ref[0] == "buf":
         _, aid, dev, idx = ref
         return idx, np.array(bufmaps[aid][dev], copy=True)
+    if ref[0] == "packed":
+        _, layout, gids, i, dev, idx = ref
+        return idx, _ring.local_block(layout, [bufmaps[g] for g in gids], i, dev)
     _, pack, gids, i, dev, idx = ref
     return idx, _ring.ring_block(pack, [bufmaps[g] for g in gids], i, dev)
 

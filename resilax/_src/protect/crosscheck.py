@@ -155,7 +155,7 @@ class CrossCheck(Protection):
             batch = jax.tree.map(lambda x: np.asarray(x)[:n], batch)
             key = jax.random.fold_in(split.key(np.uint32(step_no)), np.uint32(0)) if split.rng else None
         else:
-            got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(gout.rec))]
+            got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(prog.rec_tree(gout.rec)))]
             key = None
         if not all(np.all(np.isfinite(x)) for x in got if np.issubdtype(x.dtype, np.inexact)):
             return  # a NaN step (real or injected) says nothing about the compiler: check the next one
@@ -171,7 +171,7 @@ class CrossCheck(Protection):
         if self._tol is None:
             self._tol = tolerance(rec, self.cfg.rtol, state, batch, jax.ShapeDtypeStruct((), np.uint32), key)
         tol, dtype, length = self._tol
-        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(gout.rec)[0]]
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(prog.abstract_rec)[0]]
         dev = prog.mesh.devices.flat[0]
 
         def single(s):
@@ -189,7 +189,7 @@ class CrossCheck(Protection):
             pert = _perturbed(state)
             out = prog.grad(gout.rec_ring is not None, None)(pert, run.guard, prog.put_batch(full), np.uint32(step_no))
             got2 = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(
-                prog.last_replica0 if prog.deterministic else out.rec))]
+                prog.last_replica0 if prog.deterministic else prog.rec_tree(out.rec)))]
             finite = all(np.all(np.isfinite(x)) for x in got2 if np.issubdtype(x.dtype, np.inexact))
             again = _differing(got2, single(pert), tol, names) if finite else bad
             del pert, out

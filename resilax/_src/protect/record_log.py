@@ -37,7 +37,7 @@ from resilax._src.protect.disk_log import DiskLog, SelectivePolicy, batch_signat
 
 @dataclasses.dataclass
 class DeviceEntry:
-    rec: list  # recorded leaves (device arrays)
+    rec: list  # recorded leaves (device arrays), or the `Program.rec_layout` buffers holding them
     ring: Any  # tuple of packed buffers, or None
     program: Any
     nbytes: int
@@ -142,7 +142,7 @@ class RecordLog(base.Protection):
             lambda x: x if isinstance(x, jax.Array) else np.array(x, copy=True), rec.batch)
         self.batches[rec.step] = batch
         if rec.copy is None and self.peers and rec.program.protects and run.peer_log_entries():
-            leaves = jax.tree.leaves(g.rec)
+            leaves = list(g.rec) if rec.program.rec_layout is not None else jax.tree.leaves(g.rec)
             nbytes = self._entry_bytes.get(rec.program)
             if nbytes is None:  # per program, not per step: the same shapes every step
                 nbytes = sum(x.nbytes for x in leaves) + sum(x.nbytes for x in (g.rec_ring or ()))
@@ -158,7 +158,7 @@ class RecordLog(base.Protection):
             carry = run.data is None and (multi or self._carries_batch(rec.program))
             grads = not multi and self._take_grads(run, replayable=run.data is not None or carry)
             if self.disk.writes():
-                self.disk.append(rec.step, recorded=g.rec if grads else None, state_sums=local(sums),
+                self.disk.append(rec.step, recorded=rec.program.rec_tree(g.rec) if grads else None, state_sums=local(sums),
                                  data_state=rec.data_before, data_next=rec.data_after, batch_sig=self._batch_sig,
                                  scalars={"verdict": local(g.ok), "value": local(g.loss), "copy": rec.copy},
                                  batch=jax.tree.leaves(batch) if carry else None)
@@ -290,8 +290,9 @@ class RecordLog(base.Protection):
             if e is not None:
                 p = e.program
                 shapes = [x.shape for x in jax.tree.leaves(p.abstract_rec)]
+                packed = None if p.rec_layout is None else (p.rec_layout, e.rec)
                 sources.append(("device", base.leaf_shards(e.rec, jax.tree.leaves(p.rec_sh), shapes,
-                                                          ring=(p.rec_pack, list(e.ring or [])))))
+                                                          ring=(p.rec_pack, list(e.ring or [])), packed=packed)))
             if s in self.batches:
                 sources.append(("batch", ()))
             elif s in disk:
@@ -301,8 +302,8 @@ class RecordLog(base.Protection):
 
     def device_values(self, s: int, picks, bufmaps):
         e = self.device[s]
-        shapes = [x.shape for x in e.rec]
-        host, _ = base.assemble(picks, shapes, [x.dtype for x in e.rec], bufmaps)
+        leaves = jax.tree.leaves(e.program.abstract_rec)
+        host, _ = base.assemble(picks, [x.shape for x in leaves], [x.dtype for x in leaves], bufmaps)
         return host
 
     def verdict(self, s: int, bufmaps):

@@ -23,6 +23,7 @@ overlapped by XLA and on every platform we measured cost more than the in-step p
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -212,3 +213,38 @@ def ring_block(pack: RingPack, buffers_of_group, i: int, device):
         return None
     n = int(np.prod(block, dtype=np.int64))
     return np.array(np.asarray(buf)[off:off + n], copy=True).reshape(block)
+
+
+def local_block(pack: RingPack, buffers_of_group, i: int, device):
+    """Host copy of leaf ``i``'s block on ``device``, read from that device's `local_pack`
+    buffer (``buffers_of_group[g]``: a ``{device: buffer}`` map)."""
+    g, off, block = pack.slots[i]
+    buf = buffers_of_group[g][device]
+    return np.array(np.asarray(buf)[off:off + math.prod(block)], copy=True).reshape(block)
+
+
+def local_pack(xs, pack: RingPack):
+    """Inside a jitted program: the flat list ``xs`` as a tuple of one 1-D buffer per dtype
+    group, each device's buffer its own blocks concatenated (sharded over every mesh axis:
+    no data moves between devices). ``pack``: `ring_pack_layout` with every leaf in."""
+    def body(*blocks):
+        out = []
+        for g in range(len(pack.groups)):
+            parts = [b.reshape(-1) for i, b in enumerate(blocks) if pack.slots[i][0] == g]
+            out.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+        return tuple(out)
+
+    every = P(tuple(pack.mesh.axis_names))
+    return jax.shard_map(body, mesh=pack.mesh, in_specs=pack.specs, out_specs=tuple(every for _ in pack.groups))(*xs)
+
+
+def local_unpack(bufs, pack: RingPack) -> list:
+    """Inside a jitted program: the inverse of `local_pack`, the flat list of leaves in their
+    shardings (a replicated leaf from any device's block: every device holds the same)."""
+    def body(*flat):
+        return tuple(jax.lax.slice(flat[g], (off,), (off + math.prod(block),)).reshape(block)
+                     for g, off, block in pack.slots)
+
+    every = P(tuple(pack.mesh.axis_names))
+    return list(jax.shard_map(body, mesh=pack.mesh, in_specs=tuple(every for _ in pack.groups),
+                              out_specs=pack.specs, check_vma=False)(*bufs))

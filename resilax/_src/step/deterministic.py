@@ -115,6 +115,7 @@ class DeterministicProgram(Program):
     returns the replicas' batches, each on the domain that computes it."""
 
     deterministic = True
+    packs_rec = False  # each domain's parts hand over the tree (the mode assembles and views it per leaf)
 
     def __init__(self, spec, mesh, *, full_mesh: bool):
         super().__init__(spec, mesh, full_mesh=full_mesh)

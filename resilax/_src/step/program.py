@@ -13,6 +13,12 @@ add to them.
   peer-copy step, the packed ring copy of the new state (and a local copy when copies are
   not made every step).
 
+Where the recorded leaves are small (`Program.rec_layout`), ``GradOut.rec`` is not the
+pytree but one buffer per dtype, each device's buffer its own blocks concatenated
+(`ring.local_pack`): the update part slices it back, and the host hands over a few arrays
+a step instead of one per leaf. `Program.rec_tree` unpacks it for what reads the values (a
+grads log entry, the cross-check), `Program.put_rec` packs host values for a replay.
+
 Training runs grad then update, back to back with no host round-trip; replay runs the very
 same update executable (same variant, logged per step) on logged values, so a replayed
 step is bitwise the original by construction.
@@ -144,6 +150,12 @@ class Program:
     first use: ``grad(log_ring)``, ``update(copy)`` with copy in (None, "ring", "ring+local")."""
 
     deterministic = False  # the bit-exact mode's subclass says True
+    packs_rec = True  # the recorded values may cross between the parts packed (`rec_layout`)
+    # packed only where the recorded leaves average under this many bytes per device: there
+    # the host's per-array cost of passing each leaf between the two executables (~10-20 us
+    # to make, hand over and free) outweighs the device's copy into the buffer (a 1 MiB leaf:
+    # ~1 us of HBM traffic on a GPU, but on the device's clock, where it is not hidden)
+    PACK_LEAF_BYTES = 1 << 20
 
     def __init__(self, spec: ProgramSpec, mesh, *, full_mesh: bool):
         self.spec = spec
@@ -173,6 +185,20 @@ class Program:
         self.rec_pack = _ring.ring_pack_layout(
             [x.shape for x in rec_leaves], [x.dtype for x in rec_leaves], rec_shs,
             jax.tree.leaves(_ring.placement(rec_shs, axis)), axis) if self.protects else None
+        self.rec_layout = None
+        per_device = [math.prod(sh.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+                      for x, sh in zip(rec_leaves, rec_shs)]
+        if self.packs_rec and len(rec_leaves) > 1 and sum(per_device) < self.PACK_LEAF_BYTES * len(rec_leaves):
+            self.rec_layout = _ring.ring_pack_layout([x.shape for x in rec_leaves], [x.dtype for x in rec_leaves],
+                                                     rec_shs, [_ring.RING] * len(rec_leaves), axis)
+        if self.rec_layout is None:
+            self.rec_in_sh = self.rec_sh
+            self.abstract_rec_in = _sh.abstract(rec, self.rec_sh)
+        else:
+            every = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+            self.rec_in_sh = tuple(every for _ in self.rec_layout.groups)
+            self.abstract_rec_in = tuple(jax.ShapeDtypeStruct((mesh.size * n,), jnp.dtype(g), sharding=every)
+                                         for g, n in zip(self.rec_layout.groups, self.rec_layout.lengths))
         st_leaves = jax.tree.leaves(spec.abstract_state)
         self.state_pack = _ring.ring_pack_layout(
             [x.shape for x in st_leaves], [x.dtype for x in st_leaves], jax.tree.leaves(self.state_sh),
@@ -252,6 +278,8 @@ class Program:
             else:
                 ok, loss = jnp.zeros((), jnp.int32), None
             ring = _ring.ring_pack(jax.tree.leaves(rec), pack) if log_ring and pack is not None else None
+            if self.rec_layout is not None:  # what crosses to the update part: a buffer per dtype
+                rec = _ring.local_pack(jax.tree.leaves(rec), self.rec_layout)
             return GradOut(rec, metrics, ok, guard, loss, ring, weight)
 
         return fn
@@ -262,7 +290,7 @@ class Program:
         if key not in self._grad:
             self.batch_sh = self._batch_shardings(self.m)
             metrics_sh = jax.tree.map(lambda _: self.rep, self.abstract_metrics)
-            out_sh = GradOut(self.rec_sh, metrics_sh, self.rep, jax.tree.map(lambda _: self.rep, self.spec.abstract_guard),
+            out_sh = GradOut(self.rec_in_sh, metrics_sh, self.rep, jax.tree.map(lambda _: self.rep, self.spec.abstract_guard),
                              self.rep if self.spec.anomaly_check is not None else None, None,
                              self.rep if self.has_weight else None)
             jitted = jax.jit(self._grad_fn(self.m, log_ring, fault),
@@ -299,6 +327,8 @@ class Program:
         template = self.spec.abstract_batch
 
         def fn(state, rec, ok, step_no):
+            if self.rec_layout is not None:
+                rec = jax.tree.unflatten(jax.tree.structure(self.abstract_rec), _ring.local_unpack(rec, self.rec_layout))
             zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), template)  # dead code: read via record only
             new = gate(ok, split.update(state, zeros, step_no, rec), state)
             new = jax.lax.with_sharding_constraint(new, state_sh)
@@ -321,11 +351,11 @@ class Program:
         key = copy if donate == self.spec.donate else (copy, "keep")
         if key not in self._update:
             jitted = jax.jit(self._update_fn(copy),
-                             in_shardings=(self.state_sh, self.rec_sh, self.rep, self.rep),
+                             in_shardings=(self.state_sh, self.rec_in_sh, self.rep, self.rep),
                              out_shardings=(self.state_sh, None, None),
                              donate_argnums=(0,) if donate else ())
-            abs_rec = _sh.abstract(self.abstract_rec, self.rec_sh)
-            self._update[key] = jitted.lower(self.abstract_state(), abs_rec, jax.ShapeDtypeStruct((), jnp.int32),
+            self._update[key] = jitted.lower(self.abstract_state(), self.abstract_rec_in,
+                                             jax.ShapeDtypeStruct((), jnp.int32),
                                              self._u32).compile()
         return self._update[key]
 
@@ -360,9 +390,31 @@ class Program:
         return _sh.put(batch, self.batch_sh)
 
     def put_rec(self, host_leaves):
-        """Host copies of recorded leaves -> device, in the recorded values' shardings."""
+        """Host copies of recorded leaves -> device, in the form the update part takes (the
+        recorded values' shardings; packed where `rec_layout` says)."""
         treedef = jax.tree.structure(self.abstract_rec)
-        return jax.tree.unflatten(treedef, jax.device_put(list(host_leaves), jax.tree.leaves(self.rec_sh)))
+        tree = jax.tree.unflatten(treedef, jax.device_put(list(host_leaves), jax.tree.leaves(self.rec_sh)))
+        return tree if self.rec_layout is None else self._repack("pack")(tree)
+
+    def rec_tree(self, rec):
+        """The recorded values as the user's pytree (``GradOut.rec`` is packed where
+        `rec_layout` says: unpacked here, only for what reads the leaves)."""
+        return rec if self.rec_layout is None else self._repack("unpack")(rec)
+
+    def _repack(self, way: str):
+        key = ("repack", way)
+        if key not in self._update:
+            layout, treedef = self.rec_layout, jax.tree.structure(self.abstract_rec)
+            abs_tree = _sh.abstract(self.abstract_rec, self.rec_sh)
+            if way == "pack":
+                j = jax.jit(lambda t: _ring.local_pack(jax.tree.leaves(t), layout),
+                            in_shardings=(self.rec_sh,), out_shardings=self.rec_in_sh)
+                self._update[key] = j.lower(abs_tree).compile()
+            else:
+                j = jax.jit(lambda b: jax.tree.unflatten(treedef, _ring.local_unpack(b, layout)),
+                            in_shardings=(self.rec_in_sh,), out_shardings=self.rec_sh)
+                self._update[key] = j.lower(self.abstract_rec_in).compile()
+        return self._update[key]
 
     def compile_all(self, variants) -> None:
         """Compiles the given update variants and the grad part now (compile ahead)."""
@@ -371,6 +423,9 @@ class Program:
         self.grad(False)
         for v in variants:
             self.update(v)
+        if self.rec_layout is not None:  # what a log entry, a replay or a recovery needs
+            self._repack("pack")
+            self._repack("unpack")
 
 
 def gate(ok, new, old):
