@@ -337,6 +337,52 @@ def test_a_save_neither_compiles_nor_waits_for_the_warm_up(tmp_path):
         store.close()
 
 
+def test_orbax_slices_of_a_replicated_shard_are_compiled_by_the_warm_up_not_the_first_save(tmp_path):
+    """Issue 26 (every program a save needs compiled ahead): Orbax saves a replicated shard
+    cooperatively, each replica writing a slice it cuts on the device, one program per shape,
+    compiled at the layout's first save (0.55 s of the tiny GPT's first save on 8 CPU
+    devices). After `warm` the first save compiles nothing; a layout that was not warmed
+    (other shapes, the control) does compile its slices at its first save."""
+    import logging
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from resilax._src.protect.checkpoints import CheckpointStore
+
+    rep = NamedSharding(TOPO.mesh([list(d) for d in TOPO.domains()]), P())
+    msgs = []
+
+    class Grab(logging.Handler):
+        def emit(self, r):
+            msgs.append(r.getMessage())
+
+    def first_save(shape, warm, where):
+        tree = {"w": jax.device_put(np.ones(shape, np.float32), rep),
+                "b": jax.device_put(np.ones((shape[0] * 3,), np.float32), rep)}
+        store = CheckpointStore(where)
+        try:
+            if warm:
+                store.warm(tree)
+                store._join_warming()
+            del msgs[:]
+            jax.config.update("jax_log_compiles", True)  # (a context manager would be this thread's only)
+            try:
+                store.save(1, tree, {})
+                store.wait()  # the persister's work, Orbax's commit
+            finally:
+                jax.config.update("jax_log_compiles", False)
+            return [m for m in msgs if m.startswith("Compiling jit(slice)")]
+        finally:
+            store.close()
+
+    h = Grab()
+    logging.getLogger().addHandler(h)
+    try:
+        assert first_save((40, 16), True, tmp_path / "warm") == []
+        assert first_save((56, 16), False, tmp_path / "cold"), "the control compiled no slice: Orbax did not slice"
+    finally:
+        logging.getLogger().removeHandler(h)
+
+
 def test_a_save_due_while_the_previous_one_writes_waits_and_says_so(tmp_path):
     """The one wait a save may make: the previous save still writing when the next is due. It
     is booked in goodput (checkpoint_save) and reported as a `checkpoint_wait` event; a save

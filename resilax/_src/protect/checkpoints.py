@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp
 
 from resilax._src.protect.checksum import anchor_tree, tree_checksums
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
-from resilax._src.protect import base
+from resilax._src.protect import base, orbax_warm
 from resilax._src.timings import Timings
 from resilax._src.protect.planner import Candidate, Copy
 
@@ -222,6 +222,7 @@ class CheckpointStore:
         abstract = _abstract(tree)
         if self._compiled is not None and self._compiled[0] == _layout_key(abstract) and also is None:
             return
+        slices = orbax_warm.plan(tree)  # (reads the live arrays: here, before the next step donates them)
 
         def compile_it():
             # the loop's own program first (a save due before it is ready copies without it),
@@ -230,6 +231,7 @@ class CheckpointStore:
             try:
                 self._compiled = (_layout_key(abstract), _snapshot_jit.lower(abstract).compile())
                 self._sums_program(abstract)  # (a start's anchor may have compiled it)
+                orbax_warm.run(slices)  # Orbax's own slice programs (replica-parallel saving)
                 if also is not None:
                     also()
             except Exception:  # a save copies without the program; the persister compiles the sums
