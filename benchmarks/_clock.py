@@ -7,30 +7,40 @@ import time
 
 class ExecutableClock:
     """While active, adds the calling thread's CPU time in every compiled executable's call
-    to ``total``."""
+    to ``total``; ``also``: ``(class, method name)`` pairs timed the same way (an outermost
+    call only: time inside one of them is not counted twice)."""
 
-    def __init__(self):
+    def __init__(self, also=()):
         from jax._src import stages
 
-        self._cls = stages.Compiled
-        self._orig = stages.Compiled.__call__
+        self._targets = [(stages.Compiled, "__call__")] + list(also)
+        self._orig = [getattr(c, n) for c, n in self._targets]
         self.total = 0.0
+        self._depth = 0
 
     def __enter__(self):
-        orig, clock = self._orig, self
+        clock = self
 
-        def timed(exe, *a, **k):
-            t0 = time.thread_time()
-            try:
-                return orig(exe, *a, **k)
-            finally:
-                clock.total += time.thread_time() - t0
+        def wrap(orig):
+            def timed(obj, *a, **k):
+                if clock._depth:
+                    return orig(obj, *a, **k)
+                clock._depth += 1
+                t0 = time.thread_time()
+                try:
+                    return orig(obj, *a, **k)
+                finally:
+                    clock.total += time.thread_time() - t0
+                    clock._depth -= 1
+            return timed
 
-        self._cls.__call__ = timed
+        for (c, n), orig in zip(self._targets, self._orig):
+            setattr(c, n, wrap(orig))
         return self
 
     def __exit__(self, *exc):
-        self._cls.__call__ = self._orig
+        for (c, n), orig in zip(self._targets, self._orig):
+            setattr(c, n, orig)
         return False
 
 

@@ -7,7 +7,8 @@ on its own threads, and a loop that runs ahead of the device waits at a bound (p
 queue has none). The calling thread's CPU time (``time.thread_time``) counts Python and
 dispatch, not waiting; but XLA:CPU runs these small programs inline, so it counts their
 compute too. So the thread's CPU time inside each executable's call is also counted
-(``xla_call_ms``: dispatch, and compute when XLA runs the program inline), and the host's
+(``xla_call_ms``: dispatch, and compute when XLA runs the program inline; for resilax also
+its putting the host batch on the mesh, which plain jit does inside its call), and the host's
 own work is the rest: ``python_ms`` = thread CPU time minus time inside executables' calls
 (resilax's Python, tree handling, dispatch). ``host_overhead_ms`` is resilax's
 ``python_ms`` minus plain jit's; ``thread_over_plain_ms`` the whole thread-time difference
@@ -111,7 +112,11 @@ def main(argv=None):
     times = {k: [] for k in runs}
     inside = {k: [] for k in runs}
     names = list(runs)
-    clock = _ExecutableClock()
+    # plain jit puts the host batch on the device inside its executable's call; resilax puts
+    # it first (`Program.put_batch`, the same jax.device_put work): counted as in-call for both
+    from resilax._src.step.program import Program
+
+    clock = _ExecutableClock(also=[(Program, "put_batch")])
     prof = cProfile.Profile() if args.profile else None
     rounds = -(-args.steps // args.block)
     if args.no_gc:
