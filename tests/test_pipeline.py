@@ -269,22 +269,23 @@ def test_a_failed_call_leaves_a_clear_error_not_deleted_buffers():
 
 
 # ------------------------------------------------------------ 5: replay shares the update executable
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "leaves"])
+@pytest.mark.parametrize("packed", [True, False, "mixed"], ids=["packed", "leaves", "mixed"])
 def test_peer_replay_of_batchnorm_between_copies_is_bitwise(packed, monkeypatch):
     """Copies every 3 steps: the steps between are replayed from the device log with the
     same update program structure (0.1 replayed with the fused step: last-bit differences).
     The recorded values cross between the parts packed (small leaves, as here) or as leaves
-    (large ones: `Program.PACK_LEAF_BYTES` set to 0 forces it); the device log keeps them
-    as they crossed, and a recovery reads each leaf's block out of a surviving device's
-    buffer."""
+    (large ones: `Program.PACK_LEAF_BYTES` set to 0 forces it), or some of each (a threshold
+    between the biases and the kernels); the device log keeps them as they crossed, and a
+    recovery reads each packed leaf's block out of a surviving device's buffer."""
     from resilax._src.step.program import Program
 
     ref, ref_states, _ = reference("batchnorm_mlp")  # (packed)
-    if not packed:
-        monkeypatch.setattr(Program, "PACK_LEAF_BYTES", 0)
+    if packed is not True:
+        monkeypatch.setattr(Program, "PACK_LEAF_BYTES", 0 if not packed else 512)
     cfg = resilax.Config(peers=resilax.PeersConfig(every=3))
     got, step, kept, _ = run("batchnorm_mlp", ["fail_slice@5:after_step/0"], config=cfg, keep=(5,))
-    assert (step.program.rec_layout is not None) == packed
+    slots = step.program.rec_layout.slots if packed else [None]
+    assert (None in slots) == (packed is not True) and any(slots) == bool(packed), slots
     ev = recovery(step)[0]
     assert ev.fields["source"] == "peer" and ev.fields["restored_step"] == 3 and ev.fields["steps_replayed"] == 2
     assert tree_rel_diff(kept[5], ref_states[5]) == 0.0

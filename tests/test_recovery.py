@@ -293,17 +293,21 @@ def test_packed_recorded_values_round_trip_and_each_device_reads_its_own_blocks(
             (np.int32(7), P())]
     shardings = [NamedSharding(mesh, s) for _, s in vals]
     xs = [jax.device_put(v, sh) for (v, _), sh in zip(vals, shardings)]
-    layout = _ring.ring_pack_layout([x.shape for x in xs], [x.dtype for x in xs], shardings, [_ring.RING] * len(xs),
-                                    "slice")
-    packed = jax.jit(lambda *a: _ring.local_pack(list(a), layout))(*xs)
-    assert [str(b.dtype) for b in packed] == ["float32", "bfloat16", "int32"]
-    # per device: 8*6/2 + 4*8/4 + 3 = 35 float32, 8*8/8 = 8 bfloat16, 1 int32
-    assert [b.shape[0] for b in packed] == [8 * 35, 8 * 8, 8 * 1]
-    back = jax.jit(lambda *b: tuple(_ring.local_unpack(b, layout)), out_shardings=tuple(shardings))(*packed)
-    for (v, _), x, b in zip(vals, xs, back):
-        assert b.sharding.is_equivalent_to(x.sharding, x.ndim) and b.dtype == x.dtype
-        np.testing.assert_array_equal(np.asarray(b), np.asarray(v))
-    bufs = [_ring.buffers(g) for g in packed]
-    for i, x in enumerate(xs):
-        for shard in x.addressable_shards:
-            np.testing.assert_array_equal(_ring.local_block(layout, bufs, i, shard.device), np.asarray(shard.data))
+    # every leaf packed, then leaf 1 (as a large one would) left out and passed as it is
+    for places, lengths in (([_ring.RING] * 5, [8 * 35, 8 * 8, 8 * 1]),
+                            ([_ring.RING, None, _ring.RING, _ring.RING, _ring.RING], [8 * 27, 8 * 8, 8 * 1])):
+        layout = _ring.ring_pack_layout([x.shape for x in xs], [x.dtype for x in xs], shardings, places, "slice")
+        packed, others = jax.jit(lambda *a: _ring.local_pack(list(a), layout))(*xs)
+        assert [str(b.dtype) for b in packed] == ["float32", "bfloat16", "int32"]
+        # per device: 8*6/2 + 4*8/4 + 3 = 35 float32 (27 without leaf 1), 8*8/8 = 8 bfloat16, 1 int32
+        assert [b.shape[0] for b in packed] == lengths and len(others) == places.count(None)
+        back = jax.jit(lambda p: tuple(_ring.local_unpack(p, layout)), out_shardings=tuple(shardings))((packed, others))
+        for (v, _), x, b in zip(vals, xs, back):
+            assert b.sharding.is_equivalent_to(x.sharding, x.ndim) and b.dtype == x.dtype
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(v))
+        bufs = [_ring.buffers(g) for g in packed]
+        for i, x in enumerate(xs):
+            if places[i] is None:
+                continue
+            for shard in x.addressable_shards:
+                np.testing.assert_array_equal(_ring.local_block(layout, bufs, i, shard.device), np.asarray(shard.data))

@@ -121,17 +121,15 @@ def shard_groups(sharding, shape):
 def leaf_shards(arrays, shardings, shapes, ring=None, packed=None):
     """Planner shards of a tree of device arrays (flat lists): each shard's copies are the
     devices holding it, then (``ring=(pack, group arrays)``) the ring holders of those.
-    ``packed=(layout, group arrays)``: the leaves are not arrays of their own but blocks of
-    `ring.local_pack` buffers (``arrays`` is then ignored), each device holding its own."""
+    ``packed=(layout, group arrays)``: the leaves the layout has a slot for are not arrays
+    of their own but blocks of `ring.local_pack` buffers, each device holding its own."""
     out = []
-    if packed is not None:
-        pgids = tuple(id(g) for g in packed[1])
-        arrays = [None] * len(shapes)
+    pgids = tuple(id(g) for g in packed[1]) if packed is not None else None
     for i, (a, sh, shape) in enumerate(zip(arrays, shardings, shapes)):
         leaf = []
         for key, idx, devs in shard_groups(sh, shape):
             copies = [Copy(d, ("buf", id(a), d, idx)) for d in devs] if a is not None else []
-            if packed is not None:
+            if packed is not None and packed[0].slots[i] is not None:
                 copies = [Copy(d, ("packed", packed[0], pgids, i, d, idx)) for d in devs]
             if ring is not None and ring[0] is not None and ring[0].slots[i] is not None:
                 pack, groups = ring

@@ -142,7 +142,7 @@ class RecordLog(base.Protection):
             lambda x: x if isinstance(x, jax.Array) else np.array(x, copy=True), rec.batch)
         self.batches[rec.step] = batch
         if rec.copy is None and self.peers and rec.program.protects and run.peer_log_entries():
-            leaves = list(g.rec) if rec.program.rec_layout is not None else jax.tree.leaves(g.rec)
+            leaves = [*g.rec[0], *g.rec[1]] if rec.program.rec_layout is not None else jax.tree.leaves(g.rec)
             nbytes = self._entry_bytes.get(rec.program)
             if nbytes is None:  # per program, not per step: the same shapes every step
                 nbytes = sum(x.nbytes for x in leaves) + sum(x.nbytes for x in (g.rec_ring or ()))
@@ -290,8 +290,12 @@ class RecordLog(base.Protection):
             if e is not None:
                 p = e.program
                 shapes = [x.shape for x in jax.tree.leaves(p.abstract_rec)]
-                packed = None if p.rec_layout is None else (p.rec_layout, e.rec)
-                sources.append(("device", base.leaf_shards(e.rec, jax.tree.leaves(p.rec_sh), shapes,
+                arrays, packed = e.rec, None
+                if p.rec_layout is not None:  # e.rec: the buffers, then the large leaves
+                    ng = len(p.rec_layout.groups)
+                    packed, big = (p.rec_layout, e.rec[:ng]), iter(e.rec[ng:])
+                    arrays = [next(big) if s is None else None for s in p.rec_layout.slots]
+                sources.append(("device", base.leaf_shards(arrays, jax.tree.leaves(p.rec_sh), shapes,
                                                           ring=(p.rec_pack, list(e.ring or [])), packed=packed)))
             if s in self.batches:
                 sources.append(("batch", ()))

@@ -224,27 +224,37 @@ def local_block(pack: RingPack, buffers_of_group, i: int, device):
 
 
 def local_pack(xs, pack: RingPack):
-    """Inside a jitted program: the flat list ``xs`` as a tuple of one 1-D buffer per dtype
-    group, each device's buffer its own blocks concatenated (sharded over every mesh axis:
-    no data moves between devices). ``pack``: `ring_pack_layout` with every leaf in."""
+    """Inside a jitted program: ``(buffers, others)``. ``buffers``: the leaves of the flat list
+    ``xs`` that ``pack`` (`ring_pack_layout`) has a slot for, as one 1-D buffer per dtype
+    group, each device's buffer its own blocks concatenated (sharded over every mesh axis: no
+    data moves between devices); ``others``: the other leaves, as they are."""
+    idx = [i for i, s in enumerate(pack.slots) if s is not None]
+
     def body(*blocks):
         out = []
         for g in range(len(pack.groups)):
-            parts = [b.reshape(-1) for i, b in enumerate(blocks) if pack.slots[i][0] == g]
+            parts = [b.reshape(-1) for i, b in zip(idx, blocks) if pack.slots[i][0] == g]
             out.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
         return tuple(out)
 
     every = P(tuple(pack.mesh.axis_names))
-    return jax.shard_map(body, mesh=pack.mesh, in_specs=pack.specs, out_specs=tuple(every for _ in pack.groups))(*xs)
+    bufs = jax.shard_map(body, mesh=pack.mesh, in_specs=tuple(pack.specs[i] for i in idx),
+                         out_specs=tuple(every for _ in pack.groups))(*[xs[i] for i in idx])
+    return bufs, tuple(x for x, s in zip(xs, pack.slots) if s is None)
 
 
-def local_unpack(bufs, pack: RingPack) -> list:
+def local_unpack(packed, pack: RingPack) -> list:
     """Inside a jitted program: the inverse of `local_pack`, the flat list of leaves in their
     shardings (a replicated leaf from any device's block: every device holds the same)."""
+    bufs, others = packed
+    idx = [i for i, s in enumerate(pack.slots) if s is not None]
+
     def body(*flat):
         return tuple(jax.lax.slice(flat[g], (off,), (off + math.prod(block),)).reshape(block)
-                     for g, off, block in pack.slots)
+                     for g, off, block in (pack.slots[i] for i in idx))
 
     every = P(tuple(pack.mesh.axis_names))
-    return list(jax.shard_map(body, mesh=pack.mesh, in_specs=tuple(every for _ in pack.groups),
-                              out_specs=pack.specs, check_vma=False)(*bufs))
+    cut = jax.shard_map(body, mesh=pack.mesh, in_specs=tuple(every for _ in pack.groups),
+                        out_specs=tuple(pack.specs[i] for i in idx), check_vma=False)(*bufs)
+    cut, others = iter(cut), iter(others)
+    return [next(others) if s is None else next(cut) for s in pack.slots]

@@ -13,10 +13,11 @@ add to them.
   peer-copy step, the packed ring copy of the new state (and a local copy when copies are
   not made every step).
 
-Where the recorded leaves are small (`Program.rec_layout`), ``GradOut.rec`` is not the
-pytree but one buffer per dtype, each device's buffer its own blocks concatenated
-(`ring.local_pack`): the update part slices it back, and the host hands over a few arrays
-a step instead of one per leaf. `Program.rec_tree` unpacks it for what reads the values (a
+Where recorded leaves are small (`Program.rec_layout`), ``GradOut.rec`` is not the pytree
+but ``(buffers, large leaves)``: the small leaves as one buffer per dtype, each device's
+buffer its own blocks concatenated (`ring.local_pack`), the others as they are. The update
+part slices the buffers back, and the host hands over a few arrays a step instead of one
+per small leaf. `Program.rec_tree` unpacks it for what reads the values (a
 grads log entry, the cross-check), `Program.put_rec` packs host values for a replay.
 
 Training runs grad then update, back to back with no host round-trip; replay runs the very
@@ -151,10 +152,10 @@ class Program:
 
     deterministic = False  # the bit-exact mode's subclass says True
     packs_rec = True  # the recorded values may cross between the parts packed (`rec_layout`)
-    # packed only where the recorded leaves average under this many bytes per device: there
-    # the host's per-array cost of passing each leaf between the two executables (~10-20 us
-    # to make, hand over and free) outweighs the device's copy into the buffer (a 1 MiB leaf:
-    # ~1 us of HBM traffic on a GPU, but on the device's clock, where it is not hidden)
+    # a recorded leaf of fewer bytes per device is packed: for it the host's per-array cost of
+    # passing it between the two executables (~10-20 us to make, hand over and free)
+    # outweighs the device's copy into the buffer (1 MiB: ~1 us of HBM traffic on a GPU, but
+    # on the device's clock, where it is not hidden); a larger one crosses as it is
     PACK_LEAF_BYTES = 1 << 20
 
     def __init__(self, spec: ProgramSpec, mesh, *, full_mesh: bool):
@@ -188,17 +189,21 @@ class Program:
         self.rec_layout = None
         per_device = [math.prod(sh.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
                       for x, sh in zip(rec_leaves, rec_shs)]
-        if self.packs_rec and len(rec_leaves) > 1 and sum(per_device) < self.PACK_LEAF_BYTES * len(rec_leaves):
+        small = [_ring.RING if b < self.PACK_LEAF_BYTES else None for b in per_device]
+        if self.packs_rec and small.count(_ring.RING) > 1:
             self.rec_layout = _ring.ring_pack_layout([x.shape for x in rec_leaves], [x.dtype for x in rec_leaves],
-                                                     rec_shs, [_ring.RING] * len(rec_leaves), axis)
+                                                     rec_shs, small, axis)
         if self.rec_layout is None:
             self.rec_in_sh = self.rec_sh
             self.abstract_rec_in = _sh.abstract(rec, self.rec_sh)
-        else:
+        else:  # (buffers, the large leaves as they are)
             every = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-            self.rec_in_sh = tuple(every for _ in self.rec_layout.groups)
-            self.abstract_rec_in = tuple(jax.ShapeDtypeStruct((mesh.size * n,), jnp.dtype(g), sharding=every)
-                                         for g, n in zip(self.rec_layout.groups, self.rec_layout.lengths))
+            big = [i for i, s in enumerate(small) if s is None]
+            self.rec_in_sh = (tuple(every for _ in self.rec_layout.groups), tuple(rec_shs[i] for i in big))
+            self.abstract_rec_in = (
+                tuple(jax.ShapeDtypeStruct((mesh.size * n,), jnp.dtype(g), sharding=every)
+                      for g, n in zip(self.rec_layout.groups, self.rec_layout.lengths)),
+                tuple(jax.ShapeDtypeStruct(rec_leaves[i].shape, rec_leaves[i].dtype, sharding=rec_shs[i]) for i in big))
         st_leaves = jax.tree.leaves(spec.abstract_state)
         self.state_pack = _ring.ring_pack_layout(
             [x.shape for x in st_leaves], [x.dtype for x in st_leaves], jax.tree.leaves(self.state_sh),
