@@ -20,7 +20,13 @@ import jax.numpy as jnp
 
 def plan(tree) -> list:
     """``(index, slice args, shape, dtype, device)`` per distinct slice program Orbax's save of
-    ``tree`` would compile (``tree``'s arrays must be alive)."""
+    ``tree`` would compile (``tree``'s arrays must be alive). [] in a multi-process job: there
+    a compile may wait for another process's binary (``JAX_SHARE_BINARY_BETWEEN_HOSTS``), and
+    a warm-up still waiting for a process that died held up the survivors' in-place re-form
+    past its deadline (a CI run of test_launch's in-place test); the first save compiles them
+    on the caller's thread, as before."""
+    if jax.process_count() > 1:
+        return []
     try:
         import orbax.checkpoint as ocp
         from orbax.checkpoint._src.serialization import replica_slices as rs
