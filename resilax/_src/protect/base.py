@@ -128,9 +128,10 @@ def leaf_shards(arrays, shardings, shapes, ring=None, packed=None):
     for i, (a, sh, shape) in enumerate(zip(arrays, shardings, shapes)):
         leaf = []
         for key, idx, devs in shard_groups(sh, shape):
-            copies = [Copy(d, ("buf", id(a), d, idx)) for d in devs] if a is not None else []
             if packed is not None and packed[0].slots[i] is not None:
                 copies = [Copy(d, ("packed", packed[0], pgids, i, d, idx)) for d in devs]
+            else:
+                copies = [Copy(d, ("buf", id(a), d, idx)) for d in devs] if a is not None else []
             if ring is not None and ring[0] is not None and ring[0].slots[i] is not None:
                 pack, groups = ring
                 gids = tuple(id(g) for g in groups)

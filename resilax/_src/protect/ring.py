@@ -190,12 +190,8 @@ def ring_pack(xs, pack: RingPack):
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def body(*blocks):
-        out = []
-        for g in range(len(pack.groups)):
-            parts = [b.reshape(-1) for i, b in zip(idx, blocks) if pack.slots[i][0] == g]
-            flat = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-            out.append(jax.lax.ppermute(flat, pack.axis, perm) if n > 1 else jnp.copy(flat))
-        return tuple(out)
+        return tuple(jax.lax.ppermute(flat, pack.axis, perm) if n > 1 else jnp.copy(flat)
+                     for flat in _concat_groups(pack, idx, blocks))
 
     every = P(tuple(mesh.axis_names))
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(pack.specs[i] for i in idx),
@@ -206,13 +202,12 @@ def ring_block(pack: RingPack, buffers_of_group, i: int, device):
     """Host copy of leaf ``i``'s block that ``device`` held, read from its ring holder's
     packed buffer (``buffers_of_group[g]`` is a ``{device: buffer}`` map). None if the
     holder's buffer is gone."""
-    g, off, block = pack.slots[i]
+    g = pack.slots[i][0]
     holder = ring_holder(pack.mesh, device, pack.axis)
     buf = buffers_of_group[g].get(holder)
     if buf is None or buf.is_deleted():
         return None
-    n = int(np.prod(block, dtype=np.int64))
-    return np.array(np.asarray(buf)[off:off + n], copy=True).reshape(block)
+    return local_block(pack, buffers_of_group, i, holder)
 
 
 def local_block(pack: RingPack, buffers_of_group, i: int, device):
@@ -223,6 +218,16 @@ def local_block(pack: RingPack, buffers_of_group, i: int, device):
     return np.array(np.asarray(buf)[off:off + math.prod(block)], copy=True).reshape(block)
 
 
+def _concat_groups(pack: RingPack, idx, blocks) -> list:
+    """Inside a ``shard_map`` body: per dtype group, the local ``blocks`` of the leaves ``idx``
+    (those with a slot) flattened and concatenated in slot order."""
+    out = []
+    for g in range(len(pack.groups)):
+        parts = [b.reshape(-1) for i, b in zip(idx, blocks) if pack.slots[i][0] == g]
+        out.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+    return out
+
+
 def local_pack(xs, pack: RingPack):
     """Inside a jitted program: ``(buffers, others)``. ``buffers``: the leaves of the flat list
     ``xs`` that ``pack`` (`ring_pack_layout`) has a slot for, as one 1-D buffer per dtype
@@ -231,11 +236,7 @@ def local_pack(xs, pack: RingPack):
     idx = [i for i, s in enumerate(pack.slots) if s is not None]
 
     def body(*blocks):
-        out = []
-        for g in range(len(pack.groups)):
-            parts = [b.reshape(-1) for i, b in zip(idx, blocks) if pack.slots[i][0] == g]
-            out.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
-        return tuple(out)
+        return tuple(_concat_groups(pack, idx, blocks))
 
     every = P(tuple(pack.mesh.axis_names))
     bufs = jax.shard_map(body, mesh=pack.mesh, in_specs=tuple(pack.specs[i] for i in idx),
