@@ -7,8 +7,8 @@ import time
 
 class ExecutableClock:
     """While active, adds the calling thread's CPU time in every compiled executable's call
-    to ``total``; ``also``: ``(class, method name)`` pairs timed the same way (an outermost
-    call only: time inside one of them is not counted twice)."""
+    to ``total``; ``also``: ``(class or module, function name)`` pairs timed the same way (an
+    outermost call only: time inside one of them is not counted twice)."""
 
     def __init__(self, also=()):
         from jax._src import stages

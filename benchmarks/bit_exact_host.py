@@ -7,7 +7,11 @@ The bit-exact mode runs one gradient executable per replica and a combine and an
 per domain, each on its own domain's mesh, so its Python per step grows with leaves x
 domains. As in host_overhead.py, the thread's CPU time inside each executable's call is
 counted apart (``xla_call_ms``: on CPU XLA runs small programs inline, so it includes their
-compute) and ``python_ms`` is the rest. Prints a table and writes JSON.
+compute) and ``python_ms`` is the rest. Plain jit moves the host batch to the devices inside
+its executable's call; resilax does the same ``jax.device_put`` just before its calls
+(`sharding.put`: the whole batch in the default mode, each replica's part in the bit-exact
+mode), so that is counted as in-call time too, as host_overhead.py counts `Program.put_batch`
+(until 2026-11-27 this bench charged it to resilax's Python). Prints a table and writes JSON.
 
     python benchmarks/bit_exact_host.py --depth 3 --steps 150 --json benchmarks/results/bit_exact_host.json
 """
@@ -70,7 +74,10 @@ def main(argv=None):
         for i in range(3):
             states[k], _ = call(k, states[k], i)
         jax.block_until_ready(states[k])
-    times, inside, names, clock = {k: [] for k in runs}, {k: [] for k in runs}, list(runs), ExecutableClock()
+    from resilax._src.step import sharding as _sh  # every batch transfer of both modes goes through `put`
+
+    clock = ExecutableClock(also=[(_sh, "put")])
+    times, inside, names = {k: [] for k in runs}, {k: [] for k in runs}, list(runs)
     rounds = -(-args.steps // args.block)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
