@@ -206,6 +206,7 @@ def test_in_place_re_forms_with_a_spare_then_without_one_grows_back_and_re_forms
         (0, "reform", [0, 1, 2, 3]), (1, "reform", [0, 1, 2, 3]), (2, "regrow", [1, 2, 3]), (3, "reform", [0, 1, 2, 3]),
         (4, "done", sorted({0, 1, 2, 3} - {third}))], (done, hist, text[-3000:])
     assert f"process {done[0][1]} " in hist[0]["why"] and "hung: heartbeat" in hist[0]["why"]
+    assert "--in-place`: the record log is off" in text  # said, not silently dropped
     assert "process 0 " in hist[1]["why"] and "signal SIGKILL" in hist[1]["why"]
     assert "growing back to 4" in hist[2]["why"]
     left0 = sorted(int(i) for i in pids[0] if int(i) != done[0][1])

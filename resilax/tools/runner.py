@@ -155,6 +155,10 @@ def train(
                   flush=True)
         peers, peers_every = False, None
         if job.in_place_wait_s > 0:  # going on in place re-forms the survivors' backends: no device log across it
+            if log and job.process_id == 0:
+                print("resilax train under `resilax launch --in-place`: the record log is off (going on in place "
+                      "re-forms the survivors' backends; not yet supported with the log); a restart resumes from the "
+                      "hosts' stores or the newest checkpoint", flush=True)
             log, log_mode = False, None
         health = False  # replica checks and the liveness watchdog read other processes' domains: one process only
     if deterministic and layout == "sharded" and not worker.env():
