@@ -236,6 +236,36 @@ STAND_IN = ("import os, time; e = os.environ; print('slots', repr(e['RESILAX_SLO
             "time.sleep(120 if int(e['RESILAX_GENERATION']) < 2 else 0)")
 
 
+def test_an_agent_after_the_job_completed_says_so_when_it_gives_up(tmp_path, child_env):
+    """Two agents run a job whose workers exit 0 at once (the job completes); an agent started
+    afterwards with node 1's rank finds no generation to join: after --rendezvous-timeout it
+    exits 1 and says the job had already completed, not only that it waited."""
+    run = tmp_path / "run"
+
+    def agent(rank, timeout):
+        return subprocess.Popen([sys.executable, "-m", "resilax", "launch", "--nodes", "2", "--node-rank", str(rank),
+                                 "--run-dir", str(run), "-n", "1", "--devices-per-process", "1", "--lease", "1",
+                                 "--rendezvous-timeout", str(timeout), "--", sys.executable, "-c", "pass"],
+                                env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+    first = [agent(r, 60) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in first]
+    finally:
+        for p in first:
+            kill_tree(p)
+    assert [p.returncode for p in first] == [0, 0], outs
+    assert json.loads((run / "processes.json").read_text())["status"] == "done"
+    late = agent(1, 2)
+    try:
+        out = late.communicate(timeout=60)[0]
+    finally:
+        kill_tree(late)
+    assert late.returncode == 1, out
+    assert "got no committed generation" in out and "already completed in generation 0" in out, out
+
+
 def test_a_hung_service_host_is_found_by_its_lease_and_the_job_grows_back_when_it_wakes(tmp_path, child_env):
     """SIGSTOP of node 0's agent and worker (the service host hangs): node 1 sees node 0's
     lease expire, stops its worker and re-forms alone as generation 1 (--min-nodes 1), its

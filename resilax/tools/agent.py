@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 import os
 import pathlib
 import shutil
@@ -427,7 +428,7 @@ class Agent:
                     f"{reached}); agreeing on generation {g + 1} with the live nodes (at least {self.min_nodes})")
                 self.gen = self.rdv.agree(after=g, min_nodes=self.min_nodes, timeout_s=self.rendezvous_timeout_s)
         except rendezvous.RendezvousError as e:
-            say(f"node {self.rank}: {e}")
+            say(f"node {self.rank}: {e}{self._ended_note()}")
             return 1
         finally:
             stop_all(self.workers)
@@ -440,6 +441,25 @@ class Agent:
                 shutil.rmtree(self.store_root, ignore_errors=True)
             for s, h in old.items():
                 signal.signal(s, h)
+
+    def _ended_note(self) -> str:
+        """Why an agent that found no generation to join may have come too late: the job in the
+        run directory already ended (an agent cannot tell a lone late replacement from the first
+        agent of a relaunch, so it waits the rendezvous timeout either way; then it says this)."""
+        try:
+            with open(self.run_dir / PROCESSES_JSON) as f:
+                procs = json.load(f)
+        except (OSError, ValueError):
+            return ""
+        status, g = procs.get("status"), procs.get("generation")
+        if status == "done":
+            return (f" (the job in {self.run_dir} already completed in generation {g}: every node's workers exited "
+                    f"0; a replacement for a finished job has nothing to join, and a relaunch needs every node's "
+                    f"agent)")
+        if status == "preempted":
+            return (f" (the job in {self.run_dir} was preempted in generation {g}: a relaunch resumes it and needs "
+                    f"at least --min-nodes agents)")
+        return ""
 
     def _on_signal(self, signum, frame):
         self._term = signum
