@@ -487,3 +487,40 @@ def test_one_checksum_program_serves_the_start_state_and_the_steps_outputs(tmp_p
         assert np.array_equal(np.asarray(other_snap["w"]), np.asarray(other["w"]))
     finally:
         store.close()
+
+
+def test_a_save_shortens_the_switch_interval_only_while_the_persister_saves(tmp_path, monkeypatch):
+    """`gil.shorter_switch_interval`: Orbax's save runs Python on the persister thread; while
+    it does, the interpreter's switch interval is 0.5 ms (the step loop gets the GIL back
+    sooner), and the caller's value comes back after (a value changed meanwhile stays)."""
+    import sys
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from resilax._src.gil import shorter_switch_interval
+    from resilax._src.protect import checkpoints as _checkpoint
+
+    before = sys.getswitchinterval()
+    with shorter_switch_interval(0.0005):
+        assert sys.getswitchinterval() == pytest.approx(0.0005, abs=1e-6)
+    assert sys.getswitchinterval() == before
+    with shorter_switch_interval(None), shorter_switch_interval(before * 2):
+        assert sys.getswitchinterval() == before  # None and a longer one change nothing
+    try:
+        with shorter_switch_interval(0.0005):
+            sys.setswitchinterval(0.002)  # someone else's choice, made meanwhile, is kept
+        assert sys.getswitchinterval() == pytest.approx(0.002, abs=1e-6)
+    finally:
+        sys.setswitchinterval(before)
+    seen = []
+    real = _checkpoint.CheckpointStore.checksums
+    monkeypatch.setattr(_checkpoint.CheckpointStore, "checksums",
+                        lambda self, t: seen.append(sys.getswitchinterval()) or real(self, t))
+    mesh = TOPO.mesh([list(d) for d in TOPO.domains()])
+    x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("data")))
+    store = _checkpoint.CheckpointStore(tmp_path / "ckpt")
+    store.save(1, {"x": x}, {})
+    store.wait()
+    store.close()
+    assert seen and seen[0] == pytest.approx(0.0005, abs=1e-6), seen  # on the persister thread, saving
+    assert sys.getswitchinterval() == before
+    assert store.steps() == [1]

@@ -46,6 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from resilax._src.protect.checksum import anchor_tree, tree_checksums
+from resilax._src.gil import shorter_switch_interval
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
 from resilax._src.protect import base, orbax_warm
 from resilax._src.timings import Timings
@@ -180,6 +181,9 @@ class CheckpointStore:
     Thread-safety: every Orbax call runs under one process-wide lock; the persister thread
     makes the saves, the caller's thread everything else (after waiting for queued saves).
     """
+
+    #: the interpreter's switch interval while the persister saves (`gil.shorter_switch_interval`)
+    SAVE_SWITCH_INTERVAL_S: float | None = 0.0005
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
         self.directory = pathlib.Path(directory).absolute()
@@ -391,7 +395,7 @@ class CheckpointStore:
                     self._handed.set()
                     continue  # a failed save stops the later ones: the caller is told at its next call
                 t0 = time.perf_counter()
-                with self._lock:
+                with self._lock, shorter_switch_interval(self.SAVE_SWITCH_INTERVAL_S):
                     try:
                         sums = self.checksums(snap)
                         self._mgr.save(step, args=ocp.args.Composite(
