@@ -39,6 +39,29 @@ def test_bitwise_equal_to_failure_free_across_shrinks(name, topo, faults):
     assert checks and checks[0]["checked"] and checks[0]["differing"] == []
 
 
+@pytest.mark.parametrize("name", ["batchnorm_mlp", "token_lm"])
+def test_recorded_values_cross_packed_between_domains_and_the_bits_are_those_of_per_leaf_transfers(name, monkeypatch):
+    """One process: each replica's recorded values reach every domain packed, one buffer per
+    dtype (`DeterministicProgram.xfer`), unpacked inside each domain's combine. Pure data
+    movement: a run that shrinks from 2 domains to 1 ends bitwise where the same run with
+    one transfer per leaf ends, metrics included; the cross-check reads replica 0's values
+    unpacked and passes."""
+    from resilax._src.step import deterministic as det
+
+    cfg = resilax.Config(deterministic=resilax.DeterministicConfig(),
+                         verify=resilax.VerifyConfig())  # the cross-check reads `last_replica0`
+    got, step, _, mets = _run(name, ["fail_slice@3:after_step/1"], config=cfg)
+    assert step.program.xfer and len(step.program.doms) == 1  # packed on the mesh it ended on
+    checks = [e.fields for e in step.events if e.kind == "crosscheck"]
+    assert checks and checks[0]["checked"] and checks[0]["differing"] == []
+    monkeypatch.setattr(det.DeterministicProgram, "packs_transfer", False)
+    ref, ref_step, _, ref_mets = _run(name, ["fail_slice@3:after_step/1"], config=cfg)
+    assert not ref_step.program.xfer
+    assert tree_rel_diff(got, ref) == 0.0
+    for a, b in zip(mets, ref_mets):
+        assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def test_more_replicas_than_domains_and_the_default_mode_differs():
     """4 virtual replicas on 2 domains (2 each), then on 1 (all 4): still bitwise. The
     default mode on the same run is not (reduction order), which is why the mode exists."""

@@ -72,6 +72,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilax._src.errors import WrapError
+from resilax._src.protect import ring as _ring
 from resilax._src.step import sharding as _sh
 from resilax._src.step.program import GradOut, Program, combine, combine_metrics, gate, watched_metric
 
@@ -116,6 +117,7 @@ class DeterministicProgram(Program):
 
     deterministic = True
     packs_rec = False  # each domain's parts hand over the tree (the mode assembles and views it per leaf)
+    packs_transfer = True  # one process: the replicas' recorded values reach the other domains packed (`xfer`)
 
     def __init__(self, spec, mesh, *, full_mesh: bool):
         super().__init__(spec, mesh, full_mesh=full_mesh)
@@ -147,6 +149,50 @@ class DeterministicProgram(Program):
                 f"failure domains are whole processes (e.g. cpu-4x2 with 4 processes x 2 devices)")
         self.mine = [d for d in self.doms if d.local]
         self.slots = -(-self.V // self.live)  # replicas per domain (v -> domain v % live, slot v // live)
+        # One process: each replica's recorded values reach every domain packed, one buffer per
+        # dtype (`ring.local_pack` in its gradient executable, unpacked inside each combine):
+        # a transfer per buffer instead of one per leaf (per-leaf transfers were most of this
+        # mode's per-step Python). Every domain's mesh has the same shape, so device k's block
+        # of a buffer lands on device k of the other domain, where that domain's layout reads it.
+        self.xfer = self.packs_transfer and not self.multi and len(jax.tree.leaves(self.abstract_rec)) > 1
+        if self.xfer:
+            rec_leaves = jax.tree.leaves(self.abstract_rec)
+            for d in self.doms:
+                shs = jax.tree.leaves(d.rec_sh)
+                d.xfer = _ring.ring_pack_layout([x.shape for x in rec_leaves], [x.dtype for x in rec_leaves], shs,
+                                                [_ring.RING] * len(shs), axis)
+                d.every = NamedSharding(d.mesh, P(tuple(d.mesh.axis_names)))
+        self._last0 = None
+
+    @property
+    def last_replica0(self):
+        """Replica 0's recorded values of the newest step, as the tree (the cross-check reads
+        them); unpacked here, on replica 0's domain, when they crossed packed."""
+        v = self._last0
+        if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], _Domain):
+            dom, bufs = v
+            v = self._last0 = self._unpack_exe(dom)(bufs)
+        return v
+
+    @last_replica0.setter
+    def last_replica0(self, value):
+        self._last0 = value
+
+    def _unpack_exe(self, dom: _Domain):
+        treedef = jax.tree.structure(self.abstract_rec)
+
+        def build():
+            j = jax.jit(lambda b: jax.tree.unflatten(treedef, _ring.local_unpack((b, ()), dom.xfer)),
+                        in_shardings=(self._xfer_abstract(dom)[1],), out_shardings=dom.rec_sh)
+            return j.lower(self._xfer_abstract(dom)[0]).compile()
+
+        return self._exe(("unpack_rec", dom.key), build)
+
+    def _xfer_abstract(self, dom: _Domain):
+        """(abstract packed buffers, their shardings) of ``dom``'s layout."""
+        shs = tuple(dom.every for _ in dom.xfer.groups)
+        return (tuple(jax.ShapeDtypeStruct((dom.mesh.size * n,), jnp.dtype(g), sharding=dom.every)
+                      for g, n in zip(dom.xfer.groups, dom.xfer.lengths)), shs)
 
     # ----------------------------------------------------------------- executables
     def _replicas(self, dom: _Domain) -> range:
@@ -158,22 +204,27 @@ class DeterministicProgram(Program):
             self.cache[key] = build()
         return self.cache[key]
 
-    def _grad_exe(self, dom: _Domain):
+    def _grad_exe(self, dom: _Domain, packed: bool = False):
+        """``packed``: the recorded values come out packed in ``dom.xfer``'s layout."""
         split = self.spec.split
 
         def fn(state, batch, step_no, v):
             if not split.rng:  # called as the crosscheck and the default mode call it: one trace
-                return split.grad(state, batch, step_no)
-            return split.grad(state, batch, step_no, jax.random.fold_in(split.key(step_no), v))
+                out = split.grad(state, batch, step_no)
+            else:
+                out = split.grad(state, batch, step_no, jax.random.fold_in(split.key(step_no), v))
+            if packed:
+                out = (_ring.local_pack(jax.tree.leaves(out[0]), dom.xfer)[0],) + tuple(out[1:])  # (every leaf has a slot)
+            return out
 
         def build():
-            out_sh = (dom.rec_sh, dom.rep if self.has_weight else None,
+            out_sh = (self._xfer_abstract(dom)[1] if packed else dom.rec_sh, dom.rep if self.has_weight else None,
                       jax.tree.map(lambda _: dom.rep, self.abstract_metrics))
             j = jax.jit(fn, in_shardings=(dom.state_sh, dom.batch_sh, dom.rep, dom.rep), out_shardings=out_sh)
             return j.lower(_sh.abstract(self.spec.abstract_state, dom.state_sh),
                            _sh.abstract(self.replica_batch, dom.batch_sh), self._u32, self._u32).compile()
 
-        return self._exe(("grad", dom.key), build)
+        return self._exe(("grad_packed" if packed else "grad", dom.key), build)
 
     def _combine_fn(self, fault):
         spec = self.spec
@@ -194,10 +245,17 @@ class DeterministicProgram(Program):
 
         return fn
 
-    def _combine_exe(self, dom: _Domain, fault):
+    def _combine_exe(self, dom: _Domain, fault, packed: bool = False):
+        """``packed``: each replica's recorded values come in packed (``dom.xfer``), unpacked here."""
         spec = self.spec
         V = self.V
-        fn = self._combine_fn(fault)
+        inner = self._combine_fn(fault)
+        treedef = jax.tree.structure(self.abstract_rec)
+
+        def fn(recs, ws, mets, guard):
+            if packed:
+                recs = [jax.tree.unflatten(treedef, _ring.local_unpack((r, ()), dom.xfer)) for r in recs]
+            return inner(recs, ws, mets, guard)
 
         def build():
             rep = dom.rep
@@ -206,12 +264,14 @@ class DeterministicProgram(Program):
             w_sh = [rep] * V if self.has_weight else None
             out_sh = (dom.rec_sh, rep if self.has_weight else None, met_sh, rep,
                       rep if spec.anomaly_check is not None else None, guard_sh)
-            j = jax.jit(fn, in_shardings=([dom.rec_sh] * V, w_sh, [met_sh] * V, guard_sh), out_shardings=out_sh)
+            rec_in_sh, rec_in = ((self._xfer_abstract(dom)[1], self._xfer_abstract(dom)[0]) if packed
+                                 else (dom.rec_sh, _sh.abstract(self.abstract_rec, dom.rec_sh)))
+            j = jax.jit(fn, in_shardings=([rec_in_sh] * V, w_sh, [met_sh] * V, guard_sh), out_shardings=out_sh)
             f32 = jax.ShapeDtypeStruct((), jnp.float32)
-            return j.lower([_sh.abstract(self.abstract_rec, dom.rec_sh)] * V, [f32] * V if self.has_weight else None,
+            return j.lower([rec_in] * V, [f32] * V if self.has_weight else None,
                            [self.abstract_metrics] * V, spec.abstract_guard).compile()
 
-        return self._exe(("combine", dom.key, fault), build)
+        return self._exe(("combine_packed" if packed else "combine", dom.key, fault), build)
 
     def _update_exe(self, dom: _Domain, donate: bool):
         split = self.spec.split
@@ -251,9 +311,11 @@ class DeterministicProgram(Program):
     def grad(self, log_ring: bool = False, fault: tuple | None = None):
         doms = self.doms
         if ("grad", fault) not in self._ready:  # once per program: the per-step path builds nothing
+            xfer = self.xfer
             combine = (lambda d: self._combine_multi_exe(d, fault)) if self.multi else (
-                lambda d: self._combine_exe(d, fault))
-            builders = [functools.partial(f, d) for d in self.mine for f in (self._grad_exe, combine)]
+                lambda d: self._combine_exe(d, fault, xfer))
+            builders = [functools.partial(f, d) for d in self.mine
+                        for f in (functools.partial(self._grad_exe, packed=xfer), combine)]
             if self.multi:
                 # the exchange's executables too: built lazily in the first step, a worker still
                 # compiling them made the others' all-gather time out (the first step after an
@@ -266,19 +328,22 @@ class DeterministicProgram(Program):
         if self.multi:
             return self._grad_multi(fault)
 
+        xfer = self.xfer
+
         def run(state, guard, batches, step_no):
             views = [_view(state, d.state_sh, d) for d in doms]
             outs = []
             for (v, j), b in zip(self.assignment(), batches):
-                outs.append(self._grad_exe(doms[j])(views[j], b, step_no, np.uint32(v)))
-            self.last_replica0 = outs[0][0]  # the cross-check compares it with one device's result
+                outs.append(self._grad_exe(doms[j], xfer)(views[j], b, step_no, np.uint32(v)))
+            # the cross-check compares it with one device's result (unpacked only if it reads it)
+            self.last_replica0 = (doms[self.assignment()[0][1]], outs[0][0]) if xfer else outs[0][0]
             results = []
             for d in doms:
-                recs = [jax.device_put(o[0], d.rec_sh) for o in outs]
+                recs = [jax.device_put(o[0], d.every if xfer else d.rec_sh) for o in outs]
                 ws = [jax.device_put(o[1], d.rep) for o in outs] if self.has_weight else None
                 mets = [jax.device_put(o[2], d.rep) for o in outs]
                 g = None if guard is None else _view(guard, jax.tree.map(lambda _: d.rep, guard), d)
-                results.append(self._combine_exe(d, fault)(recs, ws, mets, g))
+                results.append(self._combine_exe(d, fault, xfer)(recs, ws, mets, g))
             rec, weight, metrics, ok, loss, new_guard = (
                 _assemble([r[i] for r in results], sh, doms) for i, sh in enumerate(
                     (self.rec_sh, self.rep, self.rep, self.rep, self.rep, self.rep)))
