@@ -643,3 +643,40 @@ def test_a_survivors_wait_for_the_verdict_follows_the_step_deadline(monkeypatch,
     deadline = max(6.0, 20.0 * 1.061)
     assert worker.in_place_wait(e) >= deadline + 2 + 10  # + heartbeat timeout + margin, as the fixed part has
     assert worker.in_place_wait(LaunchEnv(**{**e.__dict__, "step_deadline_factor": 0.0})) == 18.0
+
+
+def test_a_wait_for_every_process_ends_when_the_supervisor_names_a_dead_one(tmp_path):
+    """`membership.wait_unless_a_verdict` (the wait for the previous checkpoint's commit under
+    `--in-place`): Orbax's commit barrier waits for a SIGSTOPped process 20 min; once the
+    supervisor's verdict names it, the survivor's wait ends with an error (its step fails and
+    it re-forms with the others) instead of holding it in its step. Without a verdict the
+    wait is the plain one: it returns, and its own error is raised as it is."""
+    import threading
+    from types import SimpleNamespace
+
+    from resilax._src.runtime import membership
+
+    gate = threading.Event()
+    membership.joined(SimpleNamespace(run_dir=str(tmp_path), generation=3, in_place_wait_s=10.0))
+    try:
+        threading.Timer(0.3, lambda: (tmp_path / membership.MEMBERSHIP_JSON).write_text(json.dumps(
+            {"generation": 3, "epoch": 1, "alive": [0, 1, 3], "dead": [2]}))).start()
+        t0 = time.time()
+        with pytest.raises(RuntimeError, match=r"process\(es\) \[2\] of the job failed while the commit"):
+            membership.wait_unless_a_verdict(lambda: gate.wait(60), "the commit")
+        assert time.time() - t0 < 5
+        gate.set()
+        (tmp_path / membership.MEMBERSHIP_JSON).unlink()
+        membership.wait_unless_a_verdict(lambda: time.sleep(0.1), "the commit")  # no verdict: returns
+
+        def broken():
+            raise ValueError("orbax said no")
+
+        with pytest.raises(ValueError, match="orbax said no"):
+            membership.wait_unless_a_verdict(broken, "the commit")
+    finally:
+        gate.set()
+        membership.reset()
+    ran = []
+    membership.wait_unless_a_verdict(lambda: ran.append(threading.current_thread()), "x")  # outside a launch:
+    assert ran == [threading.main_thread()]  # the plain wait, on the caller's thread

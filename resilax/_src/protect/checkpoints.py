@@ -49,6 +49,7 @@ from resilax._src.protect.checksum import anchor_tree, tree_checksums
 from resilax._src.gil import shorter_switch_interval
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
 from resilax._src.protect import base, orbax_warm
+from resilax._src.runtime import membership
 from resilax._src.timings import Timings
 from resilax._src.protect.planner import Candidate, Copy
 
@@ -349,7 +350,9 @@ class CheckpointStore:
         meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
         with self._lock:
             try:
-                self._mgr.wait_until_finished()  # one save in flight, as on one process
+                # one save in flight, as on one process; under `launch --in-place` a dead process
+                # named meanwhile ends the wait (Orbax's commit barrier waits for it 20 min)
+                membership.wait_unless_a_verdict(self._mgr.wait_until_finished, "the previous checkpoint was committing")
             except Exception as e:
                 self._deferred = []
                 raise storage_error(f"finishing the checkpoint before {step}", self.directory, e) from e

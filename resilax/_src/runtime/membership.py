@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from typing import Callable
 
 _state: dict = {}  # "env": the joined LaunchEnv; "membership": the verdict gone on under; "reform_at"
 _went_on_in_place = False  # this process went on in place at least once (`went_on_in_place`)
@@ -57,6 +59,38 @@ def wait_membership(after_epoch: int, timeout_s: float, poll_s: float = 0.02) ->
         if time.time() - t0 > timeout_s:
             return None
         time.sleep(poll_s)
+
+
+def wait_unless_a_verdict(wait: Callable[[], None], what: str) -> None:
+    """Runs the blocking ``wait``. Under `launch --in-place` it runs on a helper thread and
+    this returns early, raising, once the supervisor names a dead process: a wait that needs
+    every process (Orbax's commit barrier, 20 min by default) must not hold a survivor in
+    its step while the others re-form (a CI run: process 0 waited 25 s for the previous
+    checkpoint's commit after process 2 was SIGSTOPped, the others left at once, and the
+    launcher fell back to a restart). The helper thread is left waiting then."""
+    e = _state.get("env")
+    if e is None or getattr(e, "in_place_wait_s", 0) <= 0:
+        wait()
+        return
+    done, err = threading.Event(), []
+
+    def run():
+        try:
+            wait()
+        except BaseException as x:  # handed to the caller below
+            err.append(x)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="resilax-wait-unless-verdict", daemon=True).start()
+    after = epoch()
+    while not done.wait(0.05):
+        m = read_membership()
+        if m is not None and m.get("epoch", 0) > after:
+            raise RuntimeError(f"process(es) {m.get('dead')} of the job failed while {what} (the supervisor's verdict, "
+                               f"epoch {m.get('epoch')})")
+    if err:
+        raise err[0]
 
 
 def shrunk(m: dict) -> None:
