@@ -49,12 +49,18 @@ def read_membership() -> dict | None:
     return rec if isinstance(rec, dict) and rec.get("generation") == e.generation else None
 
 
+def _newer(after_epoch: int) -> dict | None:
+    """The supervisor's verdict if it is newer than ``after_epoch``, else None."""
+    m = read_membership()
+    return m if m is not None and m.get("epoch", 0) > after_epoch else None
+
+
 def wait_membership(after_epoch: int, timeout_s: float, poll_s: float = 0.02) -> dict | None:
     """Waits for a verdict newer than ``after_epoch``; None when none comes within ``timeout_s``."""
     t0 = time.time()
     while True:
-        m = read_membership()
-        if m is not None and m.get("epoch", 0) > after_epoch:
+        m = _newer(after_epoch)
+        if m is not None:
             return m
         if time.time() - t0 > timeout_s:
             return None
@@ -85,8 +91,8 @@ def wait_unless_a_verdict(wait: Callable[[], None], what: str) -> None:
     threading.Thread(target=run, name="resilax-wait-unless-verdict", daemon=True).start()
     after = epoch()
     while not done.wait(0.05):
-        m = read_membership()
-        if m is not None and m.get("epoch", 0) > after:
+        m = _newer(after)
+        if m is not None:
             raise RuntimeError(f"process(es) {m.get('dead')} of the job failed while {what} (the supervisor's verdict, "
                                f"epoch {m.get('epoch')})")
     if err:

@@ -65,6 +65,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+from typing import NamedTuple
 
 import numpy as np
 import jax
@@ -108,6 +109,13 @@ class _Domain:
         here = jax.process_index()
         self.local = all(d.process_index == here for d in self.devices)  # this process dispatches to it
         self.partly_local = any(d.process_index == here for d in self.devices)
+
+
+class _PackedRec(NamedTuple):
+    """A replica's recorded values as they crossed: ``dom.xfer``'s buffers on domain ``dom``."""
+
+    dom: _Domain
+    bufs: tuple
 
 
 class DeterministicProgram(Program):
@@ -168,11 +176,9 @@ class DeterministicProgram(Program):
     def last_replica0(self):
         """Replica 0's recorded values of the newest step, as the tree (the cross-check reads
         them); unpacked here, on replica 0's domain, when they crossed packed."""
-        v = self._last0
-        if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], _Domain):
-            dom, bufs = v
-            v = self._last0 = self._unpack_exe(dom)(bufs)
-        return v
+        if isinstance(self._last0, _PackedRec):
+            self._last0 = self._unpack_exe(self._last0.dom)(self._last0.bufs)
+        return self._last0
 
     @last_replica0.setter
     def last_replica0(self, value):
@@ -182,9 +188,10 @@ class DeterministicProgram(Program):
         treedef = jax.tree.structure(self.abstract_rec)
 
         def build():
+            abstract, shs = self._xfer_abstract(dom)
             j = jax.jit(lambda b: jax.tree.unflatten(treedef, _ring.local_unpack((b, ()), dom.xfer)),
-                        in_shardings=(self._xfer_abstract(dom)[1],), out_shardings=dom.rec_sh)
-            return j.lower(self._xfer_abstract(dom)[0]).compile()
+                        in_shardings=(shs,), out_shardings=dom.rec_sh)
+            return j.lower(abstract).compile()
 
         return self._exe(("unpack_rec", dom.key), build)
 
@@ -264,8 +271,8 @@ class DeterministicProgram(Program):
             w_sh = [rep] * V if self.has_weight else None
             out_sh = (dom.rec_sh, rep if self.has_weight else None, met_sh, rep,
                       rep if spec.anomaly_check is not None else None, guard_sh)
-            rec_in_sh, rec_in = ((self._xfer_abstract(dom)[1], self._xfer_abstract(dom)[0]) if packed
-                                 else (dom.rec_sh, _sh.abstract(self.abstract_rec, dom.rec_sh)))
+            rec_in, rec_in_sh = (self._xfer_abstract(dom) if packed
+                                 else (_sh.abstract(self.abstract_rec, dom.rec_sh), dom.rec_sh))
             j = jax.jit(fn, in_shardings=([rec_in_sh] * V, w_sh, [met_sh] * V, guard_sh), out_shardings=out_sh)
             f32 = jax.ShapeDtypeStruct((), jnp.float32)
             return j.lower([rec_in] * V, [f32] * V if self.has_weight else None,
@@ -335,8 +342,9 @@ class DeterministicProgram(Program):
             outs = []
             for (v, j), b in zip(self.assignment(), batches):
                 outs.append(self._grad_exe(doms[j], xfer)(views[j], b, step_no, np.uint32(v)))
-            # the cross-check compares it with one device's result (unpacked only if it reads it)
-            self.last_replica0 = (doms[self.assignment()[0][1]], outs[0][0]) if xfer else outs[0][0]
+            # the cross-check compares it with one device's result (unpacked only if it reads it);
+            # replica 0 runs on domain 0 (`assignment`)
+            self.last_replica0 = _PackedRec(doms[0], outs[0][0]) if xfer else outs[0][0]
             results = []
             for d in doms:
                 recs = [jax.device_put(o[0], d.every if xfer else d.rec_sh) for o in outs]
