@@ -337,13 +337,20 @@ def test_a_save_neither_compiles_nor_waits_for_the_warm_up(tmp_path):
         store.close()
 
 
-def test_orbax_slices_of_a_replicated_shard_are_compiled_by_the_warm_up_not_the_first_save(tmp_path):
+def test_orbax_slices_of_a_replicated_shard_are_compiled_by_the_warm_up_not_the_first_save(tmp_path, monkeypatch):
     """Issue 26 (every program a save needs compiled ahead): Orbax saves a replicated shard
     cooperatively, each replica writing a slice it cuts on the device, one program per shape,
     compiled at the layout's first save (0.55 s of the tiny GPT's first save on 8 CPU
-    devices). After `warm` the first save compiles nothing; a layout that was not warmed
-    (other shapes, the control) does compile its slices at its first save."""
+    devices). On CPU resilax's store turns that slicing off (the devices are the host's
+    memory): no save compiles a slice, warmed or not, the checkpoint reads back bitwise, and
+    Orbax's own global handler (the user's saves) still slices. Where it is on (as on a TPU:
+    here by declaring the devices not CPU), after `warm` the first save compiles nothing; a
+    layout that was not warmed (other shapes, the control) does compile its slices at its
+    first save."""
     import logging
+
+    import orbax.checkpoint as ocp
+    from resilax._src.protect import orbax_warm
 
     from jax.sharding import NamedSharding, PartitionSpec as P
     from resilax._src.protect.checkpoints import CheckpointStore
@@ -355,9 +362,10 @@ def test_orbax_slices_of_a_replicated_shard_are_compiled_by_the_warm_up_not_the_
         def emit(self, r):
             msgs.append(r.getMessage())
 
-    def first_save(shape, warm, where):
-        tree = {"w": jax.device_put(np.ones(shape, np.float32), rep),
-                "b": jax.device_put(np.ones((shape[0] * 3,), np.float32), rep)}
+    def first_save(shape, warm, where, restore=False):
+        rng = np.random.default_rng(shape[0])
+        tree = {"w": jax.device_put(rng.standard_normal(shape).astype(np.float32), rep),
+                "b": jax.device_put(rng.standard_normal((shape[0] * 3,)).astype(np.float32), rep)}
         store = CheckpointStore(where)
         try:
             if warm:
@@ -370,6 +378,11 @@ def test_orbax_slices_of_a_replicated_shard_are_compiled_by_the_warm_up_not_the_
                 store.wait()  # the persister's work, Orbax's commit
             finally:
                 jax.config.update("jax_log_compiles", False)
+            if restore:
+                got = store.restore_newest(jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)).state
+                for k in tree:
+                    assert np.array_equal(np.asarray(got[k]), np.asarray(tree[k])), k
             return [m for m in msgs if m.startswith("Compiling jit(slice)")]
         finally:
             store.close()
@@ -377,6 +390,12 @@ def test_orbax_slices_of_a_replicated_shard_are_compiled_by_the_warm_up_not_the_
     h = Grab()
     logging.getLogger().addHandler(h)
     try:
+        # on CPU: no slicing at all, and the user's Orbax is untouched
+        assert first_save((48, 16), False, tmp_path / "cpu", restore=True) == []
+        assert first_save((40, 16), True, tmp_path / "cpu_warm") == []
+        assert ocp.type_handlers.get_type_handler(jax.Array)._use_replica_parallel
+        # where Orbax slices: the warm-up compiles them
+        monkeypatch.setattr(orbax_warm, "cpu_only", lambda: False)
         assert first_save((40, 16), True, tmp_path / "warm") == []
         assert first_save((56, 16), False, tmp_path / "cold"), "the control compiled no slice: Orbax did not slice"
     finally:

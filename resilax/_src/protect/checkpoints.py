@@ -217,7 +217,12 @@ class CheckpointStore:
             cleanup_tmp_directories=True,
             create=True,
         )
-        return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "checksums", "meta"))
+        names = ("state", "checksums", "meta")
+        handlers = orbax_warm.item_handlers(names)  # on CPU: no replica-parallel slicing
+        self._array_handler = orbax_warm.array_handler(handlers)
+        if handlers is None:
+            return ocp.CheckpointManager(self.directory, options=opts, item_names=names)
+        return ocp.CheckpointManager(self.directory, options=opts, item_handlers=handlers)
 
     # ------------------------------------------------------------------ warm-up
     def warm(self, tree, also: Callable[[], None] | None = None) -> None:
@@ -227,7 +232,7 @@ class CheckpointStore:
         abstract = _abstract(tree)
         if self._compiled is not None and self._compiled[0] == _layout_key(abstract) and also is None:
             return
-        slices = orbax_warm.plan(tree)  # (reads the live arrays: here, before the next step donates them)
+        slices = orbax_warm.plan(tree, self._array_handler)  # (reads the live arrays: here, before the next step donates them)
 
         def compile_it():
             # the loop's own program first (a save due before it is ready copies without it),
