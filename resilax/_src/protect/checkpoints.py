@@ -217,12 +217,8 @@ class CheckpointStore:
             cleanup_tmp_directories=True,
             create=True,
         )
-        names = ("state", "checksums", "meta")
-        handlers = orbax_warm.item_handlers(names)  # on CPU: no replica-parallel slicing
-        self._array_handler = orbax_warm.array_handler(handlers)
-        if handlers is None:
-            return ocp.CheckpointManager(self.directory, options=opts, item_names=names)
-        return ocp.CheckpointManager(self.directory, options=opts, item_handlers=handlers)
+        mgr, self._array_handler = orbax_warm.manager(self.directory, opts, ("state", "checksums", "meta"))
+        return mgr
 
     # ------------------------------------------------------------------ warm-up
     def warm(self, tree, also: Callable[[], None] | None = None) -> None:

@@ -79,6 +79,17 @@ def array_handler(handlers: dict | None):
     return ocp.type_handlers.get_type_handler(jax.Array)
 
 
+def manager(directory, options, names):
+    """``(CheckpointManager, the ArrayHandler its "state" item saves with)``: on CPU with
+    replica-parallel slicing off (`item_handlers`), elsewhere Orbax's defaults."""
+    import orbax.checkpoint as ocp
+
+    handlers = item_handlers(names)
+    if handlers is None:
+        return ocp.CheckpointManager(directory, options=options, item_names=names), array_handler(None)
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers), array_handler(handlers)
+
+
 def plan(tree, handler=None) -> list:
     """``(index, slice args, shape, dtype, device)`` per distinct slice program Orbax's save of
     ``tree`` would compile (``tree``'s arrays must be alive). [] in a multi-process job: there
