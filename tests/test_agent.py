@@ -438,6 +438,8 @@ def test_default_mode_a_lost_host_resumes_from_its_mirror_on_the_next_host_withi
     # at most the step being mirrored at the kill is redone; never back to the checkpoint (10)
     assert resumed is not None and resumed >= kill_step - 1 and resumed > 10, (kill_step, log[-4000:])
     assert f"[g1 n1 p0] resumed at step {resumed} (host store: assembled from " in log, log[-4000:]
+    # the mirror crossed with the job's key, made by the first agent, readable by its owner only
+    assert (run / "store.key").stat().st_mode & 0o777 == 0o600 and "not authenticated" not in log
     a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
     assert sorted(a.files) == sorted(b.files)
     rel = {k: float(np.linalg.norm(a[k].astype(np.float64) - b[k]) / max(np.linalg.norm(b[k].astype(np.float64)),

@@ -209,6 +209,65 @@ def test_a_reformed_mesh_assembles_its_shards_from_this_hosts_copies_and_another
     assert store.restore(5, leaves, shardings) is None
 
 
+def test_a_store_server_with_the_jobs_key_serves_only_requests_made_with_it(tmp_path, monkeypatch):
+    """The host stores' key (issue 29: the mirror crosses hosts over TCP). The first agent of
+    a run directory makes the key (owner-only), later ones read the same; with it set, a put
+    and a listing made with the key are served, one without it or with another key is refused
+    and stores nothing, a forged MAC is refused, and a client with the key trusts no reply
+    from a server without it."""
+    import os
+    import socket
+    import stat
+
+    from resilax._src.protect import hoststore_net as net
+
+    monkeypatch.setenv(net.KEY_ENV, "")  # (recorded, so that teardown restores this process's environment:
+    monkeypatch.delenv(net.KEY_ENV)  # `job_key` sets the variable for the workers an agent starts)
+    run = tmp_path / "run"
+    run.mkdir()
+    key = net.job_key(run)
+    assert os.environ[net.KEY_ENV] == key and len(bytes.fromhex(key)) == 32
+    assert stat.S_IMODE((run / net.KEY_FILE).stat().st_mode) == 0o600
+    monkeypatch.delenv(net.KEY_ENV)
+    assert net.job_key(run) == key  # another agent of the job: the same key
+    arrays = {"0:0-4": np.arange(4.0)}
+    raw = hsf.encode(arrays)
+    meta = hsf.make_meta(7, raw, None, 1, 3, False, keys=list(arrays), writers=[3])
+    server = net.StoreServer(tmp_path / "next")
+    try:
+        net.put(server.address, meta, raw)  # with the key
+        assert server.puts == 1 and 7 in net.listing(server.address)["host3/mirror"]
+        for other in (None, "ab" * 32):  # no key; another job's key
+            if other is None:
+                monkeypatch.delenv(net.KEY_ENV)
+            else:
+                monkeypatch.setenv(net.KEY_ENV, other)
+            with pytest.raises(OSError, match="not authenticated"):
+                net.put(server.address, {**meta, "step": 8}, raw)
+            with pytest.raises(OSError, match="not authenticated"):
+                net.listing(server.address)
+            assert net.get(server.address, "host3/mirror", 7) is None
+        assert server.puts == 1 and not (tmp_path / "next" / "host3" / "mirror" / "step8.json").exists()
+        # a request with a made-up MAC (an attacker without the key), by hand
+        host, port = server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            net._recv(sock)  # the nonce
+            net._send(sock, {"op": "list", "step": None, "mac": "00" * 32})
+            reply, _ = net._recv(sock)
+        assert reply["ok"] is False and "not authenticated" in reply["error"]
+    finally:
+        server.close()
+    # a server without the key: a client with it trusts none of its replies
+    monkeypatch.delenv(net.KEY_ENV, raising=False)
+    plain = net.StoreServer(tmp_path / "plain")
+    try:
+        monkeypatch.setenv(net.KEY_ENV, key)
+        with pytest.raises(OSError, match="reply of the store .* is not authenticated"):
+            net.listing(plain.address)
+    finally:
+        plain.close()
+
+
 def test_the_mirror_across_hosts_goes_to_the_next_hosts_server_and_stops_when_it_is_gone(tmp_path, capsys):
     from resilax._src.protect import hoststore_net as net
 

@@ -386,7 +386,9 @@ class Agent:
             for j in range(self.n):
                 (self.store_root / f"host{self.rank * self.n + j}").mkdir(parents=True)
             # the store's server: the previous host's workers put their mirrors here, a re-formed
-            # generation reads this host's copies through it
+            # generation reads this host's copies through it; only with the job's key (this
+            # agent, its workers and its client calls share it through the environment)
+            hoststore_net.job_key(self.run_dir)
             self._server = hoststore_net.StoreServer(self.store_root, host=self.address)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.rdv = rendezvous.Rendezvous(self.run_dir, self.rank, workers=self.n, lease_s=self.lease_s,

@@ -8,8 +8,14 @@ mirror, so the shards outlive their host), agents *list* what a store holds when
 agree on what a new generation can resume from, and a worker of a re-formed mesh *gets*
 the copies it needs from another host's store.
 
-The protocol, one request per connection: 16 bytes (the header's and the body's length,
-big-endian), a JSON header, the body (a step's ``.npz`` bytes, or nothing). Every body
+The protocol, one request per connection: the server opens with a fresh nonce; then each
+message is 16 bytes (the header's and the body's length, big-endian), a JSON header, the
+body (a step's ``.npz`` bytes, or nothing). Where the job has a key (``RESILAX_STORE_KEY``,
+hex: `resilax launch --nodes` gives every agent and worker one, `job_key`), each header
+carries ``mac``, an HMAC-SHA256 under the key of the nonce, the header without ``mac`` and
+the body's SHA-256: the server serves no request without a valid one, the client trusts no
+reply without one (a reply's MAC covers the request's too, so it answers that request).
+Without a key (a store used alone, as the unit tests do) nothing is authenticated. Every body
 travels with its commit record, whose SHA-256 the receiver checks before it commits or
 uses anything (a put of damaged bytes is refused, a get of damaged bytes returns None).
 Nothing is unpickled. A store directory named in a request must be ``host<j>/own`` or
@@ -20,8 +26,11 @@ Nothing is unpickled. A store directory named in a request must be ``host<j>/own
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
 import pathlib
+import secrets
 import socket
 import socketserver
 import struct
@@ -34,8 +43,64 @@ MAX_BODY = 1 << 40
 TIMEOUT_S = 10.0  # a peer that does not answer within this is treated as gone
 
 
+KEY_ENV = "RESILAX_STORE_KEY"
+KEY_FILE = "store.key"
+
+
 class StoreNetError(OSError):
     """A store server refused a request, or answered something malformed."""
+
+
+def job_key(run_dir) -> str:
+    """The job's store key (hex), made once per run directory: ``RESILAX_STORE_KEY`` where the
+    caller set it (a cluster's secret), else ``run_dir/store.key``, created by the first
+    agent (readable by its owner only; whoever can read the run directory is trusted as the
+    rendezvous there already is). Sets ``RESILAX_STORE_KEY`` in this process, so the workers
+    an agent starts inherit it."""
+    key = os.environ.get(KEY_ENV)
+    if not key:
+        path = pathlib.Path(run_dir) / KEY_FILE
+        tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # atomic, never over another agent's key
+            except FileExistsError:
+                pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        key = path.read_text().strip()
+    try:
+        if len(bytes.fromhex(key)) < 16:
+            raise ValueError("shorter than 16 bytes")
+    except ValueError as e:
+        raise StoreNetError(f"the host stores' key ({KEY_ENV} or {pathlib.Path(run_dir) / KEY_FILE}) is not "
+                            f"usable: {e}") from None
+    os.environ[KEY_ENV] = key
+    return key
+
+
+def _key() -> bytes | None:
+    k = os.environ.get(KEY_ENV)
+    return bytes.fromhex(k) if k else None
+
+
+def _mac(key: bytes, nonce: bytes, header: dict, body: bytes, request_mac: str = "") -> str:
+    h = json.dumps({k: v for k, v in header.items() if k != "mac"}, sort_keys=True).encode()
+    msg = b"\0".join((nonce, request_mac.encode(), h, hashlib.sha256(body).digest()))
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def _check_mac(key: bytes | None, nonce: bytes, header: dict, body: bytes, who: str, request_mac: str = "") -> None:
+    if key is None:
+        return
+    got = header.get("mac")
+    if not isinstance(got, str) or not hmac.compare_digest(got, _mac(key, nonce, header, body, request_mac)):
+        raise StoreNetError(f"{who} is not authenticated with the job's store key ({KEY_ENV})")
 
 
 def _exact(sock, n: int) -> bytes:
@@ -82,16 +147,22 @@ class StoreServer:
     def __init__(self, root, host: str = "127.0.0.1", port: int = 0):
         self.root = pathlib.Path(root)
         self.puts = 0
+        self.key = _key()  # the job's key as the server starts (the agent set it: `job_key`)
         store = self
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self):
                 self.request.settimeout(TIMEOUT_S)
+                key, nonce, header = store.key, secrets.token_bytes(16), {}
                 try:
+                    _send(self.request, {"nonce": nonce.hex()})
                     header, body = _recv(self.request)
+                    _check_mac(key, nonce, header, body, "the request")
                     reply, out = store._serve(header, body)
                 except (OSError, ValueError) as e:
                     reply, out = {"ok": False, "error": str(e)}, b""
+                if key is not None:
+                    reply["mac"] = _mac(key, nonce, reply, out, str(header.get("mac", "")))
                 try:
                     _send(self.request, reply, out)
                 except OSError:
@@ -142,10 +213,20 @@ class StoreServer:
 
 def _request(address: str, header: dict, body: bytes = b"", timeout_s: float = TIMEOUT_S) -> tuple[dict, bytes]:
     host, port = address.rsplit(":", 1)
+    key = _key()
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
         sock.settimeout(timeout_s)
+        hello, _ = _recv(sock)
+        try:
+            nonce = bytes.fromhex(hello["nonce"])
+        except (KeyError, TypeError, ValueError):
+            raise StoreNetError(f"the store at {address} did not open with a nonce") from None
+        if key is not None:
+            header = dict(header, mac=_mac(key, nonce, header, body))
         _send(sock, header, body)
         reply, out = _recv(sock)
+    _check_mac(key, nonce, reply, out, f"the reply of the store at {address} ({reply.get('error', 'no error')})",
+               str(header.get("mac", "")))
     if not reply.get("ok"):
         raise StoreNetError(f"the store at {address}: {reply.get('error', 'refused')}")
     return reply, out
