@@ -202,3 +202,19 @@ def test_report_writes_png_and_table(tmp_path, capsys):
     args = parser.parse_args(["report", str(bad)])
     assert args.func(args) == 1
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_demo_plot_stacks_the_labels_of_events_at_or_near_one_step():
+    """demo.png's event labels: one above the other where they would overlap (events at one
+    step, or a few steps apart: "bitflip" at 120 and "sdc" at 125 of 300 steps were drawn over
+    each other), side by side at the lowest level where they are far apart."""
+    from resilax.tools.report import label_levels
+
+    axis = list(range(1, 301))
+    # the demo's phase 5 at 300 steps: recovery 61; bitflip 120, sdc 125, recovery 125;
+    # rejoin 180; anomaly 240; hang 270, recovery 270
+    assert label_levels([61, 120, 125, 125, 180, 240, 270, 270], axis) == [0, 0, 1, 2, 0, 0, 0, 1]
+    assert label_levels([10, 40], list(range(1, 41))) == [0, 0]  # 30 steps apart on a 40-step axis: 75% of it
+    assert label_levels([10, 11], list(range(1, 41))) == [0, 1]
+    assert label_levels([5, 50, 6], axis) == [0, 0, 1]  # a level freed by distance is reused
+    assert label_levels([], axis) == []
