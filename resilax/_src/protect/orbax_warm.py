@@ -36,14 +36,14 @@ def cpu_only() -> bool:
         return False
 
 
-def item_handlers(names) -> dict | None:
-    """``{name: handler}`` for a CheckpointManager whose ``StandardSave`` items are saved
-    without replica-parallel slicing (on CPU), or None for Orbax's defaults (elsewhere, or
-    where Orbax's internals moved). The handler is Orbax's own StandardCheckpointHandler
-    (same on-disk format, same handler name in the checkpoint's metadata) over a
-    PyTreeCheckpointHandler whose type registry holds Orbax's registered handlers, its
-    ArrayHandler copied with replica-parallel off (the rest of its setup kept: the array
-    metadata that brings a PRNG key back typed)."""
+def item_handlers(names) -> tuple[dict, object] | None:
+    """``({name: handler}, the ArrayHandler they save arrays with)`` for a CheckpointManager
+    whose ``StandardSave`` items are saved without replica-parallel slicing (on CPU), or None
+    for Orbax's defaults (elsewhere, or where Orbax's internals moved). The handler is
+    Orbax's own StandardCheckpointHandler (same on-disk format, same handler name in the
+    checkpoint's metadata) over a PyTreeCheckpointHandler whose type registry holds Orbax's
+    registered handlers, its ArrayHandler copied with replica-parallel off (the rest of its
+    setup kept: the array metadata that brings a PRNG key back typed)."""
     if not cpu_only():
         return None
     try:
@@ -61,22 +61,9 @@ def item_handlers(names) -> dict | None:
             h._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=reg.create_type_handler_registry(*pairs))
             return h
 
-        return {n: ocp.JsonCheckpointHandler() if n == "meta" else standard() for n in names}
+        return {n: ocp.JsonCheckpointHandler() if n == "meta" else standard() for n in names}, arrays
     except Exception:  # Orbax's private API moved: its defaults (replica-parallel on)
         return None
-
-
-def array_handler(handlers: dict | None):
-    """The ArrayHandler the ``state`` item of a manager built with ``handlers`` (from
-    `item_handlers`) saves with: Orbax's global one where ``handlers`` is None."""
-    import orbax.checkpoint as ocp
-
-    if handlers is not None:
-        try:
-            return handlers["state"]._impl._type_handler_registry.get(jax.Array)
-        except Exception:
-            pass
-    return ocp.type_handlers.get_type_handler(jax.Array)
 
 
 def manager(directory, options, names):
@@ -84,10 +71,12 @@ def manager(directory, options, names):
     replica-parallel slicing off (`item_handlers`), elsewhere Orbax's defaults."""
     import orbax.checkpoint as ocp
 
-    handlers = item_handlers(names)
-    if handlers is None:
-        return ocp.CheckpointManager(directory, options=options, item_names=names), array_handler(None)
-    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers), array_handler(handlers)
+    got = item_handlers(names)
+    if got is None:
+        mgr = ocp.CheckpointManager(directory, options=options, item_names=names)
+        return mgr, ocp.type_handlers.get_type_handler(jax.Array)
+    handlers, arrays = got
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers), arrays
 
 
 def plan(tree, handler=None) -> list:
