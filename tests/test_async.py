@@ -3,10 +3,8 @@ holds a conditional, a loop or a host callback (XLA:GPU evaluates a conditional'
 predicate on the host, so the step would wait for the device), and a call returns while
 the device still computes."""
 
-import glob
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -17,25 +15,7 @@ import pytest
 
 from helpers import ROOT, child_env, default_codegen_env
 
-# ops that make the host wait for the device: a conditional, a loop, a call back into Python
-HOST_SYNC = re.compile(r"\b(conditional|while)\(|custom_call_target=\"[^\"]*callback[^\"]*\"")
-
-JAX_PRNG = re.compile(r'op_name="[^"]*jit\((_threefry\w*|_random_bits|_uniform|_bernoulli|_normal\w*|_randint)\)')
-
-
-def host_sync_ops(hlo_text: str) -> list[str]:
-    """The instructions of an optimised HLO module that make the host wait for the device.
-
-    Loops of JAX's own PRNG are not counted: on CPU threefry lowers to a loop over its
-    rounds (on a GPU it is one kernel, ``cu_threefry2x32``), and the user's step has them
-    under plain jit just as much (dropout masks); resilax adds none of its own."""
-    out = set()
-    for line in hlo_text.splitlines():
-        m = HOST_SYNC.search(line)
-        if m and not (m.group(0) == "while(" and JAX_PRNG.search(line)):
-            out.add(m.group(0))
-    return sorted(out)
-
+from resilax.tools.hlo_scan import host_sync_ops, scan_dump
 
 def test_host_sync_pattern_finds_what_it_looks_for():
     """The scan below can fail: a program with a cond, a while and a callback is caught."""
@@ -66,19 +46,12 @@ def test_no_program_of_a_failure_free_run_waits_on_the_host(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("all_on_fsdp", "all_off", "bit_exact"):
         assert f"{name} ok 5" in proc.stdout, proc.stdout
-    files = glob.glob(str(dump / "*after_optimizations.txt"))
+    files, bad = scan_dump(str(dump), skip=(".jit_create.",))  # the test's own flax init is not a step
     names = " ".join(os.path.basename(f) for f in files)
     # the programs it must have seen: grad and update parts, a ring copy, checksums, the user's plain step
     for part in ("jit_fn", "jit__dropout_step", "jit__bn_step", "checksum", "snapshot"):
         assert part in names, (part, sorted(os.path.basename(f) for f in files)[:50])
     assert len(files) > 20, len(files)
-    bad = {}
-    for f in files:
-        if ".jit_create." in f:  # the test's own flax init, not a step
-            continue
-        ops = host_sync_ops(open(f).read())
-        if ops:
-            bad[os.path.basename(f)] = ops
     assert not bad, bad
 
 

@@ -1,0 +1,40 @@
+#!/bin/bash
+# Issue 26's GPU check, as one call of the device tool (a GPU machine of this workplace: JAX
+# with CUDA, flax, optax, orbax and tensorstore installed; nothing can be fetched there):
+#
+#   here, once: pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#                 gin-config==0.5.0 ml-collections==1.1.0 orbax-checkpoint==0.12.8
+#   there:      bash benchmarks/gpu_bench.sh        (carry .whl; results land in $OUT)
+#
+# What it runs: `resilax bench gpt --size small` (the 110 M GPT of the report) with
+# --xla_gpu_deterministic_ops=true (what `resilax train`/`launch` give their workers; without
+# it the bitwise keys cannot hold on a GPU), XLA dumping every optimised program, then
+# `resilax.tools.hlo_scan` over the dump: no program of the bench may hold a conditional, a
+# loop or a host callback.
+set -o pipefail
+OUT=${OUT:-/tmp/resilax-gpu-out}
+mkdir -p "$OUT"
+BENCH_ARGS=${BENCH_ARGS:-"--size small"}
+TIMEOUT=${TIMEOUT:-480}
+# the carried wheels; orbax only where the machine's own is older than the one resilax is tested with
+pip_in() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@"; }
+pip_in .whl/gin_config-*.whl .whl/ml_collections-*.whl || exit 1
+if python3 -c "import orbax.checkpoint as o, sys; v=tuple(int(x) for x in o.__version__.split('.')[:3]); sys.exit(v >= (0, 12, 8))"; then
+  pip_in .whl/orbax_checkpoint-*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# the resume check runs two processes beside this one on the GPU: none may take 75% of its memory up front
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import sys, jax; from importlib.metadata import version as v
+print(sys.version.split()[0], *(f'{p} {v(p)}' for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint',
+      'tensorstore', 'numpy')), jax.devices())"
+} 2>&1 | tee "$OUT/env.txt"
+rm -rf /tmp/hlo
+export XLA_FLAGS="--xla_gpu_deterministic_ops=true --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text ${XLA_FLAGS:-}"
+timeout "$TIMEOUT" python3 -c "import sys; from resilax.tools.cli import main; sys.exit(main())" \
+  bench gpt $BENCH_ARGS --json "$OUT/gpt.json" 2>&1 | tee "$OUT/bench.log"
+echo "bench rc $?"
+python3 -m resilax.tools.hlo_scan /tmp/hlo 2>&1 | tee "$OUT/hlo_scan.txt"
+ls /tmp/hlo | grep after_optimizations.txt | sed -E 's/^module_[0-9]+\.//; s/\.[^.]*after_optimizations.txt$//' \
+  | sort | uniq -c > "$OUT/hlo_programs.txt"
