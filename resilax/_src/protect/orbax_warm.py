@@ -36,15 +36,18 @@ def cpu_only() -> bool:
         return False
 
 
-def item_handlers(names) -> tuple[dict, object] | None:
+def item_handlers(names, pinned: bool | None = None) -> tuple[dict, object] | None:
     """``({name: handler}, the ArrayHandler they save arrays with)`` for a CheckpointManager
-    whose ``StandardSave`` items are saved without replica-parallel slicing (on CPU), or None
-    for Orbax's defaults (elsewhere, or where Orbax's internals moved). The handler is
-    Orbax's own StandardCheckpointHandler (same on-disk format, same handler name in the
-    checkpoint's metadata) over a PyTreeCheckpointHandler whose type registry holds Orbax's
-    registered handlers, its ArrayHandler copied with replica-parallel off (the rest of its
-    setup kept: the array metadata that brings a PRNG key back typed)."""
-    if not cpu_only():
+    whose ``StandardSave`` items are saved without replica-parallel slicing (on CPU) and, where
+    ``pinned`` is not None, with Orbax's pinned-host transfer on or off (its default: on where
+    the backend is a GPU); None for Orbax's defaults (elsewhere, or where Orbax's internals
+    moved). The handler is Orbax's own StandardCheckpointHandler (same on-disk format, same
+    handler name in the checkpoint's metadata) over a PyTreeCheckpointHandler whose type
+    registry holds Orbax's registered handlers, its ArrayHandler copied with replica-parallel
+    off on CPU (the rest of its setup kept: the array metadata that brings a PRNG key back
+    typed)."""
+    cpu = cpu_only()
+    if not cpu and pinned is None:
         return None
     try:
         import copy
@@ -53,12 +56,14 @@ def item_handlers(names) -> tuple[dict, object] | None:
         from orbax.checkpoint._src.serialization import type_handler_registry as reg
 
         arrays = copy.copy(reg.get_type_handler(jax.Array))
-        arrays._use_replica_parallel = False
+        if cpu:
+            arrays._use_replica_parallel = False
+        kw = {} if pinned is None else {"enable_pinned_host_transfer": bool(pinned)}
 
         def standard():
             pairs = [(ty, arrays if ty is jax.Array else reg.get_type_handler(ty)) for ty in reg.supported_types()]
             h = ocp.StandardCheckpointHandler()
-            h._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=reg.create_type_handler_registry(*pairs))
+            h._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=reg.create_type_handler_registry(*pairs), **kw)
             return h
 
         return {n: ocp.JsonCheckpointHandler() if n == "meta" else standard() for n in names}, arrays
@@ -66,12 +71,12 @@ def item_handlers(names) -> tuple[dict, object] | None:
         return None
 
 
-def manager(directory, options, names):
+def manager(directory, options, names, pinned: bool | None = None):
     """``(CheckpointManager, the ArrayHandler its "state" item saves with)``: on CPU with
-    replica-parallel slicing off (`item_handlers`), elsewhere Orbax's defaults."""
+    replica-parallel slicing off, ``pinned`` as in `item_handlers`, else Orbax's defaults."""
     import orbax.checkpoint as ocp
 
-    got = item_handlers(names)
+    got = item_handlers(names, pinned)
     if got is None:
         mgr = ocp.CheckpointManager(directory, options=options, item_names=names)
         return mgr, ocp.type_handlers.get_type_handler(jax.Array)
