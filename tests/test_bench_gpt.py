@@ -87,3 +87,47 @@ def test_a_save_still_writing_is_booked_to_its_own_variant():
     assert spans["ckpt"] == [(8, 11), (16, 19)] and len(out["ckpt"]) == 16 + 2 * 2, spans
     blocked = _save_blocking(out["ckpt"], spans["ckpt"])
     assert all(0.05 <= b < 0.3 for b in blocked), blocked  # the three slower calls, each ~20 ms over the median
+
+
+def test_the_plain_orbax_baseline_holds_orbax_lock_until_its_save_is_written(tmp_path):
+    """Orbax's operation ids are class-wide: a save beside another one in flight in the same
+    process waits for the other's keys until Orbax's 300 s timeout (an H100 run of the bench
+    hung so when the plain baseline stopped waiting for its commit in the call). The baseline
+    now returns at once but holds `ORBAX_LOCK`, which every resilax store saves under, until
+    the save is written."""
+    import threading
+    import time
+
+    from resilax._src.protect.checkpoints import ORBAX_LOCK
+    from resilax.tools import bench_gpt, gpt
+
+    topo = bench_gpt._topology()
+    mesh = topo.mesh([list(d) for d in topo.domains()])
+    sz = gpt.SIZES["tiny"]
+    plain = bench_gpt._Plain(sz, mesh, topo.num_devices, str(tmp_path / "orbax"), every=2)
+
+    def other_thread_gets_the_lock() -> bool:
+        got = []
+
+        def take():
+            ok = ORBAX_LOCK.acquire(timeout=0.2)
+            got.append(ok)
+            if ok:
+                ORBAX_LOCK.release()
+
+        t = threading.Thread(target=take)
+        t.start()
+        t.join()
+        return got[0]
+
+    state, batch = plain.state, gpt.batches(sz, 1)[0]
+    state, _ = plain(state, batch)
+    assert other_thread_gets_the_lock()  # no save yet
+    state, _ = plain(state, batch)  # step 2: a save, the call returns while Orbax writes
+    assert not other_thread_gets_the_lock()  # a resilax persister would wait here
+    deadline = time.monotonic() + 60
+    while plain.saving():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert other_thread_gets_the_lock() and plain.mgr.all_steps() == [2]
+    plain.close()

@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -133,6 +134,14 @@ def _wrapped(variant, size, topo, directory, every):
     return step, step.init(st)
 
 
+def _finish(run) -> None:
+    """Waits until ``run``'s save in flight is written."""
+    if hasattr(run, "finish"):
+        run.finish()
+    elif getattr(run, "checkpoints", None) is not None:
+        run.checkpoints.settle()
+
+
 def _saving(run) -> bool:
     """A save of ``run`` (a wrapped step or `_Plain`) is still copying or writing."""
     if hasattr(run, "saving"):
@@ -168,6 +177,8 @@ class _Plain:
         self.every = every
         self.blocking_s: list[float] = []
         self.excluded_s = 0.0
+        self._held = False  # this thread holds ORBAX_LOCK from a save until `saving` sees it written
+        self._written: threading.Thread | None = None  # waits for the save's commit
         if directory is not None:
             import orbax.checkpoint as ocp
 
@@ -184,28 +195,48 @@ class _Plain:
 
             from resilax._src.protect.checkpoints import ORBAX_LOCK
 
-            # one Orbax save at a time in a process (`_interleave` runs a variant on until its
-            # save is written, so none is in flight here; a wait would not be this call's)
+            # One Orbax save at a time in a process (its operation ids are class-wide: a save
+            # beside another one in flight waits for the other's keys until Orbax's 300 s
+            # timeout). The loop holds ORBAX_LOCK from the save until `saving` sees it written,
+            # while a thread waits for the commit; a wait for the lock is not this call's.
             t0 = time.perf_counter()
-            with ORBAX_LOCK:
-                t1 = time.perf_counter()
-                self.mgr.save(self.step, args=ocp.args.StandardSave(state))
-                self.blocking_s.append(time.perf_counter() - t1)
+            if not self._held:
+                ORBAX_LOCK.acquire()
+                self._held = True
+            t1 = time.perf_counter()
+            self.mgr.save(self.step, args=ocp.args.StandardSave(state))
+            self.blocking_s.append(time.perf_counter() - t1)
             self.excluded_s += t1 - t0
+            self._written = threading.Thread(target=self.mgr.wait_until_finished, name="bench-orbax-commit")
+            self._written.start()
         return state, m
 
     def saving(self) -> bool:
-        return self.mgr is not None and self.mgr.is_saving_in_progress()
+        """The last save is still being written; else the lock is let go (by the loop's thread)."""
+        from resilax._src.protect.checkpoints import ORBAX_LOCK
+
+        if self._written is not None and self._written.is_alive():
+            return True
+        if self._held:
+            self._held = False
+            ORBAX_LOCK.release()
+        return False
 
     def take_excluded(self) -> float:
         """Seconds of the calls since the last take that were not the plain loop's own."""
         out, self.excluded_s = self.excluded_s, 0.0
         return out
 
+    def finish(self) -> None:
+        if self._written is not None:
+            self._written.join()
+        self.saving()  # (lets the lock go)
+
     def close(self):
         if self.mgr is not None:
             from resilax._src.protect.checkpoints import ORBAX_LOCK
 
+            self.finish()
             with ORBAX_LOCK:
                 self.mgr.wait_until_finished()
                 self.mgr.close()
@@ -266,6 +297,8 @@ def _interleave(runs, states, batches, steps, block, warm, quiet, every):
                 while _saving(runs[k]) and calls[k] - first < every:
                     run_block(k)
                 spans[k].append((first, calls[k]))
+                if _saving(runs[k]):  # still writing `every` steps on: finished here, untimed, so
+                    _finish(runs[k])  # that no save is in flight while another variant saves
         if not quiet and (i + 1) % max(1, rounds // 10) == 0:
             print(f"  round {i + 1}/{rounds} ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
     return out, spans
