@@ -4,6 +4,7 @@
 #
 #   here, once: pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 #                 gin-config==0.5.0 ml-collections==1.1.0 orbax-checkpoint==0.12.8
+#               (for PYSPY=1 also py-spy==0.4.3, with --platform manylinux1_x86_64)
 #   there:      bash benchmarks/gpu_bench.sh        (carry .whl; results land in $OUT)
 #
 # What it runs: `resilax bench gpt --size small` (the 110 M GPT of the report) with
@@ -11,6 +12,11 @@
 # it the bitwise keys cannot hold on a GPU), XLA dumping every optimised program, then
 # `resilax.tools.hlo_scan` over the dump: no program of the bench may hold a conditional, a
 # loop or a host callback.
+#
+# BENCH_ARGS replaces "--size small" (e.g. "--size small --unpinned"); TIMEOUT bounds the bench
+# (seconds). PYSPY=1 records the bench's process with py-spy (--gil --threads, non-blocking:
+# the samples of whichever thread holds the GIL) and summarizes them by thread
+# (benchmarks/pyspy_threads.py): which threads kept the step loop from running Python.
 set -o pipefail
 OUT=${OUT:-/tmp/resilax-gpu-out}
 mkdir -p "$OUT"
@@ -32,9 +38,18 @@ print(sys.version.split()[0], *(f'{p} {v(p)}' for p in ('jax', 'jaxlib', 'flax',
 } 2>&1 | tee "$OUT/env.txt"
 rm -rf /tmp/hlo
 export XLA_FLAGS="--xla_gpu_deterministic_ops=true --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text ${XLA_FLAGS:-}"
-timeout "$TIMEOUT" python3 -c "import sys; from resilax.tools.cli import main; sys.exit(main())" \
-  bench gpt $BENCH_ARGS --json "$OUT/gpt.json" 2>&1 | tee "$OUT/bench.log"
+BENCH=(python3 -c "import sys; from resilax.tools.cli import main; sys.exit(main())" bench gpt $BENCH_ARGS
+       --json "$OUT/gpt.json")
+if [ "${PYSPY:-0}" = 1 ] && ls .whl/py_spy-*.whl >/dev/null 2>&1; then
+  pip_in .whl/py_spy-*.whl || exit 1
+  BENCH=(/tmp/site/bin/py-spy record -r 100 --gil --threads --nonblocking --format raw -o /tmp/pyspy.txt -- "${BENCH[@]}")
+fi
+timeout "$TIMEOUT" "${BENCH[@]}" 2>&1 | tee "$OUT/bench.log"
 echo "bench rc $?"
+if [ -s /tmp/pyspy.txt ]; then
+  python3 benchmarks/pyspy_threads.py /tmp/pyspy.txt --top 25 > "$OUT/pyspy_threads.txt" 2>&1
+  head -30 "$OUT/pyspy_threads.txt"
+fi
 python3 -m resilax.tools.hlo_scan /tmp/hlo 2>&1 | tee "$OUT/hlo_scan.txt"
 ls /tmp/hlo | grep after_optimizations.txt | sed -E 's/^module_[0-9]+\.//; s/\.[^.]*after_optimizations.txt$//' \
   | sort | uniq -c > "$OUT/hlo_programs.txt"
