@@ -543,3 +543,31 @@ def test_a_save_shortens_the_switch_interval_only_while_the_persister_saves(tmp_
     assert seen and seen[0] == pytest.approx(0.0005, abs=1e-6), seen  # on the persister thread, saving
     assert sys.getswitchinterval() == before
     assert store.steps() == [1]
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_the_pinned_host_transfer_setting_reaches_orbax_and_the_checkpoint_reads_back(tmp_path, monkeypatch, pinned):
+    """`CheckpointStore.PINNED_HOST_TRANSFER` (None: Orbax's choice, with pinned memory on a
+    GPU) is what `resilax bench gpt --unpinned` measures on a GPU: the store hands it to the
+    PyTreeCheckpointHandler its CheckpointManager saves with, and a checkpoint saved so reads
+    back bitwise."""
+    from resilax._src.protect import checkpoints as ck
+    from resilax._src.protect import orbax_warm
+
+    seen = []
+    real = orbax_warm.item_handlers
+
+    def spy(names, p=None):
+        got = real(names, p)
+        seen.append((p, None if got is None else got[0]["state"]._impl._handler_impl._enable_pinned_host_transfer))
+        return got
+
+    monkeypatch.setattr(orbax_warm, "item_handlers", spy)
+    monkeypatch.setattr(ck.CheckpointStore, "PINNED_HOST_TRANSFER", pinned)
+    store = ck.CheckpointStore(tmp_path / "ck", async_save=False)
+    assert seen == [(pinned, pinned)], seen
+    st = {"w": jax.numpy.arange(8.0), "b": jax.numpy.ones((2, 3), jax.numpy.bfloat16)}
+    store.save(3, st, {})
+    got = store.restore_newest(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), st))
+    assert got is not None and got.step == 3 and state_equal(got.state, st)
+    store.close()
