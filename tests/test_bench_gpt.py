@@ -131,3 +131,35 @@ def test_the_plain_orbax_baseline_holds_orbax_lock_until_its_save_is_written(tmp
         time.sleep(0.01)
     assert other_thread_gets_the_lock() and plain.mgr.all_steps() == [2]
     plain.close()
+
+
+def test_a_save_in_the_warm_up_is_written_before_the_next_variant_runs():
+    """With --every below two blocks a save falls in the warm-up steps; it must be written
+    (the plain baseline's `ORBAX_LOCK` let go) before another variant runs, or a resilax
+    persister waits for the lock while the loop waits for the persister."""
+    from resilax.tools.bench_gpt import _interleave
+
+    order = []
+
+    class Run:
+        def __init__(self, name, saves):
+            self.name, self.saves, self.calls, self.writing = name, saves, 0, 0
+
+        def __call__(self, state, batch):
+            self.calls += 1
+            order.append((self.name, self.calls, self.writing))
+            if self.saves and self.calls == 2:
+                self.writing = 100  # written only when finished
+            return state + 1, state
+
+        def saving(self):
+            return self.writing > 0
+
+        def finish(self):
+            order.append((self.name, "finish", self.writing))
+            self.writing = 0
+
+    runs = {"orbax": Run("orbax", True), "other": Run("other", False)}
+    _interleave(runs, {"orbax": 0, "other": 0}, [None], steps=4, block=2, warm=3, quiet=True, every=100)
+    first_other = order.index(("other", 1, 0))
+    assert ("orbax", "finish", 100) in order[:first_other], order

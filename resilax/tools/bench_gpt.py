@@ -272,6 +272,8 @@ def _interleave(runs, states, batches, steps, block, warm, quiet, every):
             states[k], m = runs[k](states[k], batches[calls[k] % len(batches)])
             calls[k] += 1
         jax.block_until_ready((states[k], m))
+        if _saving(runs[k]):  # a save in the warm-up (--every below 2 blocks): written before the
+            _finish(runs[k])  # next variant runs, as every save is (`ORBAX_LOCK`)
         if hasattr(runs[k], "take_excluded"):  # a save in the warm-up is not a timed call's
             runs[k].take_excluded()
     rounds = -(-steps // block)
