@@ -13,7 +13,7 @@
 # `resilax.tools.hlo_scan` over the dump: no program of the bench may hold a conditional, a
 # loop or a host callback.
 #
-# BENCH_ARGS replaces "--size small" (e.g. "--size small --unpinned"); TIMEOUT bounds the bench
+# BENCH_ARGS replaces "--size small" (e.g. "--size small --unpinned --packed"); TIMEOUT bounds the bench
 # (seconds). PYSPY=1 records the bench's process with py-spy (--gil --threads, non-blocking:
 # the samples of whichever thread holds the GIL) and summarizes them by thread
 # (benchmarks/pyspy_threads.py): which threads kept the step loop from running Python.

@@ -27,12 +27,26 @@ def run(ckpt_dir, steps, *, every=5, keep=3, data=None, state=None):
     return jax.device_get(s), step, data
 
 
-def test_restore_continues_bitwise_with_data_position(tmp_path):
+@pytest.fixture(params=[False, True], ids=["per_leaf", "packed"])
+def pack(request, monkeypatch):
+    """Both checkpoint layouts: Orbax's per-leaf one (the default) and the experimental packed
+    one (`CheckpointStore.PACK`, `test_packing.py`)."""
+    from resilax._src.protect.checkpoints import CheckpointStore
+
+    monkeypatch.setattr(CheckpointStore, "PACK", request.param)
+    return request.param
+
+
+def test_restore_continues_bitwise_with_data_position(tmp_path, pack):
     ref, _, _ = run(tmp_path / "ref", 20)
     run(tmp_path / "a", 10)                      # stops after saving step 10
     s, step, data = run(tmp_path / "a", 20)      # a new process would do exactly this
     assert step.events[0].kind == "restore" and step.events[0].step == 10
     assert state_equal(s, ref)
+    import json  # the layout asked for is the one written
+    metas = [json.loads(p.read_text()) for p in (tmp_path / "a" / "20" / "meta").rglob("*")
+             if p.is_file() and p.read_text().startswith("{")]
+    assert [m.get("format") for m in metas] == [2 if pack else 1], metas
     # the data position was restored: the next batch is batch 21 of a fresh iterator
     fresh = ex.make_iterator(SMALL)
     for _ in range(20):
@@ -53,7 +67,7 @@ def _newest_state_files(d: pathlib.Path, step: int):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_corrupt_newest_falls_back_with_warning(tmp_path, damage):
+def test_corrupt_newest_falls_back_with_warning(tmp_path, damage, pack):
     ref10, _, _ = run(tmp_path / "ref", 10)
     ref15, _, _ = run(tmp_path / "ref", 15)
     run(tmp_path / "c", 15)
@@ -158,7 +172,7 @@ def test_goodput_buckets_sum_to_wall_and_are_saved(tmp_path):
     assert [e["kind"] for e in load_goodput(tmp_path).events] == ["restore", "crosscheck"]
 
 
-def test_rng_key_in_state_is_checkpointed(tmp_path):
+def test_rng_key_in_state_is_checkpointed(tmp_path, pack):
     """A typed PRNG key carried in the state round-trips bitwise, and so does the run using it."""
     import jax.numpy as jnp
 

@@ -47,6 +47,8 @@ from resilax.tools.bench import option_adder, write_result
 
 VARIANTS = ("plain", "orbax", "off", "default", "default_ckpt")
 UNPINNED = "default_ckpt_unpinned"  # --unpinned: Orbax's copy to host without pinned memory (its GPU default: with)
+PACKED = "default_ckpt_packed"  # --packed: packed checkpoints (`CheckpointStore.PACK`, experimental)
+EXTRA = (UNPINNED, PACKED)
 
 
 def add_arguments(parser) -> None:
@@ -59,7 +61,9 @@ def add_arguments(parser) -> None:
     opt("--resume-steps", type=int, default=12, help="steps of the resume runs (checkpoint every 4, NaN at 4)")
     opt("--no-resume", action="store_true", help="skip the SIGKILL + resume subprocess runs")
     opt("--unpinned", action="store_true",
-        help=f"a sixth variant, {UNPINNED}: default_ckpt with Orbax's copy to host not through pinned memory")
+        help=f"another variant, {UNPINNED}: default_ckpt with Orbax's copy to host not through pinned memory")
+    opt("--packed", action="store_true",
+        help=f"another variant, {PACKED}: default_ckpt with packed checkpoints (one array per dtype and sharding)")
     opt("--cpu-devices", type=int, default=8, help="emulated CPU devices when the platform is CPU")
     opt("--quiet", action="store_true")
 
@@ -70,7 +74,7 @@ def run(args) -> int:
     configure_cpu_devices(args.cpu_devices)  # before JAX starts; no effect on a GPU or TPU
     r = bench_gpt(size=args.size, steps=args.steps, every=args.every, block=args.block,
                   resume_steps=args.resume_steps, resume=not args.no_resume, quiet=args.quiet,
-                  unpinned=args.unpinned)
+                  unpinned=args.unpinned, packed=args.packed)
     print_gpt(r)
     write_result(args.json, r)
     return 0
@@ -101,7 +105,7 @@ def _shardings(st, n):
 def _config(variant, directory, every):
     import resilax
 
-    if variant == UNPINNED:
+    if variant in EXTRA:
         return _config("default_ckpt", directory, every)
     if variant == "off":
         return resilax.Config(checkpoint=None, log=None, peers=None, anomaly=None, verify=None)
@@ -127,11 +131,14 @@ def _wrapped(variant, size, topo, directory, every):
             CheckpointStore.PINNED_HOST_TRANSFER = False
         try:
             step = resilax.wrap(gpt.train_step, topology=topo, state_sharding=spec, batch_sharding=bspec, rng=True,
-                                config=_config(variant, f"{directory}_unpinned" if variant == UNPINNED else directory,
+                                config=_config(variant, f"{directory}_{variant}" if variant in EXTRA else directory,
                                                every))
         finally:
             CheckpointStore.PINNED_HOST_TRANSFER = pinned
-    return step, step.init(st)
+    state = step.init(st)
+    if variant == PACKED:  # (the store, made at init, reads it at each save)
+        step.checkpoints.PACK = True
+    return step, state
 
 
 def _finish(run) -> None:
@@ -431,7 +438,8 @@ def _resume(size_name, ndev, steps, tmp, quiet) -> dict:
 
 # ----------------------------------------------------------------------------- the bench
 def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100, block: int = 5,
-              resume_steps: int = 12, resume: bool = True, quiet: bool = False, unpinned: bool = False) -> dict:
+              resume_steps: int = 12, resume: bool = True, quiet: bool = False, unpinned: bool = False,
+              packed: bool = False) -> dict:
     import jax
 
     from resilax.tools import gpt
@@ -447,7 +455,8 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
     batches = gpt.batches(sz, 8)
     tmp = tempfile.mkdtemp(prefix="resilax-bench-gpt-")
     runs, states = {}, {}
-    variants = VARIANTS + ((UNPINNED,) if unpinned else ())
+    extras = [v for v, on in ((UNPINNED, unpinned), (PACKED, packed)) if on]
+    variants = VARIANTS + tuple(extras)
     try:
         t0 = time.perf_counter()
         for v in variants:
@@ -471,15 +480,15 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         store = runs["default_ckpt"].checkpoints
         store_blocking, handoff, persist = list(store.blocking_s), list(store.handoff_s), list(store.persist_s)
         orbax_calls = list(runs["orbax"].blocking_s)
-        extra = {}
-        if unpinned:
-            u = _save_blocking(samples[UNPINNED], spans[UNPINNED])
-            us = runs[UNPINNED].checkpoints
-            extra = {"unpinned": {"ratio": mean[UNPINNED] / mean["plain"], "save_blocking_all_s": u,
-                                  "save_blocking_s": statistics.median(u[1:]) if len(u) > 1 else None,
-                                  "first_save_blocking_s": u[0] if u else None,
-                                  "save_steps_ms": _span_ms(samples[UNPINNED], spans[UNPINNED]),
-                                  "handoff_s": list(us.handoff_s), "persist_s": list(us.persist_s)}}
+        extra: dict = {}
+        for v in extras:  # "unpinned", "packed"
+            u = _save_blocking(samples[v], spans[v])
+            us = runs[v].checkpoints
+            extra[v.rsplit("_", 1)[1]] = {"ratio": mean[v] / mean["plain"], "save_blocking_all_s": u,
+                                          "save_blocking_s": statistics.median(u[1:]) if len(u) > 1 else None,
+                                          "first_save_blocking_s": u[0] if u else None,
+                                          "save_steps_ms": _span_ms(samples[v], spans[v]),
+                                          "handoff_s": list(us.handoff_s), "persist_s": list(us.persist_s)}
         save_steps = {v: _span_ms(samples[v], spans[v]) for v in ("orbax", "default_ckpt")}
         for v in variants:
             runs[v].close()
@@ -548,10 +557,11 @@ def print_gpt(r: dict) -> None:
           f"{len(r['checkpoint_waits'])}")
     print(f"run to run bitwise: {r['run_to_run_bitwise']}; SIGKILL + resume bitwise: {r['resume_bitwise']} "
           f"({ {k: v for k, v in r['resume'].items() if k != 'error'} })")
-    if r.get("unpinned"):
-        u = r["unpinned"]
-        print(f"{UNPINNED}: ratio {u['ratio']:.3f}, save blocking first {f(u['first_save_blocking_s'])}, later "
-              f"{f(u['save_blocking_s'])}")
+    for v in EXTRA:
+        u = r.get(v.rsplit("_", 1)[1])
+        if u:
+            print(f"{v}: ratio {u['ratio']:.3f}, save blocking first {f(u['first_save_blocking_s'])}, later "
+                  f"{f(u['save_blocking_s'])}")
     if r["resume"].get("error"):
         print(f"resume run failed: {r['resume']['error'][-600:]}")
 

@@ -4,28 +4,20 @@ newest-good restore) and `Checkpoints`, the protection that puts it in the pipel
 offers the newest good checkpoint to the planner, and tells the record log where its host and
 disk entries may be truncated.
 
-Each checkpoint is one Orbax step directory (committed atomically by Orbax: written under
-a temporary name, then renamed) holding three items:
+Each checkpoint is one Orbax step directory (committed atomically: a temporary name, then
+renamed) of three items: ``state`` (tensorstore arrays, sharded as they are), ``checksums``
+(per leaf, computed on device) and ``meta`` (JSON: step, seed, data state, the state's
+signature). A restore reads the newest, recomputes its checksums; one that cannot be read or
+does not match is moved into ``quarantine/`` (never deleted) and the next older one tried,
+with a warning that names both.
 
-- ``state``: the train state (tensorstore arrays, sharded as they are);
-- ``checksums``: per-leaf checksums computed on device when the save was dispatched;
-- ``meta``: JSON with the step, RNG seed, data-iterator state and the state's signature.
-
-On restore the newest step is read and its checksums recomputed; a checkpoint that cannot
-be read or does not match is moved into ``quarantine/`` (never deleted) and the next older
-one is tried, with a warning that names both.
-
-Saving is snapshot-then-persist (CheckFreq's split): the training thread only dispatches
-one compiled program that copies the state on device (an asynchronous dispatch: the copy
-runs on the device queue, in order, before the next step may reuse the donated buffers),
-or hands the live state itself when the next step keeps its input; a persister thread
-computes the checksums, hands the copy to Orbax (which copies it to host and writes it in
-its own background thread; Orbax's ``save`` waits there for the previous save, never on the
-loop) and drops the device copy as soon as Orbax holds the host copy. Orbax's start-up
-(handlers, thread pools, the first directory) and the programs' compilation happen off the
-loop (`warm`); a save due before they are compiled copies with the runtime's buffer copy
-instead of compiling or waiting. The loop waits for the previous save only when it is still
-writing as the next one is due (`in_flight`; the driver books that wait and reports it).
+Saving is snapshot-then-persist (CheckFreq's split): the loop dispatches an on-device copy
+(or hands the live state when the next step keeps its input); a persister thread computes
+the checksums and hands the copy to Orbax, which copies it to host and writes it (its waits
+are the persister's), then drops the device copy. Orbax's start-up and the programs'
+compilation happen off the loop (`warm`; a save due earlier copies with the runtime's
+buffer copy). The loop waits for a save only when it still writes as the next is due
+(`in_flight`; booked and reported). ``PACK`` (experimental): `packing`.
 """
 
 from __future__ import annotations
@@ -48,7 +40,7 @@ import orbax.checkpoint as ocp
 from resilax._src.protect.checksum import anchor_tree, tree_checksums
 from resilax._src.gil import shorter_switch_interval
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
-from resilax._src.protect import base, orbax_warm
+from resilax._src.protect import base, orbax_warm, packing
 from resilax._src.runtime import membership
 from resilax._src.timings import Timings
 from resilax._src.protect.planner import Candidate, Copy
@@ -186,6 +178,7 @@ class CheckpointStore:
     #: the interpreter's switch interval while the persister saves (`gil.shorter_switch_interval`)
     SAVE_SWITCH_INTERVAL_S: float | None = 0.0005
     PINNED_HOST_TRANSFER: bool | None = None  #: Orbax's copy to host via pinned memory (None: Orbax's; on for GPU)
+    PACK: bool = os.environ.get("RESILAX_PACK_CHECKPOINTS") == "1"  #: experimental (`packing`; one process only)
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
         self.directory = pathlib.Path(directory).absolute()
@@ -207,6 +200,7 @@ class CheckpointStore:
         self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
         self._compiled = None  # (`_layout_key`, compiled snapshot program)
         self._sums: dict = {}  # (tree structure, leaf layouts) -> compiled checksum program
+        self._packers: dict = {}  # the same -> compiled pack program (PACK)
         self._warming: threading.Thread | None = None
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
         self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
@@ -404,6 +398,8 @@ class CheckpointStore:
                 with self._lock, shorter_switch_interval(self.SAVE_SWITCH_INTERVAL_S):
                     try:
                         sums = self.checksums(snap)
+                        if self.PACK:  # (the checksums stay those of the leaves: a restore checks the unpacked state)
+                            snap, meta = self._packed(snap, meta)
                         self._mgr.save(step, args=ocp.args.Composite(
                             state=ocp.args.StandardSave(snap),
                             checksums=ocp.args.StandardSave({"sums": sums}),
@@ -419,6 +415,12 @@ class CheckpointStore:
                 self.persist_s.append(time.perf_counter() - t0)
             finally:
                 self._q.task_done()
+
+    def _packed(self, snap, meta):
+        """``snap`` packed (`packing`, the program compiled once per layout) and its meta."""
+        man, key = packing.manifest(snap), _layout_key(_abstract(snap))
+        prog = self._packers.get(key) or self._packers.setdefault(key, packing.pack_program(snap, man))
+        return prog(jax.tree.leaves(snap)), dict(meta, format=2, packing=man)
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Runs ``fn`` on the persister thread once the save in flight is committed (host-side
@@ -525,7 +527,7 @@ class CheckpointStore:
         for step in sorted(self._mgr.all_steps(), reverse=True):
             try:
                 meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("step") != step:
+                if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, 2) or meta.get("step") != step:
                     raise CorruptCheckpointError(f"meta of checkpoint {step} is malformed")
             except Exception as e:
                 skipped.append((step, _reason(e)))
@@ -535,14 +537,12 @@ class CheckpointStore:
             try:
                 leaves = len(want_sig)
                 abs_sums = jax.ShapeDtypeStruct((leaves, 2), np.uint32, sharding=_sums_sharding())
-                out = self._mgr.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state),
-                        checksums=ocp.args.StandardRestore({"sums": abs_sums}),
-                    ),
-                )
-                state = out["state"]
+                man = meta.get("packing") if meta["format"] == 2 else None
+                out = self._mgr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state if man is None else
+                                                   packing.packed_abstract(abstract_state, man)),
+                    checksums=ocp.args.StandardRestore({"sums": abs_sums})))
+                state = out["state"] if man is None else packing.unpack(out["state"], abstract_state, man)
                 got = np.asarray(self.checksums(state))
                 saved = np.asarray(out["checksums"]["sums"])
                 if got.shape != saved.shape or not np.array_equal(got, saved):

@@ -1,0 +1,107 @@
+"""Packed checkpoints (experimental, `CheckpointStore.PACK`; docs/packed_checkpoints.md): the
+leaves sharing a dtype and a sharding saved as one array, packed without communication, and
+read back bitwise, onto the same mesh or another one; a wrong unpacking is caught by the
+per-leaf checksums, never restored."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from resilax._src.protect import checkpoints as ck
+from resilax._src.protect import packing
+
+
+def _bits(tree):
+    return [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+            for x in jax.tree.leaves(tree)]
+
+
+def _equal(a, b) -> bool:
+    la, lb = _bits(a), _bits(b)
+    return len(la) == len(lb) and all(x.dtype == y.dtype and np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
+                                      for x, y in zip(la, lb))
+
+
+def _state(mesh):
+    r = np.random.default_rng(0)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    return {
+        "w1": put(r.normal(size=(16, 3)).astype(np.float32), P("d")),  # sharded on dim 0
+        "w2": put(r.normal(size=(8,)).astype(np.float32), P("d")),
+        "b": put(r.normal(size=(5,)).astype(np.float32), P()),  # replicated
+        "h": put(r.normal(size=(8, 4)).astype(jnp.bfloat16), P("d")),  # another dtype
+        "cols": put(r.normal(size=(3, 8)).astype(np.float32), P(None, "d")),  # dim 1: saved alone
+        "step": put(np.int32(7), P()),  # a scalar: alone
+        "key": jax.device_put(jax.random.key(3), NamedSharding(mesh, P())),  # a typed key: alone
+    }
+
+
+def _abstract(tree, mesh=None, spec_of=None):
+    def one(x):
+        sh = x.sharding if mesh is None else NamedSharding(mesh, spec_of(x))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    return jax.tree.map(one, tree)
+
+
+@pytest.fixture
+def packed_store(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck.CheckpointStore, "PACK", True)
+    store = ck.CheckpointStore(tmp_path / "ck", async_save=False)
+    yield store
+    store.close()
+
+
+def test_a_packed_checkpoint_reads_back_bitwise_from_few_arrays(packed_store):
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    st = _state(mesh)
+    packed_store.save(4, st, {})
+    man = packing.manifest(st)
+    assert sorted(len(g["members"]) for g in man["groups"]) == [1, 1, 2], man  # f32 sharded, f32 replicated, bf16
+    assert len(man["singles"]) == 3, man  # dim-1 sharded, the scalar, the key
+    got = packed_store.restore_newest(_abstract(st))
+    assert got is not None and got.step == 4 and got.meta["format"] == 2
+    assert _equal(got.state, st)
+    assert all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(got.state), jax.tree.leaves(st)))
+
+
+def test_a_packed_checkpoint_restores_onto_another_mesh(packed_store):
+    mesh8 = Mesh(np.array(jax.devices()), ("d",))
+    st = _state(mesh8)
+    packed_store.save(2, st, {})
+    mesh4 = Mesh(np.array(jax.devices()[:4]), ("d",))  # four devices lost: an elastic restore
+    target = _abstract(st, mesh4, lambda x: x.sharding.spec)
+    got = packed_store.restore_newest(target)
+    assert got is not None and _equal(got.state, st)
+    assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(got.state))
+
+
+def test_the_pack_program_moves_no_data_between_devices():
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    st = _state(mesh)
+    text = packing.pack_program(st, packing.manifest(st)).as_text()
+    for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter"):
+        assert op not in text, op
+
+
+def test_a_wrong_unpacking_is_a_checksum_mismatch_not_a_restored_state(packed_store, tmp_path):
+    """Two same-sized members of a group swapped in the manifest: the unpacked state is
+    wrong, its checksums do not match the saved ones, and the checkpoint is quarantined."""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    st = _state(mesh)
+    st["w3"] = jax.device_put(np.arange(8, dtype=np.float32) + 100, NamedSharding(mesh, P("d")))  # w2's size
+    packed_store.save(6, st, {})
+    meta_files = list((tmp_path / "ck" / "6" / "meta").glob("*"))
+    path = next(p for p in meta_files if p.is_file() and p.suffix in ("", ".json") and "packing" in p.read_text())
+    meta = json.loads(path.read_text())
+    members = next(g["members"] for g in meta["packing"]["groups"] if len(g["members"]) == 3)  # w1, w2, w3
+    i, j = [k for k, (_, cols) in enumerate(members) if cols == 1]  # w2 and w3: one column each per row
+    members[i][0], members[j][0] = members[j][0], members[i][0]
+    path.write_text(json.dumps(meta))
+    with pytest.raises(ck.CorruptCheckpointError, match="checksum mismatch"):
+        packed_store.restore_newest(_abstract(st))
+    assert (tmp_path / "ck" / ck.QUARANTINE).exists()
