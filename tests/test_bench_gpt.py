@@ -163,3 +163,24 @@ def test_a_save_in_the_warm_up_is_written_before_the_next_variant_runs():
     _interleave(runs, {"orbax": 0, "other": 0}, [None], steps=4, block=2, warm=3, quiet=True, every=100)
     first_other = order.index(("other", 1, 0))
     assert ("orbax", "finish", 100) in order[:first_other], order
+
+
+def test_the_extra_variants_stores_are_made_with_their_settings(tmp_path, monkeypatch):
+    """`--unpinned` and `--packed` set `CheckpointStore` attributes that a store reads when it
+    is made, at the step's init (the first version set the pinned one around `wrap` only,
+    and the unpinned variant measured Orbax's default); afterwards they are as before."""
+    from resilax._src.protect import orbax_warm
+    from resilax._src.protect.checkpoints import CheckpointStore
+    from resilax.tools import bench_gpt, gpt
+
+    seen = []
+    real = orbax_warm.item_handlers
+    monkeypatch.setattr(orbax_warm, "item_handlers", lambda names, p=None: seen.append(p) or real(names, p))
+    before = (CheckpointStore.PINNED_HOST_TRANSFER, CheckpointStore.PACK)
+    topo = bench_gpt._topology()
+    for variant, pinned, pack in ((bench_gpt.UNPINNED, False, False), (bench_gpt.PACKED, None, True)):
+        seen.clear()
+        step, _ = bench_gpt._wrapped(variant, gpt.SIZES["tiny"], topo, str(tmp_path / "ck"), 100)
+        assert seen == [pinned] and step.checkpoints._pack is pack, (variant, seen)
+        step.close()
+    assert (CheckpointStore.PINNED_HOST_TRANSFER, CheckpointStore.PACK) == before

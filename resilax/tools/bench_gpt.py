@@ -49,6 +49,8 @@ VARIANTS = ("plain", "orbax", "off", "default", "default_ckpt")
 UNPINNED = "default_ckpt_unpinned"  # --unpinned: Orbax's copy to host without pinned memory (its GPU default: with)
 PACKED = "default_ckpt_packed"  # --packed: packed checkpoints (`CheckpointStore.PACK`, experimental)
 EXTRA = (UNPINNED, PACKED)
+# what each of them sets on `CheckpointStore` (read when the store is made, at the step's init)
+OVERRIDES = {UNPINNED: {"PINNED_HOST_TRANSFER": False}, PACKED: {"PACK": True}}
 
 
 def add_arguments(parser) -> None:
@@ -124,20 +126,20 @@ def _wrapped(variant, size, topo, directory, every):
 
     st = gpt.make_state(size)
     spec, bspec = _shardings(st, topo.num_devices)
-    pinned = CheckpointStore.PINNED_HOST_TRANSFER
+    overrides = OVERRIDES.get(variant, {})
+    saved = {a: getattr(CheckpointStore, a) for a in overrides}
     with warnings.catch_warnings():  # one domain: "no peers to hold copies" is this bench's set-up
         warnings.simplefilter("ignore", RuntimeWarning)
-        if variant == UNPINNED:  # (the store reads it when it opens its CheckpointManager, in wrap)
-            CheckpointStore.PINNED_HOST_TRANSFER = False
         try:
+            for a, v in overrides.items():
+                setattr(CheckpointStore, a, v)
             step = resilax.wrap(gpt.train_step, topology=topo, state_sharding=spec, batch_sharding=bspec, rng=True,
                                 config=_config(variant, f"{directory}_{variant}" if variant in EXTRA else directory,
                                                every))
+            state = step.init(st)  # (the store is made here)
         finally:
-            CheckpointStore.PINNED_HOST_TRANSFER = pinned
-    state = step.init(st)
-    if variant == PACKED:  # (the store, made at init, reads it at each save)
-        step.checkpoints.PACK = True
+            for a, v in saved.items():
+                setattr(CheckpointStore, a, v)
     return step, state
 
 

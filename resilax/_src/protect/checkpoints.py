@@ -200,7 +200,8 @@ class CheckpointStore:
         self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
         self._compiled = None  # (`_layout_key`, compiled snapshot program)
         self._sums: dict = {}  # (tree structure, leaf layouts) -> compiled checksum program
-        self._packers: dict = {}  # the same -> compiled pack program (PACK)
+        self._packers: dict = {}  # the same -> (manifest, compiled pack program)
+        self._pack = self.PACK  # read when the store is made, as PINNED_HOST_TRANSFER is (`_open`)
         self._warming: threading.Thread | None = None
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
         self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
@@ -398,7 +399,7 @@ class CheckpointStore:
                 with self._lock, shorter_switch_interval(self.SAVE_SWITCH_INTERVAL_S):
                     try:
                         sums = self.checksums(snap)
-                        if self.PACK:  # (the checksums stay those of the leaves: a restore checks the unpacked state)
+                        if self._pack:  # (the checksums stay those of the leaves: a restore checks the unpacked state)
                             snap, meta = self._packed(snap, meta)
                         self._mgr.save(step, args=ocp.args.Composite(
                             state=ocp.args.StandardSave(snap),
@@ -416,11 +417,10 @@ class CheckpointStore:
             finally:
                 self._q.task_done()
 
-    def _packed(self, snap, meta):
-        """``snap`` packed (`packing`, the program compiled once per layout) and its meta."""
-        man, key = packing.manifest(snap), _layout_key(_abstract(snap))
-        prog = self._packers.get(key) or self._packers.setdefault(key, packing.pack_program(snap, man))
-        return prog(jax.tree.leaves(snap)), dict(meta, format=2, packing=man)
+    def _packed(self, snap, meta):  # ``snap`` packed and its meta (`packing`; compiled once per layout)
+        key = _layout_key(_abstract(snap))
+        man, prog = self._packers.get(key) or self._packers.setdefault(key, packing.pack_program(snap))
+        return prog(jax.tree.leaves(snap)), dict(meta, format=packing.FORMAT, packing=man)
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Runs ``fn`` on the persister thread once the save in flight is committed (host-side
@@ -527,7 +527,7 @@ class CheckpointStore:
         for step in sorted(self._mgr.all_steps(), reverse=True):
             try:
                 meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, 2) or meta.get("step") != step:
+                if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, packing.FORMAT) or meta.get("step") != step:
                     raise CorruptCheckpointError(f"meta of checkpoint {step} is malformed")
             except Exception as e:
                 skipped.append((step, _reason(e)))
@@ -537,7 +537,7 @@ class CheckpointStore:
             try:
                 leaves = len(want_sig)
                 abs_sums = jax.ShapeDtypeStruct((leaves, 2), np.uint32, sharding=_sums_sharding())
-                man = meta.get("packing") if meta["format"] == 2 else None
+                man = meta.get("packing") if meta["format"] == packing.FORMAT else None
                 out = self._mgr.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state if man is None else
                                                    packing.packed_abstract(abstract_state, man)),

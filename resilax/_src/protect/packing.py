@@ -23,6 +23,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+FORMAT = 2  # the checkpoint meta's "format" of a packed checkpoint (per leaf: `checkpoints.FORMAT`)
+
 
 def _axes(entry) -> tuple:
     return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
@@ -59,18 +61,11 @@ def manifest(tree) -> dict:
     return {"groups": out, "singles": singles}
 
 
-def _mesh_of(tree):
-    for x in jax.tree.leaves(tree):
-        if isinstance(getattr(x, "sharding", None), NamedSharding):
-            return x.sharding.mesh
-    return None
-
-
-def pack_program(tree, man: dict):
-    """A compiled program: ``tree``'s leaves -> ``{"packed": {g: (R, C)}, "single": {i: leaf}}``
-    (every output a new buffer), for ``tree``'s shapes and shardings."""
+def pack_program(tree):
+    """``(manifest(tree), a compiled program: tree's leaves -> {"packed": {g: (R, C)},
+    "single": {i: leaf}})``, every output a new buffer, for ``tree``'s shapes and shardings."""
     leaves = jax.tree.leaves(tree)
-    mesh = _mesh_of(tree)
+    man = manifest(tree)
 
     def fn(xs):
         out = {}
@@ -84,12 +79,13 @@ def pack_program(tree, man: dict):
 
     out_sh = {}
     if man["groups"]:
-        out_sh["packed"] = {str(g): NamedSharding(mesh, P(tuple(grp["axes"]) or None, None))
+        out_sh["packed"] = {str(g): NamedSharding(leaves[grp["members"][0][0]].sharding.mesh,  # the group's mesh
+                                                  P(tuple(grp["axes"]) or None, None))
                             for g, grp in enumerate(man["groups"])}
     if man["singles"]:
         out_sh["single"] = {str(i): leaves[i].sharding for i in man["singles"]}
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-    return jax.jit(fn, out_shardings=out_sh).lower(abstract).compile()
+    return man, jax.jit(fn, out_shardings=out_sh).lower(abstract).compile()
 
 
 def packed_abstract(abstract_state, man: dict) -> dict:
@@ -105,8 +101,8 @@ def packed_abstract(abstract_state, man: dict) -> dict:
             sh = first.sharding
             cols = sum(c for _, c in grp["members"])
             axes = tuple(grp["axes"])
-            same = all(_group_key(leaves[i]) is not None and _group_key(leaves[i])[2:] == (axes, grp["rows"])
-                       and leaves[i].sharding.mesh == sh.mesh for i, _ in grp["members"])
+            keys = [_group_key(leaves[i]) for i, _ in grp["members"]]
+            same = all(k is not None and k[1:] == (sh.mesh, axes, grp["rows"]) for k in keys)
             target = (NamedSharding(sh.mesh, P(axes or None, None)) if same else
                       NamedSharding(sh.mesh, P()) if isinstance(sh, NamedSharding) else
                       jax.sharding.SingleDeviceSharding(next(iter(sh.device_set))))
