@@ -17,6 +17,7 @@ from helpers import ROOT, child_env, default_codegen_env
 
 from resilax.tools.hlo_scan import host_sync_ops, scan_dump
 
+
 def test_host_sync_pattern_finds_what_it_looks_for():
     """The scan below can fail: a program with a cond, a while and a callback is caught."""
     def f(x):
