@@ -50,6 +50,7 @@ UNPINNED = "default_ckpt_unpinned"  # --unpinned: Orbax's copy to host without p
 PACKED = "default_ckpt_packed"  # --packed: packed checkpoints (`CheckpointStore.PACK`, experimental)
 EXTRA = (UNPINNED, PACKED)
 # what each of them sets on `CheckpointStore` (read when the store is made, at the step's init)
+WATCHDOG_S = 120.0  # a round of `_interleave` taking longer dumps every thread's stack to stderr (repeating)
 OVERRIDES = {UNPINNED: {"PINNED_HOST_TRANSFER": False}, PACKED: {"PACK": True}}
 
 
@@ -71,7 +72,15 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    import faulthandler
+    import signal
+
     from resilax.tools.runner import configure_cpu_devices
+
+    # A run cut by its time limit (`timeout` sends SIGTERM) says where every thread was: on an
+    # H100 (2026-11-28) a run stopped making progress at its second saves, and the device
+    # time was spent before anything said why.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
     configure_cpu_devices(args.cpu_devices)  # before JAX starts; no effect on a GPU or TPU
     r = bench_gpt(size=args.size, steps=args.steps, every=args.every, block=args.block,
@@ -270,6 +279,8 @@ def _interleave(runs, states, batches, steps, block, warm, quiet, every):
     the steps that run beside it, and these are its own variant's, not the next variant's in
     the round (before 2026-11-28 the next variants absorbed it; on an H100 the plain jit
     variant's mean step came out 9% over its median)."""
+    import faulthandler
+
     import jax
 
     names = list(runs)
@@ -300,6 +311,7 @@ def _interleave(runs, states, batches, steps, block, warm, quiet, every):
             out[k].append((calls[k], t1 - t0, time.perf_counter() - t0))
 
     for i in range(rounds):
+        faulthandler.dump_traceback_later(WATCHDOG_S, repeat=True)  # a round that stalls prints every thread's stack
         r = i % len(names)
         for k in names[r:] + names[:r]:
             first = calls[k] + 1
@@ -312,6 +324,7 @@ def _interleave(runs, states, batches, steps, block, warm, quiet, every):
                     _finish(runs[k])  # that no save is in flight while another variant saves
         if not quiet and (i + 1) % max(1, rounds // 10) == 0:
             print(f"  round {i + 1}/{rounds} ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+    faulthandler.cancel_dump_traceback_later()
     return out, spans
 
 
@@ -486,7 +499,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         for v in extras:  # "unpinned", "packed"
             u = _save_blocking(samples[v], spans[v])
             us = runs[v].checkpoints
-            extra[v.rsplit("_", 1)[1]] = {"ratio": mean[v] / mean["plain"], "save_blocking_all_s": u,
+            extra[v[len("default_ckpt_"):]] = {"ratio": mean[v] / mean["plain"], "save_blocking_all_s": u,
                                           "save_blocking_s": statistics.median(u[1:]) if len(u) > 1 else None,
                                           "first_save_blocking_s": u[0] if u else None,
                                           "save_steps_ms": _span_ms(samples[v], spans[v]),
@@ -537,7 +550,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         "host_copy_s": host_copy,
         "host_overhead_ms": (ret["default"] - ret["plain"]) * 1e3,
         "run_to_run_bitwise": bool(r2r),
-        "resume_bitwise": res.get("bitwise") is True,
+        "resume_bitwise": res.get("bitwise"),  # None: not run (--no-resume) or failed
         "resume": res,
         **extra,
     }
@@ -560,7 +573,7 @@ def print_gpt(r: dict) -> None:
     print(f"run to run bitwise: {r['run_to_run_bitwise']}; SIGKILL + resume bitwise: {r['resume_bitwise']} "
           f"({ {k: v for k, v in r['resume'].items() if k != 'error'} })")
     for v in EXTRA:
-        u = r.get(v.rsplit("_", 1)[1])
+        u = r.get(v[len("default_ckpt_"):])
         if u:
             print(f"{v}: ratio {u['ratio']:.3f}, save blocking first {f(u['first_save_blocking_s'])}, later "
                   f"{f(u['save_blocking_s'])}")

@@ -1,8 +1,7 @@
 """Checkpoints: the persistent tier. `CheckpointStore` (Orbax async checkpoints with checksums, and
 newest-good restore) and `Checkpoints`, the protection that puts it in the pipeline: it saves every
-``CheckpointConfig.every`` steps (state, the anomaly detector's state, data position, seed),
-offers the newest good checkpoint to the planner, and tells the record log where its host and
-disk entries may be truncated.
+``CheckpointConfig.every`` steps (state, anomaly detector state, data position, seed), offers the
+newest good checkpoint to the planner, and tells the record log where it may be truncated.
 
 Each checkpoint is one Orbax step directory (committed atomically: a temporary name, then
 renamed) of three items: ``state`` (tensorstore arrays, sharded as they are), ``checksums``
@@ -200,7 +199,7 @@ class CheckpointStore:
         self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
         self._compiled = None  # (`_layout_key`, compiled snapshot program)
         self._sums: dict = {}  # (tree structure, leaf layouts) -> compiled checksum program
-        self._packers: dict = {}  # the same -> (manifest, compiled pack program)
+        self._packers = packing.Packers()  # the same -> (manifest, compiled pack program)
         self._pack = self.PACK  # read when the store is made, as PINNED_HOST_TRANSFER is (`_open`)
         self._warming: threading.Thread | None = None
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
@@ -228,23 +227,25 @@ class CheckpointStore:
         slices = orbax_warm.plan(tree, self._array_handler)  # (reads the live arrays: here, before the next step donates them)
 
         def compile_it():
-            # the loop's own program first (a save due before it is ready copies without it),
-            # then the persister's checksums, then the caller's (the update that keeps its
-            # input: until it is ready a save copies instead)
+            # the loop's own program first (a save due before it is ready copies without it), the
+            # persister's checksums, the caller's (the update that keeps its input: until it is
+            # ready a save copies instead), then what only the persister runs
             try:
                 self._compiled = (_layout_key(abstract), _snapshot_jit.lower(abstract).compile())
                 self._sums_program(abstract)  # (a start's anchor may have compiled it)
-                orbax_warm.run(slices)  # Orbax's own slice programs (replica-parallel saving)
                 if also is not None:
                     also()
-            except Exception:  # a save copies without the program; the persister compiles the sums
+                if self._pack and jax.process_count() == 1:  # the pack program; Orbax slices its arrays instead
+                    packed = packing.out_abstract(self._packers.get(_layout_key(abstract), abstract)[1])
+                    slices[:] = orbax_warm.plan(packed, self._array_handler)
+                orbax_warm.run(slices)  # Orbax's own slice programs (replica-parallel saving)
+            except Exception:  # a save copies without the program; the persister compiles the rest
                 pass
 
-        # Not a daemon, and `close` joins it: a daemon thread still compiling when the
-        # interpreter finalizes is killed (pthread_exit) as XLA's compile wait re-takes the
-        # GIL, and that unwinds through a noexcept jaxlib frame: std::terminate, SIGABRT at
-        # exit ("terminate called after throwing an instance of ''" / "FATAL: exception not
-        # rethrown"; seen under `resilax launch` with a cold compilation cache).
+        # Not a daemon, and `close` joins it: a daemon thread still compiling when the interpreter
+        # finalizes is killed (pthread_exit) as XLA's compile wait re-takes the GIL, which unwinds
+        # through a noexcept jaxlib frame: SIGABRT at exit ("FATAL: exception not rethrown"; seen
+        # under `resilax launch` with a cold compilation cache).
         self._warming = threading.Thread(target=compile_it, name="resilax-ckpt-warm")
         self._warming.start()
         self._warmers = [t for t in self._warmers if t.is_alive()] + [self._warming]
@@ -312,10 +313,9 @@ class CheckpointStore:
         t0 = time.perf_counter()
         if jax.process_count() > 1:
             return self._save_collectively(t0, step, state, meta, after_dispatch)
-        # One checkpoint in flight at a time, as with Orbax alone: a save waits for the previous
-        # one to commit (at a usual cadence it did long ago), which bounds the device memory
-        # held by snapshots to one copy and keeps "the newest committed checkpoint is at most
-        # one save behind".
+        # One checkpoint in flight at a time, as with Orbax alone: a save waits for the previous one
+        # to commit (at a usual cadence it did long ago): snapshots hold at most one copy of device
+        # memory, and the newest committed checkpoint is at most one save behind.
         self.settle()
         self._raise_error()
         snap = self._snapshot(state) if copy else _shards_built(state)  # uncopied: the loop reads it too
@@ -399,10 +399,10 @@ class CheckpointStore:
                 with self._lock, shorter_switch_interval(self.SAVE_SWITCH_INTERVAL_S):
                     try:
                         sums = self.checksums(snap)
-                        if self._pack:  # (the checksums stay those of the leaves: a restore checks the unpacked state)
-                            snap, meta = self._packed(snap, meta)
+                        # (packed: the checksums stay the leaves', a restore checks the unpacked state)
+                        snap, meta, save_args = self._packed(snap, meta) if self._pack else (snap, meta, None)
                         self._mgr.save(step, args=ocp.args.Composite(
-                            state=ocp.args.StandardSave(snap),
+                            state=ocp.args.StandardSave(snap, save_args=save_args),
                             checksums=ocp.args.StandardSave({"sums": sums}),
                             meta=ocp.args.JsonSave(meta)))
                         del snap, sums  # Orbax holds its host copy now: the device copy can go
@@ -417,10 +417,10 @@ class CheckpointStore:
             finally:
                 self._q.task_done()
 
-    def _packed(self, snap, meta):  # ``snap`` packed and its meta (`packing`; compiled once per layout)
-        key = _layout_key(_abstract(snap))
-        man, prog = self._packers.get(key) or self._packers.setdefault(key, packing.pack_program(snap))
-        return prog(jax.tree.leaves(snap)), dict(meta, format=packing.FORMAT, packing=man)
+    def _packed(self, snap, meta):  # ``snap`` packed, its meta, Orbax's save args (`packing`)
+        man, prog = self._packers.get(_layout_key(_abstract(snap)), snap)
+        packed = prog(jax.tree.leaves(snap))
+        return packed, dict(meta, format=packing.FORMAT, packing=man), packing.save_args(packed)
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Runs ``fn`` on the persister thread once the save in flight is committed (host-side

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 FORMAT = 2  # the checkpoint meta's "format" of a packed checkpoint (per leaf: `checkpoints.FORMAT`)
+CHUNK_BYTES = 64 << 20  # a packed array's storage chunks (`save_args`)
 
 
 def _axes(entry) -> tuple:
@@ -86,6 +87,42 @@ def pack_program(tree):
         out_sh["single"] = {str(i): leaves[i].sharding for i in man["singles"]}
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
     return man, jax.jit(fn, out_shardings=out_sh).lower(abstract).compile()
+
+
+class Packers:
+    """The compiled pack program per layout (`pack_program`), made once: by the store's
+    warm-up (off the loop) or, if a save comes first, by the persister. Two threads asking
+    at once for a new layout may both compile it; one is kept."""
+
+    def __init__(self):
+        self._progs: dict = {}
+
+    def get(self, key, tree):
+        """``(manifest, compiled)`` for ``tree`` (arrays or ShapeDtypeStructs with shardings),
+        whose layout is ``key``."""
+        got = self._progs.get(key)
+        return got if got is not None else self._progs.setdefault(key, pack_program(tree))
+
+
+def save_args(packed: dict) -> dict:
+    """Orbax ``SaveArgs`` for a packed item: the packed arrays written in chunks of at most
+    `CHUNK_BYTES` (one chunk per array is compressed and written by one thread: on an H100
+    host a 1.3 GB packed state took 4-7 s to commit, against 2 s for its 170 leaves), the
+    single leaves as Orbax chooses."""
+    import orbax.checkpoint as ocp
+
+    out = {}
+    if "packed" in packed:
+        out["packed"] = {g: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES) for g in packed["packed"]}
+    if "single" in packed:
+        out["single"] = {i: ocp.SaveArgs() for i in packed["single"]}
+    return out
+
+
+def out_abstract(compiled) -> dict:
+    """The packed item a compiled pack program makes, as ShapeDtypeStructs with shardings
+    (what the warm-up plans Orbax's slices of, with no device memory)."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding), compiled.out_info)
 
 
 def packed_abstract(abstract_state, man: dict) -> dict:
