@@ -185,3 +185,38 @@ def test_a_warmed_packed_save_compiles_nothing(tmp_path, monkeypatch):
     finally:
         logging.getLogger().removeHandler(h)
         store.close()
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_checkpoint_config_pack_chooses_the_layout_over_the_default(tmp_path, monkeypatch, pack):
+    """`CheckpointConfig.pack` reaches the store and wins over the process-wide default
+    (`CheckpointStore.PACK`, from ``RESILAX_PACK_CHECKPOINTS``): the checkpoint is written in
+    the layout it names, and a run resumed from it (with the other setting: a restore reads
+    either layout) ends bitwise on an uninterrupted run."""
+    import resilax
+    from resilax.tools import example as ex
+
+    from helpers import SMALL, state_equal
+
+    monkeypatch.setattr(ck.CheckpointStore, "PACK", not pack)
+    topo = resilax.Topology.emulated(2, 4)
+    template = ex.make_state(SMALL)
+
+    def run(steps, directory, pack):
+        data = ex.make_iterator(SMALL)
+        cfg = resilax.Config(checkpoint=resilax.CheckpointConfig(str(directory), every=2, pack=pack))
+        with resilax.wrap(ex.train_step, topology=topo, state_sharding=ex.fsdp_specs(template, "fsdp", 4),
+                          config=cfg) as step:
+            s = step.init(template, data=data)
+            for _ in range(steps - int(s.step)):
+                s, _ = step(s, next(data))
+            step.checkpoints.wait()
+            return jax.device_get(s)
+
+    run(4, tmp_path / "a", pack)
+    meta = json.loads((tmp_path / "a" / "4" / "meta" / "metadata").read_text())  # (Orbax's JSON item)
+    assert meta["format"] == (packing.FORMAT if pack else ck.FORMAT), meta
+    resumed = run(6, tmp_path / "a", not pack)  # resumes from step 4's checkpoint, in the other layout
+    assert state_equal(resumed, run(6, tmp_path / "b", pack))
+    with pytest.raises(resilax.ConfigError, match="pack must be bool or None"):
+        resilax.CheckpointConfig(str(tmp_path), pack=1)

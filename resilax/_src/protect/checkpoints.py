@@ -169,17 +169,18 @@ class CheckpointStore:
       keep: complete checkpoints kept by Orbax.
       async_save: persist in the background (the caller blocks only to dispatch the
         snapshot); ``False``: `save` returns once the checkpoint is committed.
+      pack: packed saves (`packing`; None: ``PACK``, from ``RESILAX_PACK_CHECKPOINTS``).
 
-    Thread-safety: every Orbax call runs under one process-wide lock; the persister thread
-    makes the saves, the caller's thread everything else (after waiting for queued saves).
-    """
+    Thread-safety: every Orbax call runs under one process-wide lock; the persister thread makes
+    the saves, the caller's thread everything else (after waiting for queued saves)."""
 
     #: the interpreter's switch interval while the persister saves (`gil.shorter_switch_interval`)
     SAVE_SWITCH_INTERVAL_S: float | None = 0.0005
     PINNED_HOST_TRANSFER: bool | None = None  #: Orbax's copy to host via pinned memory (None: Orbax's; on for GPU)
     PACK: bool = os.environ.get("RESILAX_PACK_CHECKPOINTS") == "1"  #: experimental (`packing`; one process only)
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
+                 pack: bool | None = None):
         self.directory = pathlib.Path(directory).absolute()
         self._keep = keep
         self._async = async_save
@@ -200,7 +201,7 @@ class CheckpointStore:
         self._compiled = None  # (`_layout_key`, compiled snapshot program)
         self._sums: dict = {}  # (tree structure, leaf layouts) -> compiled checksum program
         self._packers = packing.Packers()  # the same -> (manifest, compiled pack program)
-        self._pack = self.PACK  # read when the store is made, as PINNED_HOST_TRANSFER is (`_open`)
+        self._pack = self.PACK if pack is None else pack  # (PACK read when the store is made)
         self._warming: threading.Thread | None = None
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
         self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
@@ -500,7 +501,6 @@ class CheckpointStore:
 
     def steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
-
     # ------------------------------------------------------------------ restore
     def restore_newest(self, abstract_state) -> Restored | None:
         """Restores the newest checkpoint that reads back and matches its checksums.
@@ -639,7 +639,7 @@ class Checkpoints(base.Protection):
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.store = CheckpointStore(cfg.directory, keep=cfg.keep, async_save=cfg.async_save)
+        self.store = CheckpointStore(cfg.directory, keep=cfg.keep, async_save=cfg.async_save, pack=cfg.pack)
         self.paused: str | None = None  # why no checkpoint can be saved now (an in-place shrink)
 
     def tree(self, state, guard):
