@@ -351,13 +351,16 @@ def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tm
     relaunched in the same run directory resumes at that step and ends bitwise equal to a
     failure-free single-process run (2 agents x 1 worker x 2 CPU devices, 2 slices x 2
     devices, the bit-exact mode). While it runs, processes.json names both nodes, their agents
-    and workers, and the coordinator at the node name resolved."""
+    and workers, and the coordinator at the node name resolved. The launched job saves packed
+    checkpoints (``RESILAX_PACK_CHECKPOINTS=1``: a multi-process packed save and restore; the
+    reference saves per leaf)."""
     steps = 30
     train = ["resilax", "train", "--topology", _topology(tmp_path, 2), "--layout", "sharded", "--steps", str(steps),
              "--checkpoint-every", "10", "--log-every", "10"]
     run, out = tmp_path / "run", tmp_path / "final.npz"
     cmd = [*train, "--out", str(out)]
-    agents = _slurm_agents(tmp_path, run, cmd, child_env, "p")
+    packed_env = dict(child_env, RESILAX_PACK_CHECKPOINTS="1")
+    agents = _slurm_agents(tmp_path, run, cmd, packed_env, "p")
     try:
         procs = _wait(lambda: _processes(run, 0, (0, 1)), 120, "generation 0 on both nodes", agents)
         assert procs["service_node"] == 0 and procs["coordinator"].startswith("127.0.0.1:"), procs  # SLURMD_NODENAME
@@ -370,7 +373,9 @@ def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tm
         assert rcs == [0, 0], [(tmp_path / f"p{r}.log").read_text()[-3000:] for r in (0, 1)]
         assert json.loads((run / "processes.json").read_text())["status"] == "preempted"
         assert not out.exists()
-        agents = _slurm_agents(tmp_path, run, cmd, child_env, "q")  # the requeued job
+        metas = [json.loads(m.read_text()) for m in (run / "checkpoints").glob("*/meta/metadata")]
+        assert metas and {m["format"] for m in metas} == {2}, [(m["format"], m["step"]) for m in metas]  # packed
+        agents = _slurm_agents(tmp_path, run, cmd, packed_env, "q")  # the requeued job
         ref = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir",
                               str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
                              env=child_env, capture_output=True, text=True, timeout=240)
@@ -388,6 +393,7 @@ def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tm
                if ln.startswith("[g0 n0 p0] preempted: every worker stopped after step ")]
     assert stopped and 3 <= stopped[0] < steps, first[-3000:]
     assert _resumed(tmp_path / "q0.log", "[g1 n0 p0]") == stopped[0], again[-3000:]
+    assert stopped[0] in {m["step"] for m in metas}, [m["step"] for m in metas]  # it resumed from a packed save
     assert json.loads((run / "processes.json").read_text())["status"] == "done"
     a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)

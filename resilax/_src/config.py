@@ -45,8 +45,7 @@ class CheckpointConfig:
       pack: experimental (docs/packed_checkpoints.md): save the leaves that share a dtype and
         a sharding as one array (Orbax's save costs ~2-5 ms of host Python per array, beside
         the loop). ``None``: the ``RESILAX_PACK_CHECKPOINTS`` environment variable (``1``:
-        on), else off. One process only: a multi-process job's saves stay per leaf. A
-        restore reads either layout, whatever this says.
+        on), else off. A restore reads either layout, whatever this says.
     """
 
     directory: str

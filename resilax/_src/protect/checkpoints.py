@@ -177,7 +177,7 @@ class CheckpointStore:
     #: the interpreter's switch interval while the persister saves (`gil.shorter_switch_interval`)
     SAVE_SWITCH_INTERVAL_S: float | None = 0.0005
     PINNED_HOST_TRANSFER: bool | None = None  #: Orbax's copy to host via pinned memory (None: Orbax's; on for GPU)
-    PACK: bool = os.environ.get("RESILAX_PACK_CHECKPOINTS") == "1"  #: experimental (`packing`; one process only)
+    PACK: bool = os.environ.get("RESILAX_PACK_CHECKPOINTS") == "1"  #: experimental (`packing`)
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
                  pack: bool | None = None):
@@ -236,7 +236,7 @@ class CheckpointStore:
                 self._sums_program(abstract)  # (a start's anchor may have compiled it)
                 if also is not None:
                     also()
-                if self._pack and jax.process_count() == 1:  # the pack program; Orbax slices its arrays instead
+                if self._pack and jax.process_count() == 1:  # the pack program (several processes: at the save)
                     packed = packing.out_abstract(self._packers.get(_layout_key(abstract), abstract)[1])
                     slices[:] = orbax_warm.plan(packed, self._array_handler)
                 orbax_warm.run(slices)  # Orbax's own slice programs (replica-parallel saving)
@@ -359,10 +359,12 @@ class CheckpointStore:
         with self._lock:
             try:
                 sums = self.checksums(state)
+                snap, meta, save_args = self._packed(state, meta)  # (first save: compiled here, not warmed)
                 self._mgr.save(int(step), args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
+                    state=ocp.args.StandardSave(snap, save_args=save_args),
                     checksums=ocp.args.StandardSave({"sums": sums}),
                     meta=ocp.args.JsonSave(meta)))
+                del snap  # Orbax copied the local shards to host in `save`
             except Exception as e:  # Orbax re-raises a failed background commit here too
                 raise storage_error(f"saving checkpoint {step}", self.directory, e) from e
         if not self._async:
@@ -400,8 +402,7 @@ class CheckpointStore:
                 with self._lock, shorter_switch_interval(self.SAVE_SWITCH_INTERVAL_S):
                     try:
                         sums = self.checksums(snap)
-                        # (packed: the checksums stay the leaves', a restore checks the unpacked state)
-                        snap, meta, save_args = self._packed(snap, meta) if self._pack else (snap, meta, None)
+                        snap, meta, save_args = self._packed(snap, meta)  # (the checksums: of the leaves)
                         self._mgr.save(step, args=ocp.args.Composite(
                             state=ocp.args.StandardSave(snap, save_args=save_args),
                             checksums=ocp.args.StandardSave({"sums": sums}),
@@ -418,10 +419,8 @@ class CheckpointStore:
             finally:
                 self._q.task_done()
 
-    def _packed(self, snap, meta):  # ``snap`` packed, its meta, Orbax's save args (`packing`)
-        man, prog = self._packers.get(_layout_key(_abstract(snap)), snap)
-        packed = prog(jax.tree.leaves(snap))
-        return packed, dict(meta, format=packing.FORMAT, packing=man), packing.save_args(packed)
+    def _packed(self, snap, meta):  # ``(snap, meta, Orbax's save args)``, packed where the store packs
+        return self._packers.pack(_layout_key(_abstract(snap)), snap, meta) if self._pack else (snap, meta, None)
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Runs ``fn`` on the persister thread once the save in flight is committed (host-side

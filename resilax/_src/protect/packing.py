@@ -103,6 +103,14 @@ class Packers:
         got = self._progs.get(key)
         return got if got is not None else self._progs.setdefault(key, pack_program(tree))
 
+    def pack(self, key, tree, meta: dict):
+        """``(tree packed, meta with the format and manifest, Orbax's save args)``: a new
+        device copy of ``tree`` (one program: on several processes a collective launch,
+        issued in the same order on each, as the checksums are)."""
+        man, prog = self.get(key, tree)
+        packed = prog(jax.tree.leaves(tree))
+        return packed, dict(meta, format=FORMAT, packing=man), save_args(packed)
+
 
 def save_args(packed: dict) -> dict:
     """Orbax ``SaveArgs`` for a packed item: the packed arrays written in chunks of at most
