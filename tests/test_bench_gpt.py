@@ -178,7 +178,7 @@ def test_the_extra_variants_stores_are_made_with_their_settings(tmp_path, monkey
     monkeypatch.setattr(orbax_warm, "item_handlers", lambda names, p=None: seen.append(p) or real(names, p))
     before = (CheckpointStore.PINNED_HOST_TRANSFER, CheckpointStore.PACK)
     topo = bench_gpt._topology()
-    for variant, pinned, pack in ((bench_gpt.UNPINNED, False, False), (bench_gpt.PACKED, None, True)):
+    for variant, pinned, pack in ((bench_gpt.UNPINNED, False, before[1]), (bench_gpt.PACKED, None, True)):
         seen.clear()
         step, _ = bench_gpt._wrapped(variant, gpt.SIZES["tiny"], topo, str(tmp_path / "ck"), 100)
         assert seen == [pinned] and step.checkpoints._pack is pack, (variant, seen)

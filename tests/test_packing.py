@@ -78,6 +78,26 @@ def test_a_packed_checkpoint_restores_onto_another_mesh(packed_store):
     got = packed_store.restore_newest(target)
     assert got is not None and _equal(got.state, st)
     assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(got.state))
+    # the groups saved sharded over 8 are read spread over the four devices, not whole on each
+    man = json.loads((packed_store.directory / "2" / "meta" / "metadata").read_text())["packing"]
+    sharded = [a for a in packing.packed_abstract(target, man)["packed"].values() if a.shape[0] == 8]
+    assert len(sharded) == 2 and all(a.sharding.shard_shape(a.shape)[0] == 2 for a in sharded), sharded
+
+
+def test_a_packed_checkpoint_restores_onto_a_mesh_of_other_axes_without_reading_it_whole_per_device(packed_store):
+    """A restore onto a 2 x 3 mesh (six of the eight devices; no axis size divides the
+    saved rows' 8): each packed group is read with its rows or columns spread where some axis
+    divides them (replicated only where none does), and the state comes back bitwise."""
+    mesh8 = Mesh(np.array(jax.devices()), ("d",))
+    st = _state(mesh8)
+    packed_store.save(3, st, {})
+    mesh6 = Mesh(np.array(jax.devices()[:6]).reshape(2, 3), ("a", "b"))
+    target = _abstract(st, mesh6, lambda x: P())
+    got = packed_store.restore_newest(target)
+    assert got is not None and _equal(got.state, st)
+    man = json.loads((packed_store.directory / "3" / "meta" / "metadata").read_text())["packing"]
+    specs = {tuple(a.shape): a.sharding.spec for a in packing.packed_abstract(target, man)["packed"].values()}
+    assert any(any(e is not None for e in spec) for spec in specs.values()), specs
 
 
 def test_the_pack_program_moves_no_data_between_devices():

@@ -133,10 +133,25 @@ def out_abstract(compiled) -> dict:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding), compiled.out_info)
 
 
+def _spread(mesh, rows: int, cols: int) -> NamedSharding:
+    """A packed ``(rows, cols)`` array read onto a mesh that does not hold its members as they
+    were saved (an elastic restore): its rows, else its columns, over all of the mesh's
+    devices or its largest axis that divides them; replicated (each device reads the whole
+    group: transient memory) only where none does. The unpack program then moves each leaf
+    into its target sharding on the devices."""
+    names = tuple(mesh.axis_names)
+    for axes in [names] + [(a,) for a in sorted(names, key=lambda a: -mesh.shape[a])]:
+        n = int(np.prod([mesh.shape[a] for a in axes]))
+        for dim, size in ((0, rows), (1, cols)):
+            if n > 1 and size % n == 0:
+                return NamedSharding(mesh, P(axes, None) if dim == 0 else P(None, axes))
+    return NamedSharding(mesh, P())
+
+
 def packed_abstract(abstract_state, man: dict) -> dict:
     """What to ask Orbax for: the packed arrays laid out on the target's mesh (``P(A, None)``
-    where the target shards each member of the group as saved, else replicated), the
-    single leaves as the target has them."""
+    where the target shards each member of the group as saved, else spread over the
+    devices, `_spread`), the single leaves as the target has them."""
     leaves = jax.tree.leaves(abstract_state)
     out = {}
     if man["groups"]:
@@ -149,7 +164,7 @@ def packed_abstract(abstract_state, man: dict) -> dict:
             keys = [_group_key(leaves[i]) for i, _ in grp["members"]]
             same = all(k is not None and k[1:] == (sh.mesh, axes, grp["rows"]) for k in keys)
             target = (NamedSharding(sh.mesh, P(axes or None, None)) if same else
-                      NamedSharding(sh.mesh, P()) if isinstance(sh, NamedSharding) else
+                      _spread(sh.mesh, grp["rows"], cols) if isinstance(sh, NamedSharding) else
                       jax.sharding.SingleDeviceSharding(next(iter(sh.device_set))))
             packed[str(g)] = jax.ShapeDtypeStruct((grp["rows"], cols), np.dtype(grp["dtype"]), sharding=target)
         out["packed"] = packed
