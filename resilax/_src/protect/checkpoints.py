@@ -236,7 +236,7 @@ class CheckpointStore:
                 self._sums_program(abstract)  # (a start's anchor may have compiled it)
                 if also is not None:
                     also()
-                if self._pack and jax.process_count() == 1:  # the pack program (several processes: at the save)
+                if self._pack:  # the pack program, and Orbax's slices of its arrays (one process: `plan`)
                     packed = packing.out_abstract(self._packers.get(_layout_key(abstract), abstract)[1])
                     slices[:] = orbax_warm.plan(packed, self._array_handler)
                 orbax_warm.run(slices)  # Orbax's own slice programs (replica-parallel saving)
@@ -359,7 +359,7 @@ class CheckpointStore:
         with self._lock:
             try:
                 sums = self.checksums(state)
-                snap, meta, save_args = self._packed(state, meta)  # (first save: compiled here, not warmed)
+                snap, meta, save_args = self._packed(state, meta)
                 self._mgr.save(int(step), args=ocp.args.Composite(
                     state=ocp.args.StandardSave(snap, save_args=save_args),
                     checksums=ocp.args.StandardSave({"sums": sums}),
