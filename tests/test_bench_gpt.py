@@ -184,3 +184,25 @@ def test_the_extra_variants_stores_are_made_with_their_settings(tmp_path, monkey
         assert seen == [pinned] and step.checkpoints._pack is pack, (variant, seen)
         step.close()
     assert (CheckpointStore.PINNED_HOST_TRANSFER, CheckpointStore.PACK) == before
+
+
+def test_a_stalled_round_prints_every_threads_stack_and_the_watchdog_ends_with_the_rounds(monkeypatch, capfd):
+    """On an H100 a bench run stopped making progress and its time limit ended it with no word
+    of where it waited. A round that takes longer than `WATCHDOG_S` now dumps every thread's
+    stack to stderr (the stalled call named), and nothing is dumped once the rounds are over."""
+    import time
+
+    from resilax.tools import bench_gpt
+
+    monkeypatch.setattr(bench_gpt, "WATCHDOG_S", 0.3)
+
+    class Slow:
+        def __call__(self, state, batch):
+            time.sleep(0.5 if state == 2 else 0.0)
+            return state + 1, None
+
+    bench_gpt._interleave({"v": Slow()}, {"v": 0}, [None], steps=2, block=1, warm=1, quiet=True, every=100)
+    err = capfd.readouterr().err
+    assert "Timeout (0:00:00" in err and "in __call__" in err and "_interleave" in err, err[-2000:]
+    time.sleep(0.7)  # past the watchdog's period: it was cancelled with the rounds
+    assert "Timeout" not in capfd.readouterr().err

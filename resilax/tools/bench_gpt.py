@@ -49,8 +49,8 @@ VARIANTS = ("plain", "orbax", "off", "default", "default_ckpt")
 UNPINNED = "default_ckpt_unpinned"  # --unpinned: Orbax's copy to host without pinned memory (its GPU default: with)
 PACKED = "default_ckpt_packed"  # --packed: packed checkpoints (`CheckpointStore.PACK`, experimental)
 EXTRA = (UNPINNED, PACKED)
-# what each of them sets on `CheckpointStore` (read when the store is made, at the step's init)
 WATCHDOG_S = 120.0  # a round of `_interleave` taking longer dumps every thread's stack to stderr (repeating)
+# what each of them sets on `CheckpointStore` (read when the store is made, at the step's init)
 OVERRIDES = {UNPINNED: {"PINNED_HOST_TRANSFER": False}, PACKED: {"PACK": True}}
 
 
@@ -310,21 +310,23 @@ def _interleave(runs, states, batches, steps, block, warm, quiet, every):
             calls[k] += 1
             out[k].append((calls[k], t1 - t0, time.perf_counter() - t0))
 
-    for i in range(rounds):
-        faulthandler.dump_traceback_later(WATCHDOG_S, repeat=True)  # a round that stalls prints every thread's stack
-        r = i % len(names)
-        for k in names[r:] + names[:r]:
-            first = calls[k] + 1
-            run_block(k)
-            if first % every == 0:  # the block began with a save
-                while _saving(runs[k]) and calls[k] - first < every:
-                    run_block(k)
-                spans[k].append((first, calls[k]))
-                if _saving(runs[k]):  # still writing `every` steps on: finished here, untimed, so
-                    _finish(runs[k])  # that no save is in flight while another variant saves
-        if not quiet and (i + 1) % max(1, rounds // 10) == 0:
-            print(f"  round {i + 1}/{rounds} ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
-    faulthandler.cancel_dump_traceback_later()
+    try:
+        for i in range(rounds):
+            faulthandler.dump_traceback_later(WATCHDOG_S, repeat=True)  # a stalled round prints every thread's stack
+            r = i % len(names)
+            for k in names[r:] + names[:r]:
+                first = calls[k] + 1
+                run_block(k)
+                if first % every == 0:  # the block began with a save
+                    while _saving(runs[k]) and calls[k] - first < every:
+                        run_block(k)
+                    spans[k].append((first, calls[k]))
+                    if _saving(runs[k]):  # still writing `every` steps on: finished here, untimed, so
+                        _finish(runs[k])  # that no save is in flight while another variant saves
+            if not quiet and (i + 1) % max(1, rounds // 10) == 0:
+                print(f"  round {i + 1}/{rounds} ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     return out, spans
 
 
