@@ -313,6 +313,62 @@ def test_a_hung_service_host_is_found_by_its_lease_and_the_job_grows_back_when_i
     assert procs["generation"] == 2 and procs["service_node"] == 0 and procs["status"] == "done", procs
 
 
+# a stand-in worker that ends once the job is back at its full size after a recovery
+BACK_TO_FULL = ("import os, time; e = os.environ; print('process', e['RESILAX_PROCESS_ID'], 'of', "
+                "e['RESILAX_NUM_PROCESSES'], flush=True); "
+                "time.sleep(0 if int(e['RESILAX_GENERATION']) >= 1 and e['RESILAX_NUM_PROCESSES'] == '2' else 120)")
+
+
+def test_a_spare_host_stands_in_for_a_killed_one_and_the_job_grows_back_to_full_size(tmp_path, child_env):
+    """Two agents and two spare agents (``--spare``: a standby host, no rank). SIGKILL of node
+    1's agent and worker (its host dies): exactly one spare claims node 1's rank once its
+    lease expired, runs as node 1, and the job is back at both nodes with no replacement of
+    its own (stand-in workers that end once the job runs at full size again after the
+    recovery). The other spare exits 0 when the job ends, saying it stood in for no host.
+    Stand-in workers (no JAX): this tests the agents; a spare is then an agent like the
+    replacement with the dead rank that tests/test_bench_multihost.py runs with real ones."""
+    run = tmp_path / "run"
+    opts = ("-n", "1", "--lease", "1.5", "--min-nodes", "1", "--rendezvous-timeout", "60")
+    cmd = [sys.executable, "-c", BACK_TO_FULL]
+    agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "a", *opts) for r in (0, 1)]
+    spares = []
+    for k in range(2):
+        with open(tmp_path / f"s{k}.log", "wb") as log:
+            spares.append(subprocess.Popen([sys.executable, "-m", "resilax", "launch", "--nodes", "2", "--spare",
+                                            "--run-dir", str(run), *opts, "--", *cmd], env=child_env, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        procs = _wait(lambda: _processes(run, 0, (0, 1)), 60, "generation 0 on both nodes", agents)
+        _signal_host(procs, 1, signal.SIGKILL)
+        rcs = [p.wait(timeout=90) for p in (agents[0], *spares)]
+    finally:
+        for p in (*agents, *spares):
+            kill_tree(p)
+    texts = [(tmp_path / f"s{k}.log").read_text() for k in range(2)]
+    a0 = (tmp_path / "a0.log").read_text()
+    assert rcs == [0, 0, 0], (rcs, a0[-2000:], texts)
+    stood = [k for k in range(2) if "standing in as node 1" in texts[k]]
+    assert len(stood) == 1, texts
+    other = texts[1 - stood[0]]
+    assert "with no host to stand in for" in other and "standing in" not in other, other
+    final = json.loads((run / "processes.json").read_text())
+    assert final["status"] == "done" and sorted(final["nodes"]) == ["0", "1"], final
+    assert final["nodes"]["1"]["agent"] == spares[stood[0]].pid, (final, [s.pid for s in spares])
+    assert "process 1 of 2" in texts[stood[0]] and final["generation"] >= 1, texts[stood[0]]
+    assert len(list((run / "rendezvous" / "claims").glob("node1.*.json"))) == 1
+
+
+def test_a_spare_refuses_a_rank_and_needs_nodes(tmp_path, capsys):
+    """``--spare`` takes a lost host's rank: with ``--node-rank`` or without ``--nodes`` it is
+    a usage error naming the option, and nothing is started."""
+    base = ["launch", "--run-dir", str(tmp_path / "run"), "-n", "1", "--spare"]
+    rc, err = cli([*base, "--nodes", "2", "--node-rank", "1", "--", "true"], capsys)
+    assert rc == 2 and "--spare takes the rank of a lost host: leave out --node-rank" in err, err
+    rc, err = cli([*base, "--", "true"], capsys)
+    assert rc == 2 and "--spare is a standby agent of a job across hosts: it needs --nodes" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def _topology(tmp_path, domains=3):
     """A spec of ``domains`` emulated CPU slices x 2 devices (one per worker process), as the bench writes it."""
     from resilax.tools.bench_multihost import _topology as bench_topology

@@ -545,6 +545,11 @@ def add_arguments(p) -> None:
     g.add_argument("--node-rank", type=int, default=None, metavar="R",
                    help="this host's rank, 0 <= R < --nodes (default: SLURM_NODEID, or JOB_COMPLETION_INDEX in a "
                         "Kubernetes Indexed Job / JobSet)")
+    g.add_argument("--spare", action="store_true",
+                   help="a standby agent (a spare host; no --node-rank): waits until a host of the running job loses "
+                        "its lease (dead or hung), takes its rank and runs as its agent, so the job grows back to "
+                        "--nodes without that host's replacement; exits 0 when the job ends first, 1 when no job runs "
+                        "for --rendezvous-timeout")
     g.add_argument("--lease", type=float, default=5.0, metavar="S", help="an agent silent for this long is dead (s)")
     g.add_argument("--address", default=None,
                    help="how the other hosts reach this one: the coordination service binds and is advertised there "
@@ -571,25 +576,66 @@ def main(cmd, args, environ=os.environ) -> int | None:
     `Agent` (exit 2 on bad options). None: not a job across hosts; the caller runs the
     single-host launch."""
     other = [o for o, v in (("--spares", args.spares), ("--in-place", args.in_place)) if v]
+    spare = bool(getattr(args, "spare", False))
     try:
-        nodes, rank, address = placement(args.nodes, args.node_rank, args.address, environ)
+        if spare and args.node_rank is not None:
+            raise ValueError("--spare takes the rank of a lost host: leave out --node-rank")
+        nodes, rank, address = placement(args.nodes, 0 if spare else args.node_rank, args.address, environ)
         if nodes is None:
+            if spare:
+                raise ValueError("--spare is a standby agent of a job across hosts: it needs --nodes (> 1)")
             return None
         if rank is None or other:
             raise ValueError("--nodes needs --node-rank (or SLURM_NODEID / JOB_COMPLETION_INDEX from the scheduler)"
                              if rank is None else f"{', '.join(other)} cannot be combined with --nodes yet")
-        agent = Agent(cmd, nodes=nodes, node_rank=rank, n=args.n,
-                      devices_per_process=args.devices_per_process, run_dir=args.run_dir, lease_s=args.lease,
-                      address=address, heartbeat_s=args.heartbeat, heartbeat_timeout_s=args.heartbeat_timeout,
-                      collective_timeout_s=args.collective_timeout or 15, startup_timeout_s=args.startup_timeout,
-                      min_nodes=args.min_nodes, max_restarts=args.max_restarts,
-                      rendezvous_timeout_s=args.rendezvous_timeout, host_store_every=args.host_store_every,
-                      host_store_dir=args.host_store_dir, host_store_mirrors=args.host_store_mirrors)
+
+        def make(rank):
+            return Agent(cmd, nodes=nodes, node_rank=rank, n=args.n,
+                         devices_per_process=args.devices_per_process, run_dir=args.run_dir, lease_s=args.lease,
+                         address=address, heartbeat_s=args.heartbeat, heartbeat_timeout_s=args.heartbeat_timeout,
+                         collective_timeout_s=args.collective_timeout or 15, startup_timeout_s=args.startup_timeout,
+                         min_nodes=args.min_nodes, max_restarts=args.max_restarts,
+                         rendezvous_timeout_s=args.rendezvous_timeout, host_store_every=args.host_store_every,
+                         host_store_dir=args.host_store_dir, host_store_mirrors=args.host_store_mirrors)
+
+        agent = make(rank)  # (a spare's options are checked before it waits; its rank comes later)
     except ValueError as e:
         print(f"resilax: error: resilax launch: {e}" if not str(e).startswith("resilax") else f"resilax: error: {e}",
               file=sys.stderr)
         return 2
     if nodes > 1 and args.address is None and ipaddress.ip_address(address).is_loopback:
-        say(f"node {rank}: warning: the coordination service binds {address} (loopback) when it runs on this node: "
-            f"only agents on this machine reach it; across machines, pass --address")
+        say(f"{'spare' if spare else f'node {rank}'}: warning: the coordination service binds {address} (loopback) "
+            f"when it runs on this node: only agents on this machine reach it; across machines, pass --address")
+    if spare:
+        got = _stand_by(agent.run_dir, nodes, args.rendezvous_timeout)
+        if not isinstance(got, tuple):
+            return got
+        agent = make(got[0])
     return agent.run()
+
+
+def _stand_by(run_dir: pathlib.Path, nodes: int, timeout_s: float):
+    """A spare agent's wait (`rendezvous.standby`): ``(rank, dead incarnation)`` to stand in
+    for, else the exit code (0: the job ended first; 1: no job ran for ``timeout_s``)."""
+    def state():
+        procs = read_json(run_dir / PROCESSES_JSON) or {}
+        return procs.get("status"), procs.get("generation")
+
+    before = state()  # (a relaunch's spare: the run directory may still say how the last launch ended)
+
+    def ended():
+        now = state()
+        return now[0] in ("done", "preempted", "failed") and now != before
+
+    say(f"spare (pid {os.getpid()}): standing by in {run_dir} for a lost host of the job's {nodes}")
+    try:
+        got = rendezvous.standby(run_dir, nodes, ended=ended, idle_timeout_s=timeout_s)
+    except rendezvous.RendezvousError as e:
+        say(f"spare: {e}")
+        return 1
+    if got is None:
+        say(f"spare: the job in {run_dir} ended ({(read_json(run_dir / PROCESSES_JSON) or {}).get('status')}) with no "
+            f"host to stand in for")
+        return 0
+    say(f"spare: node {got[0]}'s agent (incarnation {got[1][:8]}) lost its lease: standing in as node {got[0]}")
+    return got

@@ -35,6 +35,8 @@ fields; a record that does not parse or whose checksum does not match raises
   as abandoned.
 - ``requests/g<k>.node<R>.json``: agent R asks for a generation after k (its workers died:
   every host must restart its workers); the proposer reads it through `Rendezvous.changed`.
+- ``claims/node<R>.<incarnation>.json``: a spare agent (`standby`) took rank R over from the
+  dead incarnation named (created once: of several spares exactly one stands in).
 
 A generation is only proposed after the previous one has an outcome, so generation
 numbers are dense and each has at most one proposal. The agent layer (`resilax launch
@@ -456,6 +458,58 @@ class Rendezvous:
                 raise RendezvousError(f"resilax rendezvous: node {self.rank} got no committed generation after "
                                       f"{after} within {timeout_s:g} s: {state}")
             time.sleep(self.poll_s)
+
+
+def standby(run_dir, nodes: int, *, ended, idle_timeout_s: float = 300.0, poll_s: float = 0.2,
+            clock=time.time) -> tuple[int, str] | None:
+    """A spare agent's wait (``resilax launch --spare``): ``(rank, the dead incarnation)`` of
+    a host of the running job whose agent's lease expired (the host died or hangs), claimed
+    by this call; None once ``ended()`` (the job completed or was preempted). The caller
+    then runs as that rank's agent (`Rendezvous.register` takes the expired lease over; a
+    hung agent that wakes up is fenced), and the job grows back to full size without the
+    lost host's own replacement.
+
+    Only while the job runs: the newest committed generation has a member whose live lease
+    is the incarnation it committed with. A relaunch's agents have new incarnations, so a
+    spare never takes a rank whose agent of the relaunch has not registered yet (every rank
+    registers before a launch's first generation). A claim is a create-once record per rank
+    and dead incarnation: of several spares exactly one stands in for a lost host.
+
+    Raises:
+      RendezvousError: no job ran in ``run_dir`` for ``idle_timeout_s`` (not started, or
+        its agents gave up) and it did not end.
+    """
+    rdv = Rendezvous(run_dir, 0, workers=1, clock=clock)  # (reads only: registers nothing)
+    (rdv.root / "claims").mkdir(parents=True, exist_ok=True)
+    idle_since = time.monotonic()
+    while True:
+        if ended():
+            return None
+        if time.monotonic() - idle_since > idle_timeout_s:
+            raise RendezvousError(f"resilax rendezvous: a spare saw no job running in {rdv.root.parent} for "
+                                  f"{idle_timeout_s:g} s (none started, or its agents gave up)")
+        try:
+            leases, running = rdv.leases(), None
+            g = rdv.latest()
+            while g is not None and g >= 0 and running is None:
+                out = rdv.outcome(g)
+                running = rdv.proposal(g) if out is not None and out["outcome"] == COMMITTED else None
+                g -= 1
+            now = clock()
+            if running is not None and any(
+                    (lease := leases.get(m)) is not None and lease["expires"] > now
+                    and lease["incarnation"] == running.incarnations[m] for m in running.members):
+                idle_since = time.monotonic()
+                for r in range(nodes):
+                    lease = leases.get(r)
+                    if lease is not None and lease["expires"] <= now and create_record(
+                            rdv.root / "claims" / f"node{r}.{lease['incarnation']}.json",
+                            {"rank": r, "dead": lease["incarnation"], "pid": os.getpid(),
+                             "host": socket.gethostname(), "t": now}):
+                        return r, lease["incarnation"]
+        except (OSError, CorruptRecordError):
+            pass  # a transient shared-file-system error or a torn record: look again
+        time.sleep(poll_s)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
