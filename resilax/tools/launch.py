@@ -70,10 +70,10 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore_files
-from resilax._src.runtime import membership, rendezvous, worker
+from resilax._src.runtime import membership, rendezvous
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import agent, processes
-from resilax.tools.processes import (HEARTBEATS, Output, SpareProcess, WorkerProcess, exit_reason, heartbeat_file,
+from resilax.tools.processes import (HEARTBEATS, Output, SparePool, WorkerProcess, exit_reason, heartbeat_file,
                                      popen, read_json, say, stop_all)
 
 # imported from here by tests and benchmarks
@@ -174,10 +174,9 @@ class Supervisor:
         self._reform_now: str | None = None  # why the job re-forms now (`_shrink_in_place`)
         self.departed: list[WorkerProcess] = []  # workers of this generation that died while the others went on
         self.num_spares = spares
-        self.spares: list[SpareProcess] = []
-        self._spare_count = 0  # spare indices are never reused within a job
-        self._spare_backoff_until = 0.0
-        self._spare_failures = 0
+        self.pool = SparePool(self.run_dir, spares, popen_fn=self._popen, heartbeat_s=heartbeat_s,
+                              heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s)
+        self.spares = self.pool.spares  # (the same list: the pool changes it in place)
         self._t_gen = time.time()
 
     # ------------------------------------------------------------------ files
@@ -188,7 +187,7 @@ class Supervisor:
             "status": status, "coordinator": self.workers[0].env.coordinator if self.workers else None,
             "epoch": self.epoch,
             "slots": {str(w.process_id): w.slot for w in self.workers},
-            "spares": {str(s.index): s.proc.pid for s in self.spares if s.proc.poll() is None},
+            "spares": self.pool.pids(),
         })
 
     # ------------------------------------------------------------------ one generation
@@ -233,11 +232,7 @@ class Supervisor:
                 self.workers.append(WorkerProcess(i, env, w.proc, w.out))
                 continue
             if ready:  # a warm spare: tell it its place (it then joins like a fresh worker)
-                s = ready.pop(0)
-                self.spares.remove(s)
-                s.out.relabel(prefix, log)
-                write_json(s.assignment, env.to_dict())
-                self.workers.append(WorkerProcess(i, env, s.proc, s.out, spare=s.index))
+                self.workers.append(self.pool.assign(ready.pop(0), env, prefix, log))
                 continue
             proc = self._popen({**env.to_env(), "PYTHONUNBUFFERED": "1"})
             self.workers.append(WorkerProcess(i, env, proc, Output(proc, prefix, log)))
@@ -256,19 +251,6 @@ class Supervisor:
         return popen(self.cmd, env)  # (`processes.popen`: from the main thread only)
 
     # ------------------------------------------------------------------ warm spares
-    def _start_spare(self):
-        k = self._spare_count
-        self._spare_count += 1
-        assignment = self.run_dir / SPARES / f"spare{k}.json"
-        hb = self.run_dir / HEARTBEATS / f"spare{k}.json"
-        for f in (assignment, hb):
-            f.unlink(missing_ok=True)
-        proc = self._popen({worker.SPARE_ENV: str(assignment), worker.SPARE_HEARTBEAT_ENV: str(hb),
-                            worker.SPARE_HEARTBEAT_S_ENV: str(self.heartbeat_s), "PYTHONUNBUFFERED": "1"})
-        self.spares.append(SpareProcess(k, proc, Output(proc, f"[spare{k}] ", self.run_dir / "logs" / f"spare{k}.log"),
-                                  hb, assignment))
-        return proc.pid
-
     def _settled(self, now: float) -> bool:
         """Spares may be started: with the first generation (there is no lost progress to
         win back yet, and an early failure finds them ready), else once every live worker
@@ -279,49 +261,14 @@ class Supervisor:
         return all(w.proc.poll() is not None or (w.heartbeat() or {}).get("first_step_t") for w in self.workers)
 
     def _tend_spares(self, now: float):
-        """Replaces spares that died or hung; starts new ones up to ``--spares`` once the
-        generation has settled. Never a job failure."""
-        changed = False
-        for s in list(self.spares):
-            rc = s.proc.poll()
-            hb = s.heartbeat()
-            why = None
-            phase = (hb or {}).get("phase")
-            if rc is not None:
-                why = exit_reason(rc)
-            elif phase != "spare" and now - s.started > self.startup_timeout_s:  # importing may hold the GIL
-                why = f"not ready within --startup-timeout {self.startup_timeout_s:g} s (phase {phase})"
-            elif phase == "spare" and now - hb["t"] > self.heartbeat_timeout_s:
-                why = f"hung: heartbeat {now - hb['t']:.1f} s old"
-            if why is None:
-                continue
-            s.kill()
-            s.out.join(timeout=2)
-            self.spares.remove(s)
-            changed = True
-            if phase != "spare":  # never got ready: back off before the next one
-                self._spare_failures += 1
-                self._spare_backoff_until = now + min(60.0, 2.0 ** self._spare_failures)
-            say(f"spare {s.index} (pid {s.proc.pid}) {why}; replacing it"
-                 + (f" in {self._spare_backoff_until - now:.0f} s" if self._spare_backoff_until > now else ""))
-        if self._term is None and len(self.spares) < self.num_spares and now >= self._spare_backoff_until \
-                and self._settled(now):
-            pids = [self._start_spare() for _ in range(self.num_spares - len(self.spares))]
-            say(f"started {len(pids)} warm spare(s): pids {pids}")
-            changed = True
-        for s in self.spares:
-            if self._spare_failures and s.ready(self.heartbeat_timeout_s):
-                self._spare_failures = 0
-        if changed:
+        if self.pool.tend(now, lambda: self._term is None and self._settled(now)):
             self._write_processes("running")
 
     def _ready_spares(self) -> list:
-        """The spares that are warm and waiting now (a fresh heartbeat, phase ``spare``)."""
-        return [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
+        return self.pool.ready()
 
     def _kill_spares(self):
-        stop_all(self.spares)
-        self.spares = []
+        self.pool.kill_all()
 
     def _join_departed(self):
         """Lets the output threads of the workers that died in this generation finish."""

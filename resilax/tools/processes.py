@@ -189,6 +189,100 @@ class SpareProcess:
             pass
 
 
+class SparePool:
+    """Warm spares of a worker command (``--spares``): processes started ahead of need with
+    ``RESILAX_SPARE`` (their assignment file, ``D/spares/<tag>spare<k>.json``) instead of a
+    place in the job; each imports JAX and resilax without starting a backend, writes
+    ``phase: spare`` to ``D/heartbeats/<tag>spare<k>.json`` and waits for an assignment
+    (`runtime/worker.py`). Used by the single-host supervisor and by each agent of a job
+    across hosts (``tag``: ``node<R>.``, so that the hosts' spares do not share names in the
+    shared run directory)."""
+
+    def __init__(self, run_dir, num: int, *, popen_fn, heartbeat_s: float, heartbeat_timeout_s: float,
+                 startup_timeout_s: float, tag: str = ""):
+        self.run_dir, self.num, self.tag = pathlib.Path(run_dir), num, tag
+        self.popen_fn, self.heartbeat_s = popen_fn, heartbeat_s
+        self.heartbeat_timeout_s, self.startup_timeout_s = heartbeat_timeout_s, startup_timeout_s
+        self.spares: list[SpareProcess] = []
+        self._count = 0  # spare indices are never reused within a job
+        self._backoff_until = 0.0
+        self._failures = 0
+
+    def start_one(self) -> int:
+        from resilax._src.runtime import worker
+
+        k = self._count
+        self._count += 1
+        name = f"{self.tag}spare{k}"
+        assignment = self.run_dir / "spares" / f"{name}.json"
+        hb = self.run_dir / HEARTBEATS / f"{name}.json"
+        for f in (assignment, hb):
+            f.unlink(missing_ok=True)
+        proc = self.popen_fn({worker.SPARE_ENV: str(assignment), worker.SPARE_HEARTBEAT_ENV: str(hb),
+                              worker.SPARE_HEARTBEAT_S_ENV: str(self.heartbeat_s), "PYTHONUNBUFFERED": "1"})
+        self.spares.append(SpareProcess(k, proc, Output(proc, f"[{name}] ", self.run_dir / "logs" / f"{name}.log"),
+                                        hb, assignment))
+        return proc.pid
+
+    def tend(self, now: float, may_start) -> bool:
+        """Replaces spares that died or hung; starts new ones up to ``num`` when ``may_start()``
+        (the caller's generation has settled: new spares must not compete for CPU with a
+        recovering one; asked only when one is missing). Never a job failure. Returns whether
+        the set changed."""
+        changed = False
+        for s in list(self.spares):
+            rc = s.proc.poll()
+            hb = s.heartbeat()
+            why = None
+            phase = (hb or {}).get("phase")
+            if rc is not None:
+                why = exit_reason(rc)
+            elif phase != "spare" and now - s.started > self.startup_timeout_s:  # importing may hold the GIL
+                why = f"not ready within --startup-timeout {self.startup_timeout_s:g} s (phase {phase})"
+            elif phase == "spare" and now - hb["t"] > self.heartbeat_timeout_s:
+                why = f"hung: heartbeat {now - hb['t']:.1f} s old"
+            if why is None:
+                continue
+            s.kill()
+            s.out.join(timeout=2)
+            self.spares.remove(s)
+            changed = True
+            if phase != "spare":  # never got ready: back off before the next one
+                self._failures += 1
+                self._backoff_until = now + min(60.0, 2.0 ** self._failures)
+            say(f"{self.tag}spare {s.index} (pid {s.proc.pid}) {why}; replacing it"
+                + (f" in {self._backoff_until - now:.0f} s" if self._backoff_until > now else ""))
+        if len(self.spares) < self.num and now >= self._backoff_until and may_start():
+            pids = [self.start_one() for _ in range(self.num - len(self.spares))]
+            say(f"{self.tag}started {len(pids)} warm spare(s): pids {pids}")
+            changed = True
+        for s in self.spares:
+            if self._failures and s.ready(self.heartbeat_timeout_s):
+                self._failures = 0
+        return changed
+
+    def ready(self) -> list:
+        """The spares that are warm and waiting now (a fresh heartbeat, phase ``spare``)."""
+        return [s for s in self.spares if s.ready(self.heartbeat_timeout_s)]
+
+    def assign(self, s: "SpareProcess", env: LaunchEnv, prefix: str, log) -> "WorkerProcess":
+        """Gives ready spare ``s`` its place (it then joins like a fresh worker): its output
+        goes on under the worker's prefix and log, its assignment is ``env`` (atomically)."""
+        from resilax._src.io import write_json
+
+        self.spares.remove(s)
+        s.out.relabel(prefix, log)  # (before it can read its place: see `Output`)
+        write_json(s.assignment, env.to_dict())
+        return WorkerProcess(env.process_id, env, s.proc, s.out, spare=s.index)
+
+    def pids(self) -> dict[str, int]:
+        return {str(s.index): s.proc.pid for s in self.spares if s.proc.poll() is None}
+
+    def kill_all(self) -> None:
+        stop_all(self.spares)
+        self.spares.clear()
+
+
 class WorkerProcess:
     def __init__(self, pid_: int, env: LaunchEnv, proc: subprocess.Popen, out: Output, spare: int | None = None):
         self.process_id = pid_
