@@ -52,8 +52,10 @@ def test_launch_cli_rejects_bad_node_options(tmp_path, capsys):
     base = ["launch", "-n", "1", "--run-dir", str(tmp_path), "--nodes", "2"]
     for extra, want in ((["--", "true"], "--nodes needs --node-rank"),
                         (["--node-rank", "2", "--", "true"], "0 <= --node-rank < --nodes, got --nodes 2 --node-rank 2"),
-                        (["--node-rank", "0", "--spares", "1", "--", "true"],
-                         "--spares cannot be combined with --nodes"),
+                        (["--node-rank", "0", "--in-place", "--", "true"],
+                         "--in-place cannot be combined with --nodes"),
+                        (["--node-rank", "0", "--spares", "-1", "--", "true"],
+                         "--spares must be an integer >= 0"),
                         (["--node-rank", "0", "--host-store-mirrors", "2", "--", "true"],
                          "--host-store-mirrors must be in [1, 1] (--nodes - 1"),
                         (["--node-rank", "0", "--host-store-mirrors", "0", "--", "true"],
@@ -356,6 +358,44 @@ def test_a_spare_host_stands_in_for_a_killed_one_and_the_job_grows_back_to_full_
     assert final["nodes"]["1"]["agent"] == spares[stood[0]].pid, (final, [s.pid for s in spares])
     assert "process 1 of 2" in texts[stood[0]] and final["generation"] >= 1, texts[stood[0]]
     assert len(list((run / "rendezvous" / "claims").glob("node1.*.json"))) == 1
+
+
+def test_warm_spare_processes_on_each_host_become_the_next_generations_workers_bitwise(tmp_path, child_env):
+    """``--spares 1`` across hosts: each agent keeps a warm spare process of the worker
+    command (imported, waiting; processes.json lists it under its node). SIGKILL of node 1's
+    worker ends the generation on both hosts; the next generation's workers are the hosts'
+    warm spares (no process start, no imports), new spares are started once it steps, and
+    the job ends bitwise equal to a failure-free single-process run (2 agents x 1 worker x
+    2 CPU devices, the bit-exact mode, checkpoints every 10, host stores)."""
+    steps = 24
+    train = ["resilax", "train", "--topology", _topology(tmp_path, 2), "--layout", "sharded", "--steps", str(steps),
+             "--checkpoint-every", "10", "--log-every", "10"]
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    cmd = [sys.executable, "-m", *train, "--out", str(out)]
+    opts = ("-n", "1", "--devices-per-process", "2", "--spares", "1", "--rendezvous-timeout", "120")
+    agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "w", *opts) for r in (0, 1)]
+    try:
+        procs = _wait(lambda: (p := _processes(run, 0, (0, 1))) and all(p["nodes"][str(r)].get("spares")
+                                                                        for r in (0, 1)) and p,
+                      180, "generation 0 with a warm spare on each node", agents)
+        _wait(lambda: len(s := _steps(run, 0)) == 2 and min(s.values()) >= 3, 120, "generation 0 stepping", agents)
+        os.kill(int(procs["nodes"]["1"]["workers"]["1"]), signal.SIGKILL)
+        ref = subprocess.run([*cmd[:2], *train, "--no-log", "--no-peers", "--checkpoint-dir", str(tmp_path / "ref_ck"),
+                              "--out", str(tmp_path / "ref.npz"), "--quiet"], env=child_env, capture_output=True,
+                             text=True, timeout=240)
+        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+        rcs = [a.wait(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            kill_tree(a)
+    texts = [(tmp_path / f"w{r}.log").read_text(errors="replace") for r in (0, 1)]
+    assert rcs == [0, 0], [t[-3000:] for t in texts]
+    for r, spare in ((0, procs["nodes"]["0"]["spares"]), (1, procs["nodes"]["1"]["spares"])):
+        line = next(ln for ln in texts[r].splitlines() if f"node {r}, generation 1: nodes" in ln)
+        assert "from warm spares [0]" in line and f"(pids [{spare['0']}])" in line, line  # generation 0's spare
+        assert f"node {r}: started 1 warm spare(s)" in texts[r].split(line)[1], texts[r][-3000:]  # and a new one
+    a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
+    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 
 
 def test_a_spare_refuses_a_rank_and_needs_nodes(tmp_path, capsys):

@@ -62,6 +62,14 @@ and exit 0, so growing back redoes no step; up to ``grace_s``, else they are kil
 ``--max-restarts`` generations in a row that end without this node's workers getting past
 the step they reached before, the agent gives up (exit 1). SIGTERM is forwarded to the
 workers (whole-job preemption: each saves and exits 0) and ends the agent, not a recovery.
+
+Spares. ``--spares S``: each agent keeps S warm processes of CMD on its host
+(`processes.SparePool`, as the single-host supervisor does: JAX imported, waiting, files
+``D/spares/node<R>.spare<k>.json``, heartbeats ``D/heartbeats/node<R>.spare<k>.json``;
+processes.json lists them under their node); a generation's workers on this host come from
+the ready ones first, and new ones start once the generation has stepped. ``--spare`` (no
+rank) makes this process a standby *host*: it waits for a host of the running job to lose
+its lease, claims that rank once (`rendezvous.standby`) and runs as its agent.
 """
 
 from __future__ import annotations
@@ -81,8 +89,8 @@ from resilax._src.io import write_json
 from resilax._src.protect import hoststore_files, hoststore_net
 from resilax._src.runtime import rendezvous
 from resilax._src.runtime.worker import LaunchEnv
-from resilax.tools.processes import (HEARTBEATS, Output, WorkerProcess, exit_reason, heartbeat_file, popen, read_json,
-                                     say, signal_running, stop_all)
+from resilax.tools.processes import (HEARTBEATS, Output, SparePool, WorkerProcess, exit_reason, heartbeat_file, popen,
+                                     read_json, say, signal_running, stop_all)
 
 PROCESSES_JSON = "processes.json"
 NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
@@ -110,7 +118,7 @@ class Agent:
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, collective_timeout_s: int = 15,
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 60, grace_s: float = 60.0,
                  min_nodes: int | None = None, max_restarts: int = 3, host_store_every: int = 1,
-                 host_store_dir=None, host_store_mirrors: int = 1):
+                 host_store_dir=None, host_store_mirrors: int = 1, spares: int = 0):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if nodes < 1 or not 0 <= node_rank < nodes:
@@ -127,6 +135,8 @@ class Agent:
         if not 1 <= host_store_mirrors < max(nodes, 2):
             raise ValueError(f"resilax launch: --host-store-mirrors must be in [1, {max(nodes - 1, 1)}] (--nodes - 1: "
                              f"each host's shards are mirrored on that many other hosts), got {host_store_mirrors}")
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ValueError(f"resilax launch: --spares must be an integer >= 0 (0: no warm spares), got {spares!r}")
         if heartbeat_timeout_s <= heartbeat_s:
             raise ValueError(f"resilax launch: --heartbeat-timeout ({heartbeat_timeout_s} s) must exceed the heartbeat "
                              f"interval --heartbeat ({heartbeat_s} s)")
@@ -154,6 +164,11 @@ class Agent:
         self._server: hoststore_net.StoreServer | None = None
         self._stores: dict[int, str] = {}  # the members' store servers, from their leases
         self._term: int | None = None
+        # warm spare processes on this host (--spares): each generation's workers come from them first
+        self.pool = SparePool(self.run_dir, spares, popen_fn=lambda env: popen(self.cmd, env), heartbeat_s=heartbeat_s,
+                              heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s,
+                              tag=f"node{node_rank}.", who=f"node {node_rank}: ")
+        self._t_gen = 0.0
 
     # ------------------------------------------------------------------ files
     def _node_file(self, g: int, rank: int) -> pathlib.Path:
@@ -182,7 +197,9 @@ class Agent:
         write_json(self.run_dir / PROCESSES_JSON, {
             "generation": self.gen.generation, "service_node": self.gen.service_node,
             "coordinator": self.gen.coordinator, "status": status,
-            "nodes": {str(r): {"agent": p["agent"], "workers": p["workers"]} for r, p in sorted(parts.items())}})
+            "nodes": {str(r): {"agent": p["agent"], "workers": p["workers"], **({"spares": p["spares"]} if p.get("spares")
+                                                                                else {})}
+                      for r, p in sorted(parts.items())}})
 
     # ------------------------------------------------------------------ a generation
     def _start(self):
@@ -221,13 +238,20 @@ class Agent:
                 host_store_every=self.host_store_every, host_store_mirror=0, host_store_steps=steps,
                 host_store_remote=remote, host_store_peers=peers,
                 slots="" if whole else ",".join(map(str, slots)), num_slots=0 if whole else self.nodes * self.n)
+            prefix, log = f"[g{g} n{self.rank} p{pid_}] ", self.run_dir / "logs" / f"g{g}.p{pid_}.log"
+            ready = self.pool.ready()
+            if ready:  # a warm spare of this host: its place (it then joins like a fresh worker)
+                self.workers.append(self.pool.assign(ready[0], env, prefix, log))
+                continue
             proc = popen(self.cmd, {**env.to_env(), "PYTHONUNBUFFERED": "1"})
-            out = Output(proc, f"[g{g} n{self.rank} p{pid_}] ", self.run_dir / "logs" / f"g{g}.p{pid_}.log")
-            self.workers.append(WorkerProcess(pid_, env, proc, out))
-        self._write_node("running")
+            self.workers.append(WorkerProcess(pid_, env, proc, Output(proc, prefix, log)))
+        self._t_gen = time.time()
+        self._write_node("running", spares=self.pool.pids())
         say(f"node {self.rank}, generation {g}: nodes {list(gen.members)}, coordination service on node "
             f"{gen.service_node} at {gen.coordinator}; this node's processes "
             f"{[w.process_id for w in self.workers]} (pids {[w.proc.pid for w in self.workers]})"
+            + (f", from warm spares {[w.spare for w in self.workers if w.spare is not None]}"
+               if any(w.spare is not None for w in self.workers) else "")
             + ("" if whole else f" as the job's processes {[w.slot for w in self.workers]} of {self.nodes * self.n} "
                f"(nodes {sorted(set(range(self.nodes)) - set(gen.members))} missing)"))
 
@@ -312,6 +336,9 @@ class Agent:
                 forwarded = now
                 say(f"node {self.rank}: {signal.Signals(self._term).name}: forwarding SIGTERM to the workers")
                 signal_running(self.workers, signal.SIGTERM)
+                self.pool.kill_all()  # nothing to save; none are started from now on
+            if self.pool.num and self._term is None and self.pool.tend(now, lambda: self._settled(now)):
+                self._write_node("done" if done else "running", spares=self.pool.pids())
             for w in self.workers:
                 why = self._check(w, now)
                 if why is not None:
@@ -336,6 +363,14 @@ class Agent:
             if forwarded is not None and now - forwarded > self.grace_s:
                 return "term", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
             time.sleep(0.05)
+
+    def _settled(self, now: float) -> bool:
+        """New spares may start: with the first generation, else once every live worker of
+        this one has completed a step (or the startup timeout passed): they must not take CPU
+        from a recovering generation."""
+        if self.gen.generation == 0 or now - self._t_gen > self.startup_timeout_s:
+            return True
+        return all(w.proc.poll() is not None or (w.heartbeat() or {}).get("first_step_t") for w in self.workers)
 
     def _growing(self) -> bool:
         """The generation ends only because agents joined: every member still holds its lease
@@ -379,7 +414,8 @@ class Agent:
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
-        for d in (self.run_dir, self.run_dir / HEARTBEATS, self.run_dir / "logs", self.run_dir / NODES):
+        for d in (self.run_dir, self.run_dir / HEARTBEATS, self.run_dir / "logs", self.run_dir / NODES,
+                  self.run_dir / "spares"):
             d.mkdir(parents=True, exist_ok=True)
         if self.store_root is not None:  # a new agent starts with an empty store (a new host's memory)
             shutil.rmtree(self.store_root, ignore_errors=True)
@@ -434,6 +470,7 @@ class Agent:
             return 1
         finally:
             stop_all(self.workers)
+            self.pool.kill_all()
             if self._service is not None:
                 self._service.shutdown()
             self.rdv.close()
@@ -575,7 +612,7 @@ def main(cmd, args, environ=os.environ) -> int | None:
     """`resilax launch --nodes ...` (or under a scheduler, `placement`): builds and runs the
     `Agent` (exit 2 on bad options). None: not a job across hosts; the caller runs the
     single-host launch."""
-    other = [o for o, v in (("--spares", args.spares), ("--in-place", args.in_place)) if v]
+    other = [o for o, v in (("--in-place", args.in_place),) if v]
     spare = bool(getattr(args, "spare", False))
     try:
         if spare and args.node_rank is not None:
@@ -596,7 +633,8 @@ def main(cmd, args, environ=os.environ) -> int | None:
                          collective_timeout_s=args.collective_timeout or 15, startup_timeout_s=args.startup_timeout,
                          min_nodes=args.min_nodes, max_restarts=args.max_restarts,
                          rendezvous_timeout_s=args.rendezvous_timeout, host_store_every=args.host_store_every,
-                         host_store_dir=args.host_store_dir, host_store_mirrors=args.host_store_mirrors)
+                         host_store_dir=args.host_store_dir, host_store_mirrors=args.host_store_mirrors,
+                         spares=args.spares)
 
         agent = make(rank)  # (a spare's options are checked before it waits; its rank comes later)
     except ValueError as e:

@@ -603,7 +603,7 @@ def register_cli(sub) -> None:
                         "copy is mirrored to the next; with --nodes each host keeps its own, no mirror")
     p.add_argument("--spares", type=int, default=0, metavar="S",
                    help="keep S processes of the command warm (JAX imported, waiting); a new generation takes its "
-                        "workers from them first (0: every worker starts fresh)")
+                        "workers from them first (0: every worker starts fresh). With --nodes: S on each host")
     p.add_argument("--in-place", action="store_true",
                    help="when a worker dies and every other one can (the bit-exact mode with one failure domain per "
                         "process, host store on), the others go on in place on their own devices instead of a new "

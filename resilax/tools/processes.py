@@ -199,8 +199,8 @@ class SparePool:
     shared run directory)."""
 
     def __init__(self, run_dir, num: int, *, popen_fn, heartbeat_s: float, heartbeat_timeout_s: float,
-                 startup_timeout_s: float, tag: str = ""):
-        self.run_dir, self.num, self.tag = pathlib.Path(run_dir), num, tag
+                 startup_timeout_s: float, tag: str = "", who: str = ""):
+        self.run_dir, self.num, self.tag, self.who = pathlib.Path(run_dir), num, tag, who  # who: its messages' prefix
         self.popen_fn, self.heartbeat_s = popen_fn, heartbeat_s
         self.heartbeat_timeout_s, self.startup_timeout_s = heartbeat_timeout_s, startup_timeout_s
         self.spares: list[SpareProcess] = []
@@ -250,11 +250,11 @@ class SparePool:
             if phase != "spare":  # never got ready: back off before the next one
                 self._failures += 1
                 self._backoff_until = now + min(60.0, 2.0 ** self._failures)
-            say(f"{self.tag}spare {s.index} (pid {s.proc.pid}) {why}; replacing it"
+            say(f"{self.who}spare {s.index} (pid {s.proc.pid}) {why}; replacing it"
                 + (f" in {self._backoff_until - now:.0f} s" if self._backoff_until > now else ""))
         if len(self.spares) < self.num and now >= self._backoff_until and may_start():
             pids = [self.start_one() for _ in range(self.num - len(self.spares))]
-            say(f"{self.tag}started {len(pids)} warm spare(s): pids {pids}")
+            say(f"{self.who}started {len(pids)} warm spare(s): pids {pids}")
             changed = True
         for s in self.spares:
             if self._failures and s.ready(self.heartbeat_timeout_s):
