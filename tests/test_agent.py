@@ -398,6 +398,53 @@ def test_warm_spare_processes_on_each_host_become_the_next_generations_workers_b
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 
 
+def test_a_spare_stands_in_for_a_hung_host_which_is_fenced_when_it_wakes(tmp_path, child_env):
+    """SIGSTOP of node 1's agent and worker (its host hangs): the spare takes node 1's rank once
+    the lease expired and the job is back at both nodes; SIGCONT: the woken agent finds
+    another incarnation in its lease (fenced), stops its stale worker and exits 1 saying so,
+    without touching the spare's lease; the job then completes with the spare as node 1.
+    Stand-in workers that end, once the job is back at full size, when the test says so."""
+    run, go = tmp_path / "run", tmp_path / "go"
+    worker = ("import os, time; e = os.environ; print('process', e['RESILAX_PROCESS_ID'], 'of', "
+              "e['RESILAX_NUM_PROCESSES'], flush=True)\n"
+              "full = int(e['RESILAX_GENERATION']) >= 1 and e['RESILAX_NUM_PROCESSES'] == '2'\n"
+              f"while not (full and os.path.exists({str(go)!r})): time.sleep(0.05)")
+    opts = ("-n", "1", "--lease", "1.5", "--min-nodes", "1", "--rendezvous-timeout", "60")
+    cmd = [sys.executable, "-c", worker]
+    agents = [_launch(tmp_path, run, r, 2, cmd, child_env, "h", *opts) for r in (0, 1)]
+    with open(tmp_path / "spare.log", "wb") as log:
+        spare = subprocess.Popen([sys.executable, "-m", "resilax", "launch", "--nodes", "2", "--spare", "--run-dir",
+                                  str(run), *opts, "--", *cmd], env=child_env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    try:
+        procs = _wait(lambda: _processes(run, 0, (0, 1)), 60, "generation 0 on both nodes", agents)
+        old_worker = int(procs["nodes"]["1"]["workers"]["1"])
+        _signal_host(procs, 1, signal.SIGSTOP)
+        back = _wait(lambda: (p := _json_file(run / "processes.json")) and p.get("status") == "running" and
+                     (p.get("nodes", {}).get("1") or {}).get("agent") == spare.pid and p, 60,
+                     "the spare running as node 1", [agents[0], spare])
+        _signal_host(procs, 1, signal.SIGCONT)
+        woken_rc = agents[1].wait(timeout=60)
+        go.write_text("")
+        rcs = [agents[0].wait(timeout=60), spare.wait(timeout=60)]
+    finally:
+        for p in (*agents, spare):
+            kill_tree(p)
+    woken = (tmp_path / "h1.log").read_text()
+    assert woken_rc == 1 and "lost its lease" in woken, woken[-2000:]
+    assert rcs == [0, 0], ((tmp_path / "h0.log").read_text()[-2000:], (tmp_path / "spare.log").read_text()[-2000:])
+    assert back["generation"] >= 1 and not _pid_alive(old_worker)
+    final = json.loads((run / "processes.json").read_text())
+    assert final["status"] == "done" and final["nodes"]["1"]["agent"] == spare.pid, final
+
+
+def _json_file(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def test_a_spare_refuses_a_rank_and_needs_nodes(tmp_path, capsys):
     """``--spare`` takes a lost host's rank: with ``--node-rank`` or without ``--nodes`` it is
     a usage error naming the option, and nothing is started."""
