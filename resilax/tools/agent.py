@@ -466,7 +466,10 @@ class Agent:
                     f"{reached}); agreeing on generation {g + 1} with the live nodes (at least {self.min_nodes})")
                 self.gen = self.rdv.agree(after=g, min_nodes=self.min_nodes, timeout_s=self.rendezvous_timeout_s)
         except rendezvous.RendezvousError as e:
-            say(f"node {self.rank}: {e}{self._ended_note()}")
+            fenced = (f" (fenced: another agent, a replacement or a spare, took node {self.rank}'s rank while this one "
+                      f"did not renew its lease, stopped or cut off; this agent and its workers stop)"
+                      if self.rdv.lost else "")
+            say(f"node {self.rank}: {e}{fenced}{self._ended_note()}")
             return 1
         finally:
             stop_all(self.workers)
