@@ -232,6 +232,7 @@ class CheckpointStore:
             # persister's checksums, the caller's (the update that keeps its input: until it is
             # ready a save copies instead), then what only the persister runs
             try:
+                orbax_warm.warm_pinned(abstract, self.PINNED_HOST_TRANSFER is not False and self._async)  # (GPU)
                 self._compiled = (_layout_key(abstract), _snapshot_jit.lower(abstract).compile())
                 self._sums_program(abstract)  # (a start's anchor may have compiled it)
                 if also is not None:
@@ -314,9 +315,8 @@ class CheckpointStore:
         t0 = time.perf_counter()
         if jax.process_count() > 1:
             return self._save_collectively(t0, step, state, meta, after_dispatch)
-        # One checkpoint in flight at a time, as with Orbax alone: a save waits for the previous one
-        # to commit (at a usual cadence it did long ago): snapshots hold at most one copy of device
-        # memory, and the newest committed checkpoint is at most one save behind.
+        # One checkpoint in flight at a time, as with Orbax alone (at a usual cadence the previous one
+        # committed long ago): at most one snapshot on the device, the newest checkpoint one save behind.
         self.settle()
         self._raise_error()
         snap = self._snapshot(state) if copy else _shards_built(state)  # uncopied: the loop reads it too
@@ -500,6 +500,7 @@ class CheckpointStore:
 
     def steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
+
     # ------------------------------------------------------------------ restore
     def restore_newest(self, abstract_state) -> Restored | None:
         """Restores the newest checkpoint that reads back and matches its checksums.

@@ -1,5 +1,6 @@
 """Orbax's replica-parallel saving: off on CPU (`item_handlers`), and where it is on, what a
-layout's first save would compile on the persister thread, compiled ahead (`plan`, `run`).
+layout's first save would compile on the persister thread, compiled ahead (`plan`, `run`);
+on a GPU, the pinned host memory a save copies into, allocated ahead (`warm_pinned`).
 
 On CPU every device is the host's memory: cutting a replicated shard into slices on the
 "device" only adds a program per slice shape and a dispatch per slice and save (a 60-step
@@ -163,3 +164,52 @@ def run(planned) -> None:
         z = jnp.zeros(shape, dtype, device=dev)
         jax.block_until_ready(rs.ReplicaSlice(index, z, sargs).data())
         del z
+
+
+def pinned_bytes(tree) -> dict:
+    """``{device: bytes}`` that a save of ``tree`` (arrays or ShapeDtypeStructs with
+    shardings) copies into each device's pinned host memory: per leaf, the shards of
+    replica 0 (the copy Orbax writes), on this process's devices."""
+    from jax._src.sharding_impls import device_replica_id_map
+
+    out: dict = {}
+    for x in jax.tree.leaves(tree):
+        sh = getattr(x, "sharding", None)
+        if sh is None or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            continue
+        shape = tuple(x.shape)
+        nbytes = int(np.prod(sh.shard_shape(shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        rid = device_replica_id_map(sh, shape)
+        for d in sh.addressable_devices:
+            if rid[d] == 0:
+                out[d] = out.get(d, 0) + nbytes
+    return out
+
+
+def warm_pinned(tree, on: bool = True, platforms=("gpu",)) -> dict:
+    """Where the devices' platform is in ``platforms`` and ``on`` (Orbax copies to host through
+    pinned memory there: its GPU default), grows each device's pinned host memory pool to what
+    a save of ``tree`` (packed or not: the same bytes per device) copies there, ahead of the
+    first save: allocating pinned host memory (``cudaHostAlloc``) is slow and
+    synchronizes the device, so on an H100 the first save's copy to host stalled the loop
+    1.2-1.8 s where later saves, reusing the pool, did not (docs/performance.md; not yet
+    measured with this warm-up). A host-to-host copy of an untouched buffer into the pinned
+    memory kind, then freed: no device memory, no device work. Returns the bytes per device
+    ({} where the platform has no pinned host memory kind or the allocation failed: the
+    first save allocates, as before)."""
+    from jax.sharding import SingleDeviceSharding
+
+    done = {}
+    if not on or jax.devices()[0].platform not in platforms:
+        return done
+    try:
+        for d, nbytes in pinned_bytes(tree).items():
+            if "pinned_host" not in {m.kind for m in d.addressable_memories()}:
+                continue
+            buf = jax.device_put(np.empty(nbytes, np.uint8), SingleDeviceSharding(d, memory_kind="pinned_host"))
+            jax.block_until_ready(buf)
+            buf.delete()
+            done[d] = nbytes
+    except Exception:  # out of pinned memory, another JAX: the first save allocates
+        return done
+    return done
