@@ -35,6 +35,10 @@ def main(argv=None) -> dict:
     p.add_argument("--mb", type=int, default=64, help="size of the buffers copied (MB)")
     p.add_argument("--n", type=int, default=2048, help="the loop's matmul size (sets its step time)")
     p.add_argument("--reps", type=int, default=8, help="matmuls per step")
+    p.add_argument("--free", action="store_true",
+                   help="free each try's result before the next (a pinned memory pool may reuse it: if the later "
+                        "tries then cost the loop nothing, the first save's stall is the pool's first growth, what "
+                        "CheckpointStore's warm-up, orbax_warm.warm_pinned, now does ahead)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -89,7 +93,8 @@ def main(argv=None) -> dict:
             op_s = time.perf_counter() - t0
             time.sleep(0.5)
             k1 = len(times)
-            keep.append(out)  # alive to the end: a new try cannot reuse its memory
+            if not a.free:
+                keep.append(out)  # alive to the end: a new try cannot reuse its memory
             span = times[max(0, k0 - 1):k1]
             med = float(np.median(times[:k0] if k0 > 5 else times))
             blocking = float(sum(max(0.0, t - med) for t in span))
@@ -101,7 +106,7 @@ def main(argv=None) -> dict:
             del y, out
     stop.set()
     th.join()
-    out = {"device": dev.device_kind, "platform": dev.platform, "mb": a.mb,
+    out = {"device": dev.device_kind, "platform": dev.platform, "mb": a.mb, "free": a.free,
            "preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "default"), "results": results}
     if a.json:
         with open(a.json, "w") as f:

@@ -13,7 +13,7 @@
 # `resilax.tools.hlo_scan` over the dump: no program of the bench may hold a conditional, a
 # loop or a host callback.
 #
-# BENCH_ARGS replaces "--size small" (e.g. "--size small --unpinned --packed"); TIMEOUT bounds the bench
+# BENCH_ARGS replaces "--size small" (e.g. "--size small --packed --no-resume"); TIMEOUT bounds the bench
 # (seconds). PYSPY=1 records the bench's process with py-spy (--gil --threads, non-blocking:
 # the samples of whichever thread holds the GIL) and summarizes them by thread
 # (benchmarks/pyspy_threads.py): which threads kept the step loop from running Python.
@@ -51,5 +51,13 @@ if [ -s /tmp/pyspy.txt ]; then
   head -30 "$OUT/pyspy_threads.txt"
 fi
 python3 -m resilax.tools.hlo_scan /tmp/hlo 2>&1 | tee "$OUT/hlo_scan.txt"
+# PROBE=1: benchmarks/first_save_probe.py on a state-sized buffer, keeping each try's result and freeing it
+# (does Orbax's pinned pool, once grown, make later copies free? what the store's pinned warm-up relies on)
+if [ "${PROBE:-0}" = 1 ]; then
+  for free in "" "--free"; do
+    timeout 60 python3 benchmarks/first_save_probe.py --mb 1320 --n 4096 --reps 16 $free \
+      --json "$OUT/probe${free:+_free}.json" 2>&1 | tee -a "$OUT/probe.txt"
+  done
+fi
 ls /tmp/hlo | grep after_optimizations.txt | sed -E 's/^module_[0-9]+\.//; s/\.[^.]*after_optimizations.txt$//' \
   | sort | uniq -c > "$OUT/hlo_programs.txt"
