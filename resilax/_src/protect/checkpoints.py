@@ -200,7 +200,7 @@ class CheckpointStore:
         self._handed = threading.Event()  # the queued snapshot is in Orbax's hands (or failed)
         self._compiled = None  # (`_layout_key`, compiled snapshot program)
         self._sums: dict = {}  # (tree structure, leaf layouts) -> compiled checksum program
-        self._packers = packing.Packers()  # the same -> (manifest, compiled pack program)
+        self._packers = packing.Packers()  # the same -> (manifest, compiled pack programs)
         self._pack = self.PACK if pack is None else pack  # (PACK read when the store is made)
         self._warming: threading.Thread | None = None
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
@@ -237,9 +237,8 @@ class CheckpointStore:
                 self._sums_program(abstract)  # (a start's anchor may have compiled it)
                 if also is not None:
                     also()
-                if self._pack:  # the pack program, and Orbax's slices of its arrays (one process: `plan`)
-                    packed = packing.out_abstract(self._packers.get(_layout_key(abstract), abstract)[1])
-                    slices[:] = orbax_warm.plan(packed, self._array_handler)
+                if self._pack:  # the pack programs (the leaves' slices above cover the single leaves)
+                    self._packers.get(_layout_key(abstract), abstract)
                 orbax_warm.run(slices)  # Orbax's own slice programs (replica-parallel saving)
             except Exception:  # a save copies without the program; the persister compiles the rest
                 pass
@@ -420,7 +419,8 @@ class CheckpointStore:
                 self._q.task_done()
 
     def _packed(self, snap, meta):  # ``(snap, meta, Orbax's save args)``, packed where the store packs
-        return self._packers.pack(_layout_key(_abstract(snap)), snap, meta) if self._pack else (snap, meta, None)
+        return (self._packers.pack(_layout_key(_abstract(snap)), snap, meta, host=jax.process_count() == 1)
+                if self._pack else (snap, meta, None))
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Runs ``fn`` on the persister thread once the save in flight is committed (host-side

@@ -106,11 +106,7 @@ def plan(tree, handler=None) -> list:
                 h._max_replicas_for_replica_parallel)
         out, seen = [], set()
         for x in jax.tree.leaves(tree):
-            if isinstance(x, jax.ShapeDtypeStruct):  # a layout (typed keys: Orbax saves them whole)
-                if x.sharding is None or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-                    continue
-                x = _Laid(x)
-            elif not isinstance(x, jax.Array) or x.is_deleted():
+            if not isinstance(x, jax.Array) or x.is_deleted():
                 continue
             for r in rs.get_replica_slices(x, *args).replica_slices:
                 if r.slice_args is None or r.is_on_host:
@@ -124,34 +120,6 @@ def plan(tree, handler=None) -> list:
         return out
     except Exception:  # Orbax's private API moved: the first save compiles them
         return []
-
-
-class _Laid:
-    """A ShapeDtypeStruct with a sharding, seen as the jax.Array it describes by what Orbax's
-    slice planner reads (``shape``, ``dtype``, ``sharding``, ``addressable_shards``: index,
-    replica id, data's shape and device): a layout no live array has yet (a packed save's,
-    `packing`) is planned with no device memory."""
-
-    class _Data:
-        def __init__(self, shape, dtype, device):
-            self.shape, self.dtype, self.size, self._device = shape, dtype, int(np.prod(shape)), device
-
-        def devices(self):
-            return {self._device}
-
-    class _Shard:
-        def __init__(self, index, replica_id, data):
-            self.index, self.replica_id, self.data, self.device = index, replica_id, data, data._device
-
-    def __init__(self, sds):
-        from jax._src.sharding_impls import device_replica_id_map
-
-        self.shape, self.dtype, self.sharding = tuple(sds.shape), np.dtype(sds.dtype), sds.sharding
-        self.itemsize = self.dtype.itemsize
-        shard_shape = self.sharding.shard_shape(self.shape)
-        rid = device_replica_id_map(self.sharding, self.shape)
-        self.addressable_shards = [self._Shard(idx, rid[d], self._Data(shard_shape, self.dtype, d))
-                                   for d, idx in self.sharding.addressable_devices_indices_map(self.shape).items()]
 
 
 def run(planned) -> None:

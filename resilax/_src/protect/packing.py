@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 FORMAT = 2  # the checkpoint meta's "format" of a packed checkpoint (per leaf: `checkpoints.FORMAT`)
 CHUNK_BYTES = 64 << 20  # a packed array's storage chunks (`save_args`)
+PIECE_BYTES = 256 << 20  # a group's size per device at most (`manifest`): what a save holds on a device at once
 
 
 def _axes(entry) -> tuple:
@@ -49,7 +50,9 @@ def _group_key(x):
 def manifest(tree) -> dict:
     """The packing of ``tree``'s leaves (arrays or ShapeDtypeStructs with shardings):
     ``{"groups": [{"dtype", "axes", "rows", "members": [[leaf index, columns], ...]}],
-    "singles": [leaf index, ...]}``, JSON-able."""
+    "singles": [leaf index, ...]}``, JSON-able. The leaves of one key are cut, at leaf
+    boundaries, into groups of at most `PIECE_BYTES` per device (a leaf larger than that is
+    a group of its own): a save packs one group at a time."""
     groups: dict = {}
     singles = []
     for i, x in enumerate(jax.tree.leaves(tree)):
@@ -58,58 +61,91 @@ def manifest(tree) -> dict:
             singles.append(i)
             continue
         groups.setdefault(key, []).append([i, int(np.prod(x.shape)) // key[3]])
-    out = [{"dtype": k[0], "axes": list(k[2]), "rows": k[3], "members": m} for k, m in groups.items()]
+    out = []
+    for k, members in groups.items():
+        itemsize, piece, size = np.dtype(k[0]).itemsize, [], 0
+        for m in members:
+            if piece and (size + m[1]) * itemsize > PIECE_BYTES:
+                out.append({"dtype": k[0], "axes": list(k[2]), "rows": k[3], "members": piece})
+                piece, size = [], 0
+            piece.append(m)
+            size += m[1]
+        out.append({"dtype": k[0], "axes": list(k[2]), "rows": k[3], "members": piece})
     return {"groups": out, "singles": singles}
 
 
 def pack_program(tree):
-    """``(manifest(tree), a compiled program: tree's leaves -> {"packed": {g: (R, C)},
-    "single": {i: leaf}})``, every output a new buffer, for ``tree``'s shapes and shardings."""
+    """``(manifest(tree), [a compiled program per group: its members' leaves -> (R, C)])``
+    for ``tree``'s shapes and shardings; each output a new buffer, sharded ``P(A, None)`` on
+    the group's mesh (no communication: row r is shard r of every member)."""
     leaves = jax.tree.leaves(tree)
     man = manifest(tree)
+    progs = []
+    for grp in man["groups"]:
+        members = [leaves[i] for i, _ in grp["members"]]
+        out_sh = NamedSharding(members[0].sharding.mesh, P(tuple(grp["axes"]) or None, None))
+        fn = functools.partial(lambda rows, *xs: jnp.concatenate([x.reshape(rows, -1) for x in xs], axis=1),
+                               grp["rows"])
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in members]
+        progs.append(jax.jit(fn, out_shardings=out_sh).lower(*abstract).compile())
+    return man, progs
 
-    def fn(xs):
-        out = {}
-        packed = {str(g): jnp.concatenate([xs[i].reshape(grp["rows"], -1) for i, _ in grp["members"]], axis=1)
-                  for g, grp in enumerate(man["groups"])}
-        if packed:
-            out["packed"] = packed
-        if man["singles"]:
-            out["single"] = {str(i): jnp.copy(xs[i]) for i in man["singles"]}
-        return out
 
-    out_sh = {}
-    if man["groups"]:
-        out_sh["packed"] = {str(g): NamedSharding(leaves[grp["members"][0][0]].sharding.mesh,  # the group's mesh
-                                                  P(tuple(grp["axes"]) or None, None))
-                            for g, grp in enumerate(man["groups"])}
-    if man["singles"]:
-        out_sh["single"] = {str(i): leaves[i].sharding for i in man["singles"]}
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-    return man, jax.jit(fn, out_shardings=out_sh).lower(abstract).compile()
+def _to_host(x) -> np.ndarray:
+    """Packed group ``x`` as a host array, its device buffers freed before this returns (so a
+    save holds one group at a time on the devices): each shard of replica 0 copied through
+    pinned host memory where its device has it, as Orbax copies."""
+    from jax.sharding import SingleDeviceSharding
+
+    shards = [s for s in x.addressable_shards if s.replica_id == 0]
+    out = None
+    parts = []
+    for s in shards:
+        d = s.data
+        if "pinned_host" in {m.kind for m in s.device.addressable_memories()}:
+            d = jax.device_put(d, SingleDeviceSharding(s.device, memory_kind="pinned_host"))
+        parts.append((s.index, d))
+    for index, d in parts:
+        if len(parts) == 1 and tuple(d.shape) == tuple(x.shape):
+            out = np.asarray(d)
+        else:
+            out = np.empty(x.shape, x.dtype) if out is None else out
+            out[index] = np.asarray(d)
+    x.delete()
+    return out
 
 
 class Packers:
-    """The compiled pack program per layout (`pack_program`), made once: by the store's
+    """The compiled pack programs per layout (`pack_program`), made once: by the store's
     warm-up (off the loop) or, if a save comes first, by the persister. Two threads asking
-    at once for a new layout may both compile it; one is kept."""
+    at once for a new layout may both compile them; one set is kept."""
 
     def __init__(self):
         self._progs: dict = {}
 
     def get(self, key, tree):
-        """``(manifest, compiled)`` for ``tree`` (arrays or ShapeDtypeStructs with shardings),
-        whose layout is ``key``."""
+        """``(manifest, [compiled per group])`` for ``tree`` (arrays or ShapeDtypeStructs with
+        shardings), whose layout is ``key``."""
         got = self._progs.get(key)
         return got if got is not None else self._progs.setdefault(key, pack_program(tree))
 
-    def pack(self, key, tree, meta: dict):
-        """``(tree packed, meta with the format and manifest, Orbax's save args)``: a new
-        device copy of ``tree`` (one program: on several processes a collective launch,
-        issued in the same order on each, as the checksums are)."""
-        man, prog = self.get(key, tree)
-        packed = prog(jax.tree.leaves(tree))
-        return packed, dict(meta, format=FORMAT, packing=man), save_args(packed)
+    def pack(self, key, tree, meta: dict, *, host: bool):
+        """``(tree packed, meta with the format and manifest, Orbax's save args)``. The single
+        leaves are ``tree``'s own (Orbax copies them to host). ``host`` (one process): each
+        group is packed, copied to host and freed on the device before the next is packed, so
+        a save holds at most one group (`PIECE_BYTES` per device) beyond the state; else
+        (several processes: a global array cannot be a host array) the packed groups stay on
+        the devices until Orbax copied them (the programs are collective launches, issued in
+        the same order on every process, as the checksums are)."""
+        man, progs = self.get(key, tree)
+        leaves = jax.tree.leaves(tree)
+        out: dict = {}
+        for g, (grp, prog) in enumerate(zip(man["groups"], progs)):
+            x = prog(*[leaves[i] for i, _ in grp["members"]])
+            out.setdefault("packed", {})[str(g)] = _to_host(x) if host else x
+        if man["singles"]:
+            out["single"] = {str(i): leaves[i] for i in man["singles"]}
+        return out, dict(meta, format=FORMAT, packing=man), save_args(out)
 
 
 def save_args(packed: dict) -> dict:
@@ -125,12 +161,6 @@ def save_args(packed: dict) -> dict:
     if "single" in packed:
         out["single"] = {i: ocp.SaveArgs() for i in packed["single"]}
     return out
-
-
-def out_abstract(compiled) -> dict:
-    """The packed item a compiled pack program makes, as ShapeDtypeStructs with shardings
-    (what the warm-up plans Orbax's slices of, with no device memory)."""
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding), compiled.out_info)
 
 
 def _spread(mesh, rows: int, cols: int) -> NamedSharding:
