@@ -367,7 +367,7 @@ def test_warm_spare_processes_on_each_host_become_the_next_generations_workers_b
     warm spares (no process start, no imports), new spares are started once it steps, and
     the job ends bitwise equal to a failure-free single-process run (2 agents x 1 worker x
     2 CPU devices, the bit-exact mode, checkpoints every 10, host stores)."""
-    steps = 24
+    steps = 40
     train = ["resilax", "train", "--topology", _topology(tmp_path, 2), "--layout", "sharded", "--steps", str(steps),
              "--checkpoint-every", "10", "--log-every", "10"]
     run, out = tmp_path / "run", tmp_path / "final.npz"
@@ -378,6 +378,8 @@ def test_warm_spare_processes_on_each_host_become_the_next_generations_workers_b
         procs = _wait(lambda: (p := _processes(run, 0, (0, 1))) and all(p["nodes"][str(r)].get("spares")
                                                                         for r in (0, 1)) and p,
                       180, "generation 0 with a warm spare on each node", agents)
+        _wait(lambda: all((_json_file(run / "heartbeats" / f"node{r}.spare0.json") or {}).get("phase") == "spare"
+                          for r in (0, 1)), 120, "both spares warm (imported, waiting)", agents)
         _wait(lambda: len(s := _steps(run, 0)) == 2 and min(s.values()) >= 3, 120, "generation 0 stepping", agents)
         os.kill(int(procs["nodes"]["1"]["workers"]["1"]), signal.SIGKILL)
         ref = subprocess.run([*cmd[:2], *train, "--no-log", "--no-peers", "--checkpoint-dir", str(tmp_path / "ref_ck"),

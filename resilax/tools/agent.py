@@ -349,8 +349,9 @@ class Agent:
                 self._write_node("done")
                 done = True
             parts = self._nodes()
-            if {r: p.get("workers") for r, p in parts.items()} != written:  # another node's part came in
-                written = {r: p.get("workers") for r, p in parts.items()}
+            now_written = {r: (p.get("workers"), p.get("spares")) for r, p in parts.items()}
+            if now_written != written:  # another node's part came in, or its warm spares changed
+                written = now_written
                 self._write_processes(parts, "running")
             failed = [r for r, p in parts.items() if p.get("status") == "failed"]
             if failed:
