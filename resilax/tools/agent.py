@@ -89,8 +89,9 @@ from resilax._src.io import write_json
 from resilax._src.protect import hoststore_files, hoststore_net
 from resilax._src.runtime import rendezvous
 from resilax._src.runtime.worker import LaunchEnv
-from resilax.tools.processes import (HEARTBEATS, Output, SparePool, WorkerProcess, exit_reason, heartbeat_file, popen,
-                                     read_json, say, signal_running, stop_all)
+from resilax.tools.processes import (HEARTBEATS, SPARES, Output, SparePool, WorkerProcess, exit_reason,
+                                     generation_settled, heartbeat_file, popen, read_json, say, signal_running,
+                                     stop_all)
 
 PROCESSES_JSON = "processes.json"
 NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
@@ -337,7 +338,8 @@ class Agent:
                 say(f"node {self.rank}: {signal.Signals(self._term).name}: forwarding SIGTERM to the workers")
                 signal_running(self.workers, signal.SIGTERM)
                 self.pool.kill_all()  # nothing to save; none are started from now on
-            if self.pool.num and self._term is None and self.pool.tend(now, lambda: self._settled(now)):
+            if self.pool.num and self._term is None and self.pool.tend(now, lambda: generation_settled(
+                    self.workers, self.gen.generation == 0, self._t_gen, self.startup_timeout_s, now)):
                 self._write_node("done" if done else "running", spares=self.pool.pids())
             for w in self.workers:
                 why = self._check(w, now)
@@ -364,14 +366,6 @@ class Agent:
             if forwarded is not None and now - forwarded > self.grace_s:
                 return "term", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
             time.sleep(0.05)
-
-    def _settled(self, now: float) -> bool:
-        """New spares may start: with the first generation, else once every live worker of
-        this one has completed a step (or the startup timeout passed): they must not take CPU
-        from a recovering generation."""
-        if self.gen.generation == 0 or now - self._t_gen > self.startup_timeout_s:
-            return True
-        return all(w.proc.poll() is not None or (w.heartbeat() or {}).get("first_step_t") for w in self.workers)
 
     def _growing(self) -> bool:
         """The generation ends only because agents joined: every member still holds its lease
@@ -416,7 +410,7 @@ class Agent:
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
         for d in (self.run_dir, self.run_dir / HEARTBEATS, self.run_dir / "logs", self.run_dir / NODES,
-                  self.run_dir / "spares"):
+                  self.run_dir / SPARES):
             d.mkdir(parents=True, exist_ok=True)
         if self.store_root is not None:  # a new agent starts with an empty store (a new host's memory)
             shutil.rmtree(self.store_root, ignore_errors=True)

@@ -501,11 +501,11 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         for v in extras:  # "unpinned", "packed"
             u = _save_blocking(samples[v], spans[v])
             us = runs[v].checkpoints
-            extra[v[len("default_ckpt_"):]] = {"ratio": mean[v] / mean["plain"], "save_blocking_all_s": u,
-                                          "save_blocking_s": statistics.median(u[1:]) if len(u) > 1 else None,
-                                          "first_save_blocking_s": u[0] if u else None,
-                                          "save_steps_ms": _span_ms(samples[v], spans[v]),
-                                          "handoff_s": list(us.handoff_s), "persist_s": list(us.persist_s)}
+            extra[v.removeprefix("default_ckpt_")] = {
+                "ratio": mean[v] / mean["plain"], "save_blocking_all_s": u,
+                "save_blocking_s": statistics.median(u[1:]) if len(u) > 1 else None,
+                "first_save_blocking_s": u[0] if u else None, "save_steps_ms": _span_ms(samples[v], spans[v]),
+                "handoff_s": list(us.handoff_s), "persist_s": list(us.persist_s)}
         save_steps = {v: _span_ms(samples[v], spans[v]) for v in ("orbax", "default_ckpt")}
         for v in variants:
             runs[v].close()
@@ -575,7 +575,7 @@ def print_gpt(r: dict) -> None:
     print(f"run to run bitwise: {r['run_to_run_bitwise']}; SIGKILL + resume bitwise: {r['resume_bitwise']} "
           f"({ {k: v for k, v in r['resume'].items() if k != 'error'} })")
     for v in EXTRA:
-        u = r.get(v[len("default_ckpt_"):])
+        u = r.get(v.removeprefix("default_ckpt_"))
         if u:
             print(f"{v}: ratio {u['ratio']:.3f}, save blocking first {f(u['first_save_blocking_s'])}, later "
                   f"{f(u['save_blocking_s'])}")

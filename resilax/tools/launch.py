@@ -81,7 +81,7 @@ free_port, heartbeats, spare_heartbeats, _read_json = (rendezvous.free_port, pro
                                                        processes.spare_heartbeats, read_json)
 
 PROCESSES_JSON = "processes.json"
-SPARES = "spares"  # D/spares/spare<k>.json: a spare's assignment
+SPARES = processes.SPARES  # D/spares/spare<k>.json: a spare's assignment
 _STOPPED = "another worker of its generation died"
 # --in-place, a death with no warm spare for every dead place: "reform": the survivors re-form
 # as a smaller generation on a new backend (checkpoints and preemption go on); "backend":
@@ -251,17 +251,9 @@ class Supervisor:
         return popen(self.cmd, env)  # (`processes.popen`: from the main thread only)
 
     # ------------------------------------------------------------------ warm spares
-    def _settled(self, now: float) -> bool:
-        """Spares may be started: with the first generation (there is no lost progress to
-        win back yet, and an early failure finds them ready), else once every live worker
-        of the generation has completed a step (or it has run for the startup timeout), so
-        that new spares do not compete for CPU with a recovering generation."""
-        if self.generation == 0 or now - self._t_gen > self.startup_timeout_s:
-            return True
-        return all(w.proc.poll() is not None or (w.heartbeat() or {}).get("first_step_t") for w in self.workers)
-
     def _tend_spares(self, now: float):
-        if self.pool.tend(now, lambda: self._term is None and self._settled(now)):
+        if self.pool.tend(now, lambda: self._term is None and processes.generation_settled(
+                self.workers, self.generation == 0, self._t_gen, self.startup_timeout_s, now)):
             self._write_processes("running")
 
     def _ready_spares(self) -> list:

@@ -15,10 +15,12 @@ import sys
 import threading
 import time
 
-from resilax._src.runtime import xlaflags
+from resilax._src.io import write_json
+from resilax._src.runtime import worker, xlaflags
 from resilax._src.runtime.worker import LaunchEnv
 
 HEARTBEATS = "heartbeats"  # D/heartbeats/g<generation>.p<process id>.json; spares: spare<k>.json
+SPARES = "spares"  # D/spares/<tag>spare<k>.json: a warm spare's assignment (`SparePool`)
 
 
 def die_with_parent():  # runs in the child between fork and exec
@@ -209,12 +211,10 @@ class SparePool:
         self._failures = 0
 
     def start_one(self) -> int:
-        from resilax._src.runtime import worker
-
         k = self._count
         self._count += 1
         name = f"{self.tag}spare{k}"
-        assignment = self.run_dir / "spares" / f"{name}.json"
+        assignment = self.run_dir / SPARES / f"{name}.json"
         hb = self.run_dir / HEARTBEATS / f"{name}.json"
         for f in (assignment, hb):
             f.unlink(missing_ok=True)
@@ -268,8 +268,6 @@ class SparePool:
     def assign(self, s: "SpareProcess", env: LaunchEnv, prefix: str, log) -> "WorkerProcess":
         """Gives ready spare ``s`` its place (it then joins like a fresh worker): its output
         goes on under the worker's prefix and log, its assignment is ``env`` (atomically)."""
-        from resilax._src.io import write_json
-
         self.spares.remove(s)
         s.out.relabel(prefix, log)  # (before it can read its place: see `Output`)
         write_json(s.assignment, env.to_dict())
@@ -281,6 +279,16 @@ class SparePool:
     def kill_all(self) -> None:
         stop_all(self.spares)
         self.spares.clear()
+
+
+def generation_settled(workers, first: bool, since: float, timeout_s: float, now: float) -> bool:
+    """New warm spares may start (`SparePool.tend`): with the first generation (no lost
+    progress to win back yet, and an early failure finds them ready), else once every live
+    worker of the generation (started at ``since``) has completed a step, or ``timeout_s``
+    has passed: they must not compete for CPU with a recovering generation."""
+    if first or now - since > timeout_s:
+        return True
+    return all(w.proc.poll() is not None or (w.heartbeat() or {}).get("first_step_t") for w in workers)
 
 
 class WorkerProcess:

@@ -134,6 +134,16 @@ def run(planned) -> None:
         del z
 
 
+def pinned_sharding(device):
+    """``device``'s pinned host memory (where a save's copy to host goes), or None where it
+    has none."""
+    from jax.sharding import SingleDeviceSharding
+
+    if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+        return None
+    return SingleDeviceSharding(device, memory_kind="pinned_host")
+
+
 def pinned_bytes(tree) -> dict:
     """``{device: bytes}`` that a save of ``tree`` (arrays or ShapeDtypeStructs with
     shardings) copies into each device's pinned host memory: per leaf, the shards of
@@ -165,16 +175,15 @@ def warm_pinned(tree, on: bool = True, platforms=("gpu",)) -> dict:
     memory kind, then freed: no device memory, no device work. Returns the bytes per device
     ({} where the platform has no pinned host memory kind or the allocation failed: the
     first save allocates, as before)."""
-    from jax.sharding import SingleDeviceSharding
-
     done = {}
     if not on or jax.devices()[0].platform not in platforms:
         return done
     try:
         for d, nbytes in pinned_bytes(tree).items():
-            if "pinned_host" not in {m.kind for m in d.addressable_memories()}:
+            pinned = pinned_sharding(d)
+            if pinned is None:
                 continue
-            buf = jax.device_put(np.empty(nbytes, np.uint8), SingleDeviceSharding(d, memory_kind="pinned_host"))
+            buf = jax.device_put(np.empty(nbytes, np.uint8), pinned)
             jax.block_until_ready(buf)
             buf.delete()
             done[d] = nbytes

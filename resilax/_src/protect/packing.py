@@ -95,21 +95,18 @@ def _to_host(x) -> np.ndarray:
     """Packed group ``x`` as a host array, its device buffers freed before this returns (so a
     save holds one group at a time on the devices): each shard of replica 0 copied through
     pinned host memory where its device has it, as Orbax copies."""
-    from jax.sharding import SingleDeviceSharding
+    from resilax._src.protect.orbax_warm import pinned_sharding
 
-    shards = [s for s in x.addressable_shards if s.replica_id == 0]
-    out = None
-    parts = []
-    for s in shards:
-        d = s.data
-        if "pinned_host" in {m.kind for m in s.device.addressable_memories()}:
-            d = jax.device_put(d, SingleDeviceSharding(s.device, memory_kind="pinned_host"))
-        parts.append((s.index, d))
-    for index, d in parts:
-        if len(parts) == 1 and tuple(d.shape) == tuple(x.shape):
-            out = np.asarray(d)
-        else:
-            out = np.empty(x.shape, x.dtype) if out is None else out
+    parts = []  # every copy started before the first is waited for
+    for s in x.addressable_shards:
+        if s.replica_id == 0:
+            pinned = pinned_sharding(s.device)
+            parts.append((s.index, s.data if pinned is None else jax.device_put(s.data, pinned)))
+    if len(parts) == 1 and tuple(parts[0][1].shape) == tuple(x.shape):
+        out = np.asarray(parts[0][1])
+    else:
+        out = np.empty(x.shape, x.dtype)
+        for index, d in parts:
             out[index] = np.asarray(d)
     x.delete()
     return out
