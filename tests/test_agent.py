@@ -185,6 +185,23 @@ def _wait(pred, timeout, what, procs=()):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{_log_tails(procs)}")
 
 
+def _exit_codes(procs, timeout, what, also=()) -> list[int]:
+    """The exit codes of ``procs`` once all exited; past ``timeout`` an AssertionError with
+    the logs of ``procs`` and ``also`` and the rendezvous records (what a hang needs to be read)."""
+    t0 = time.time()
+    while any(p.poll() is None for p in procs):
+        if time.time() - t0 > timeout:
+            run = next((pathlib.Path(a[a.index("--run-dir") + 1]) for p in procs
+                        if "--run-dir" in (a := [str(x) for x in p.args])), None)
+            records = "" if run is None else "\n".join(
+                f"{f.relative_to(run)}: {f.read_text(errors='replace')[:400]}"
+                for f in sorted((run / "rendezvous").rglob("*.json")))
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}: exit codes "
+                                 f"{[p.poll() for p in procs]}\n{_log_tails([*procs, *also])}\n{records}")
+        time.sleep(0.05)
+    return [p.returncode for p in procs]
+
+
 def _log_tails(procs, n=2500) -> str:
     """The end of every agent log next to the agents' run directory (what a failure needs to be read)."""
     dirs = {pathlib.Path(a[a.index("--run-dir") + 1]).parent for p in procs
@@ -426,9 +443,9 @@ def test_a_spare_stands_in_for_a_hung_host_which_is_fenced_when_it_wakes(tmp_pat
                      (p.get("nodes", {}).get("1") or {}).get("agent") == spare.pid and p, 60,
                      "the spare running as node 1", [agents[0], spare])
         _signal_host(procs, 1, signal.SIGCONT)
-        woken_rc = agents[1].wait(timeout=60)
+        woken_rc, = _exit_codes([agents[1]], 60, "the woken agent", also=[agents[0], spare])
         go.write_text("")
-        rcs = [agents[0].wait(timeout=60), spare.wait(timeout=60)]
+        rcs = _exit_codes([agents[0], spare], 60, "the job's end", also=[agents[1]])
     finally:
         for p in (*agents, spare):
             kill_tree(p)

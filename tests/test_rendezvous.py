@@ -120,6 +120,19 @@ def _agents(tmp_path, ranks, clock, **kw):
     return out
 
 
+def _agree_together(agents, after, min_nodes):
+    """``agree`` of every agent in ``agents`` at once (threads); the generation they agreed on."""
+    got = {}
+    threads = [threading.Thread(target=lambda a=a: got.setdefault(a.incarnation, a.agree(
+        after=after, min_nodes=min_nodes, timeout_s=10))) for a in agents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(got) == len(agents) and len({g.sha256 for g in got.values()}) == 1, got
+    return next(iter(got.values()))
+
+
 class _Clock:
     def __init__(self):
         self.t = 1000.0
@@ -185,7 +198,7 @@ def test_a_live_rank_is_refused_an_expired_one_is_taken_over_and_the_old_agent_f
     new.register(renew=False)
     with pytest.raises(RankTakenError, match=r"waited 0\.05 s"):  # a third agent waits, then gives up
         Rendezvous(tmp_path, 1, workers=1, clock=clock, poll_s=0.01).register(renew=False, wait_s=0.05)
-    with pytest.raises(LeaseLostError, match="held by pid"):
+    with pytest.raises(LeaseLostError, match="incarnation .* was claimed"):
         old.renew()
     assert old.lost
     with pytest.raises(LeaseLostError):
@@ -193,6 +206,41 @@ def test_a_live_rank_is_refused_an_expired_one_is_taken_over_and_the_old_agent_f
     new.renew()  # the replacement keeps it
     old.close()  # a fenced agent does not remove its successor's lease
     assert sorted(new.live()) == [1]
+
+
+def test_a_renewal_stopped_between_its_read_and_its_write_does_not_take_the_rank_back(tmp_path):
+    """SIGSTOP can land inside a renewal: the hung agent read its own lease, then its write
+    lands after a spare claimed the rank and wrote its lease (what made CI's spare test hang
+    once: the woken agent overwrote the spare's lease and the spare was fenced instead). The
+    claim decides: the woken agent finds its incarnation claimed right after the write and is
+    fenced; the other nodes do not take its stale lease for a replacement; the spare writes
+    its own lease back at its next renewal and keeps the rank."""
+    clock = _Clock()
+    agents = _agents(tmp_path, [0, 1], clock)
+    gen = _agree_together([agents[0], agents[1]], after=-1, min_nodes=2)
+    zombie = agents[1]
+    clock.t += 1.5  # node 1 hangs: its lease expires (node 0's too, on this clock: renew it)
+    agents[0].renew()
+    assert rdv.standby(tmp_path, 2, ended=lambda: False, poll_s=0.01, clock=clock) == (1, zombie.incarnation)
+    spare = Rendezvous(tmp_path, 1, workers=2, lease_s=1.0, clock=clock)
+    spare.register(renew=False)
+    g1 = _agree_together([agents[0], spare], after=gen.generation, min_nodes=2)
+    assert g1.members == (0, 1) and g1.incarnations[1] == spare.incarnation
+    zombie._write_lease()  # the stopped renewal's write lands
+    lease = tmp_path / rdv.RENDEZVOUS / "leases" / "node1.json"
+    assert json.loads(lease.read_text())["incarnation"] == zombie.incarnation
+    assert agents[0].changed(g1) is None  # a claimed incarnation's lease is not a replacement
+    with pytest.raises(LeaseLostError, match="was claimed"):
+        zombie.check_fence()  # what renew() does right after its write
+    with pytest.raises(LeaseLostError):
+        zombie.renew()
+    with pytest.raises(LeaseLostError):
+        zombie.agree(after=gen.generation, timeout_s=1)  # proposes and acks nothing
+    spare.renew()  # not fenced: it writes its own lease back
+    assert not spare.lost and json.loads(lease.read_text())["incarnation"] == spare.incarnation
+    assert agents[0].changed(g1) is None
+    zombie.close()
+    assert lease.exists()
 
 
 def test_a_member_that_dies_before_it_acknowledges_abandons_the_proposal(tmp_path):

@@ -18,7 +18,11 @@ fields; a record that does not parse or whose checksum does not match raises
   ``lease_s``: NTP). ``incarnation`` is new for every agent process: a replacement with a
   dead agent's rank takes the rank over once the old lease expired (never while it is
   live: `RankTakenError`), and the old agent, should it wake up (SIGSTOP, SIGCONT), finds
-  another incarnation in its lease, stops renewing and is *fenced* (`LeaseLostError`).
+  its incarnation claimed (below) or another incarnation in its lease, stops renewing and is
+  *fenced* (`LeaseLostError`). A renewal that was under way when the agent stopped (its
+  lease read, not yet written) may still land on its successor's lease once; the claim
+  decides: the woken agent finds it after its write and stops, and the successor, finding a
+  claimed incarnation in its lease, writes its own back at its next renewal.
 - ``generations/g<k>.proposal.json``: the proposal for generation k, created once (a
   temporary file, then ``os.link``: of concurrent proposers exactly one wins and the
   others read its record). Only the lowest rank with a live lease proposes, and it names
@@ -35,8 +39,10 @@ fields; a record that does not parse or whose checksum does not match raises
   as abandoned.
 - ``requests/g<k>.node<R>.json``: agent R asks for a generation after k (its workers died:
   every host must restart its workers); the proposer reads it through `Rendezvous.changed`.
-- ``claims/node<R>.<incarnation>.json``: a spare agent (`standby`) took rank R over from the
-  dead incarnation named (created once: of several spares exactly one stands in).
+- ``claims/node<R>.<incarnation>.json``: rank R was taken over from the dead incarnation
+  named, by a spare agent (`standby`: created once, so of several spares exactly one stands
+  in) or by a replacement's `Rendezvous.register`, before it writes its lease. The fence
+  of that incarnation, for good.
 
 A generation is only proposed after the previous one has an outcome, so generation
 numbers are dense and each has at most one proposal. The agent layer (`resilax launch
@@ -213,7 +219,7 @@ class Rendezvous:
         self._acked: set[str] = set()  # the proposals (sha256) this agent acknowledged
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        for d in ("leases", "generations", "requests"):
+        for d in ("leases", "generations", "requests", "claims"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
 
     # -------------------------------------------------------------- leases
@@ -246,6 +252,10 @@ class Rendezvous:
                     f"{cur['host']}, lease expires in {cur['expires'] - self.clock():.1f} s); expected a free rank or "
                     f"an expired lease (waited {wait_s:g} s for it to expire)")
             time.sleep(self.poll_s)
+        if cur is not None and cur["incarnation"] != self.incarnation:  # fence the expired one first
+            create_record(self.claim_path(self.rank, cur["incarnation"]), {
+                "rank": self.rank, "dead": cur["incarnation"], "by": self.incarnation, "pid": os.getpid(),
+                "host": socket.gethostname(), "t": self.clock()})  # (exists already when a spare claimed it)
         self._write_lease()
         if renew:
             self._thread = threading.Thread(target=self._renew_loop, name=f"resilax-lease-{self.rank}", daemon=True)
@@ -257,14 +267,29 @@ class Rendezvous:
         Raises:
           LeaseLostError: another incarnation took the rank over (this agent is fenced).
         """
-        if self.lost:
-            raise LeaseLostError(f"resilax rendezvous: node {self.rank} lost its lease to another agent")
+        self.check_fence()
         cur = read_record(self._lease_path(self.rank))
-        if cur is not None and cur["incarnation"] != self.incarnation:
+        if cur is not None and cur["incarnation"] != self.incarnation and not self.claim_path(
+                self.rank, cur["incarnation"]).exists():  # (a claimed one: a fenced agent's last write)
             self.lost = True
             raise LeaseLostError(f"resilax rendezvous: node {self.rank}'s lease is now held by pid {cur['pid']} on "
                                  f"{cur['host']} (this agent's lease expired and a replacement took the rank)")
         self._write_lease()
+        self.check_fence()  # stopped between the read and the write: the write may have hit a successor's lease
+
+    def claim_path(self, rank: int, incarnation: str) -> pathlib.Path:
+        return self.root / "claims" / f"node{rank}.{incarnation}.json"
+
+    def check_fence(self) -> None:
+        """Raises `LeaseLostError` when this agent is fenced: a replacement or a spare claimed
+        its incarnation (one file check: no read of the leases)."""
+        if not self.lost and self.claim_path(self.rank, self.incarnation).exists():
+            self.lost = True
+            raise LeaseLostError(f"resilax rendezvous: node {self.rank} lost its lease to another agent: its "
+                                 f"incarnation {self.incarnation[:8]} was claimed (this agent's lease expired and a "
+                                 f"replacement or a spare took the rank)")
+        if self.lost:
+            raise LeaseLostError(f"resilax rendezvous: node {self.rank} lost its lease to another agent")
 
     def _renew_loop(self):
         while not self._stop.wait(self.lease_s / 3):
@@ -405,7 +430,8 @@ class Rendezvous:
         live = self.live(leases)
         for r in gen.members:
             lease = leases.get(r)
-            if lease is not None and lease["incarnation"] != gen.incarnations[r]:
+            if lease is not None and lease["incarnation"] != gen.incarnations[r] and not self.claim_path(
+                    r, lease["incarnation"]).exists():  # (a claimed one: a fenced agent's last write, undone soon)
                 return f"node {r} was replaced (another agent holds its rank)"
             if r not in live:
                 return f"node {r}'s lease expired" if lease is not None else f"node {r} left"
@@ -432,8 +458,7 @@ class Rendezvous:
         deadline = time.monotonic() + timeout_s
         asked = False
         while True:
-            if self.lost:
-                raise LeaseLostError(f"resilax rendezvous: node {self.rank} lost its lease to another agent")
+            self.check_fence()  # a hung agent that wakes here proposes, acks and asks for nothing
             g = self.latest()
             state = "no generation proposed yet"
             need_new = g is None
@@ -480,7 +505,6 @@ def standby(run_dir, nodes: int, *, ended, idle_timeout_s: float = 300.0, poll_s
         its agents gave up) and it did not end.
     """
     rdv = Rendezvous(run_dir, 0, workers=1, clock=clock)  # (reads only: registers nothing)
-    (rdv.root / "claims").mkdir(parents=True, exist_ok=True)
     idle_since = time.monotonic()
     while True:
         if ended():
@@ -503,7 +527,7 @@ def standby(run_dir, nodes: int, *, ended, idle_timeout_s: float = 300.0, poll_s
                 for r in range(nodes):
                     lease = leases.get(r)
                     if lease is not None and lease["expires"] <= now and create_record(
-                            rdv.root / "claims" / f"node{r}.{lease['incarnation']}.json",
+                            rdv.claim_path(r, lease["incarnation"]),
                             {"rank": r, "dead": lease["incarnation"], "pid": os.getpid(),
                              "host": socket.gethostname(), "t": now}):
                         return r, lease["incarnation"]
