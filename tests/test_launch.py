@@ -609,6 +609,51 @@ def test_bit_exact_mode_with_4_device_domains_keeps_its_bits_when_processes_go(t
     assert all(np.array_equal(a[k], b[k]) for k in a.files), _rel_diff(a, b)
 
 
+def test_a_process_that_dies_during_the_last_save_is_re_formed_around_in_place(tmp_path):
+    """``--in-place``: process 1 is SIGKILLed right after the last step's checkpoint was
+    dispatched (``kill_process@8:during_save/1``), so process 0 finds the save broken in
+    the final wait of ``close`` (its collective times out), not in a step. It waits for the
+    supervisor's verdict and re-forms alone (generation 1) instead of failing the job (CI
+    saw a job restart from scratch when a kill landed there); generation 1 restores step 8
+    from its host store, writes checkpoint 8 again and ends. The final state and checkpoint
+    8 are bitwise those of a failure-free run."""
+    from helpers import child_env
+
+    train = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", "8", "--quiet",
+             "--checkpoint-every", "4"]
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
+           "--in-place", "--min-in-place", "1", "--heartbeat", "0.2", "--heartbeat-timeout", "2",
+           "--min-step-deadline", "6", "--collective-timeout", "3", "--max-restarts", "0", "--", *train,
+           "--out", str(out), "--fault", "kill_process@8:during_save/1"]
+    r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0 and out.exists(), text[-5000:]
+    hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    assert [(g["outcome"], g["processes"]) for g in hist] == [("reform", [0, 1]), ("done", [0])], (hist, text[-3000:])
+    assert "the save of step 8 at the end failed" in text and "[g1 p0] resumed at step 8 (host store" in text, \
+        text[-3000:]
+    ref_run, ref = tmp_path / "ref_run", tmp_path / "ref.npz"
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "1", "--devices-per-process", "8", "--run-dir",
+           str(ref_run), "--max-restarts", "0", "--", *train, "--out", str(ref)]
+    r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    a, b = np.load(out, allow_pickle=False), np.load(ref, allow_pickle=False)
+    assert sorted(a.files) == sorted(b.files)
+    assert all(np.array_equal(a[k], b[k]) for k in a.files), _rel_diff(a, b)
+    got, want = (_checkpoint_sums(d / "checkpoints" / "8") for d in (run, ref_run))
+    assert got[1] == want[1] and np.array_equal(got[0], want[0]), (got, want)
+
+
+def _checkpoint_sums(path):
+    """A checkpoint's per-leaf checksums (of the values saved) and its data position."""
+    import orbax.checkpoint as ocp
+
+    sums = np.asarray(ocp.StandardCheckpointer().restore(path / "checksums")["sums"])
+    meta = json.loads((path / "meta" / "metadata").read_text())
+    return sums, (meta["step"], meta["data_state"])
+
+
 def _past_n(run_dir, gen, step, n):
     s = _steps(run_dir, gen)
     return len(s) == n and all(v is not None and v >= step for v in s.values())

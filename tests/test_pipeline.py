@@ -215,7 +215,10 @@ def test_state_lost_exactly_when_no_copy_survives():
     ("fail_slice@3", "needs a target"),
     ("fail_slice@3/7", "not a failure domain"),
     ("nan@3:mid_step", "phase"),
-    ("kill_process@3/1", "takes no target"),
+    ("kill_process@3/1", "target 1 is a process index, and this run has one process"),
+    ("nan@3/1", "takes no target"),
+    ("bitflip@3:mid_step/1", "at a step boundary"),
+    ("rejoin@3/1:after_step", "expected 'kind@step"),
     ("fail_slice@5:during_save/1", "during_save needs checkpoints"),
 ])
 def test_bad_faults_are_refused_at_wrap(spec, match):

@@ -224,7 +224,10 @@ def train(
             if step.preempted:  # SIGTERM reached some worker: all stopped after this step, and it is saved
                 preempted = True
                 break
-        saved = bool(checkpoint_every) and step.step % checkpoint_every == 0  # the driver saved it already
+        # the driver saved it already, if this run made that step; a resume at it (from the host
+        # stores: the save of it broke as a process died) saves it unless it is a checkpoint
+        saved = bool(checkpoint_every) and step.step % checkpoint_every == 0 and (
+            step.step > start_step or step.step in (step.checkpoints.steps() if step.checkpoints else ()))
         if checkpoint_dir and not saved and not preempted and not step.checkpoints_paused:
             step.save(state)
         if preempted:

@@ -21,7 +21,6 @@ buffer copy). The loop waits for a save only when it still writes as the next is
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import os
 import pathlib
@@ -40,6 +39,7 @@ from resilax._src.protect.checksum import anchor_tree, tree_checksums
 from resilax._src.gil import shorter_switch_interval
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
 from resilax._src.protect import base, orbax_warm, packing
+from resilax._src.protect.data_state import encode_data_state
 from resilax._src.runtime import membership
 from resilax._src.timings import Timings
 from resilax._src.protect.planner import Candidate, Copy
@@ -72,23 +72,6 @@ def _shards_built(tree):
         if isinstance(x, jax.Array):
             x.addressable_shards  # noqa: B018  built and cached on the array
     return tree
-
-
-def encode_data_state(s):
-    """Iterator states are JSON dicts (grain datasets) or bytes (grain DataLoader)."""
-    if s is None or isinstance(s, (dict, list, int, float, str)):
-        return {"kind": "json", "value": s}
-    if isinstance(s, (bytes, bytearray)):
-        return {"kind": "bytes", "value": base64.b64encode(bytes(s)).decode()}
-    raise CheckpointError(
-        f"resilax: the data iterator's get_state() must return a JSON-able value or bytes, but got {type(s).__name__}"
-    )
-
-
-def decode_data_state(d):
-    if d["kind"] == "bytes":
-        return base64.b64decode(d["value"])
-    return d["value"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,8 +443,8 @@ class CheckpointStore:
         """
         self.settle()
         try:
-            with self._lock:
-                self._mgr.wait_until_finished()
+            with self._lock:  # (under `launch --in-place` a dead process named meanwhile ends the wait)
+                membership.wait_unless_a_verdict(self._mgr.wait_until_finished, "a checkpoint was committing")
         except Exception as e:
             self._error = None
             self._deferred = []  # the save they followed did not commit
@@ -486,17 +469,22 @@ class CheckpointStore:
             return
         try:
             self.wait()
+        except StorageError as e:
+            if isinstance(e.__cause__, membership.DeadProcessVerdict):  # the save waits on a dead process:
+                self.abandon()  # nothing waits for it any more (`launch --in-place`)
+            raise
         finally:
             if self._thread is not None:
                 self._q.put(None)
                 self._thread.join()
                 self._thread = None
             self._join_warming(every=True)
-            with self._lock:
-                try:
-                    self._mgr.close()
-                except Exception as e:  # Orbax re-raises a failed background write here too (a full disk)
-                    raise storage_error("closing the checkpoint manager", self.directory, e) from e
+            if not self._abandoned:
+                with self._lock:
+                    try:
+                        self._mgr.close()
+                    except Exception as e:  # Orbax re-raises a failed background write here too (a full disk)
+                        raise storage_error("closing the checkpoint manager", self.directory, e) from e
 
     def steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())

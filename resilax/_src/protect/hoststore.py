@@ -379,7 +379,7 @@ def resume(run, store: HostStore, state, step: int | None, agree):
         return state
     new_leaves, meta, source = got
     state, guard = jax.tree.unflatten(treedef, new_leaves)
-    from resilax._src.protect.checkpoints import decode_data_state
+    from resilax._src.protect.data_state import decode_data_state
 
     if run.data is not None and meta.get("data_state") is not None:
         run.data.set_state(decode_data_state(meta["data_state"]))

@@ -16,6 +16,7 @@ the number of steps completed when it fires; phases are points in `ResilientStep
 Kinds:
 
 - ``kill_process``: a real ``SIGKILL`` of this process: no handler, no cleanup, no flush.
+  ``/P``: only the process with index ``P`` of a multi-process run (the others go on).
 - ``fail_slice@N[:phase]/K``: failure domain ``K`` is lost: every buffer resilax holds there
   is deleted, nothing is dispatched there again, and the step continues on the survivors.
   Failing a domain that is already dead does nothing (an event says so).
@@ -128,6 +129,10 @@ class Fault:
 
 
 def _kill(fault, ctx):
+    import jax
+
+    if fault.target is not None and jax.process_index() != fault.target:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -217,8 +222,14 @@ class FaultPlan:
                 if not 0 <= f.target < topology.num_domains:
                     raise ConfigError(f"{where}: target {f.target} is not a failure domain of topology "
                                       f"{topology.name!r} (domains 0..{topology.num_domains - 1})")
-            elif f.kind == "hang":
-                pass  # target: a process index (a multi-process run), or none: every process
+            elif f.kind in ENDING_KINDS:  # target: a process index (a multi-process run), or none: every process
+                import jax
+
+                from resilax._src.runtime import worker  # (a re-formed job of one process may grow back)
+
+                if f.target not in (None, 0) and jax.process_count() == 1 and worker.env() is None:
+                    raise ConfigError(f"{where}: target {f.target} is a process index, and this run has one "
+                                      f"process (0): the fault would never fire")
             elif f.target is not None:
                 raise ConfigError(f"{where}: {f.kind} takes no target")
             if f.kind in WATCHDOG_KINDS:

@@ -67,6 +67,10 @@ def wait_membership(after_epoch: int, timeout_s: float, poll_s: float = 0.02) ->
         time.sleep(poll_s)
 
 
+class DeadProcessVerdict(RuntimeError):
+    """`wait_unless_a_verdict` gave up its wait: the supervisor named a dead process."""
+
+
 def wait_unless_a_verdict(wait: Callable[[], None], what: str) -> None:
     """Runs the blocking ``wait``. Under `launch --in-place` it runs on a helper thread and
     this returns early, raising, once the supervisor names a dead process: a wait that needs
@@ -93,7 +97,7 @@ def wait_unless_a_verdict(wait: Callable[[], None], what: str) -> None:
     while not done.wait(0.05):
         m = _newer(after)
         if m is not None:
-            raise RuntimeError(f"process(es) {m.get('dead')} of the job failed while {what} (the supervisor's verdict, "
+            raise DeadProcessVerdict(f"process(es) {m.get('dead')} of the job failed while {what} (the supervisor's verdict, "
                                f"epoch {m.get('epoch')})")
     if err:
         raise err[0]

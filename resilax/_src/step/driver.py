@@ -26,10 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from resilax._src.config import Config
 from resilax._src.errors import ResilaxError, StorageError, WrapError
 from resilax._src.events import Event, event
-from resilax._src.protect import anomaly as _anomaly
-from resilax._src.protect import base as _base
-from resilax._src.protect import hoststore as _hoststore
-from resilax._src.protect.checkpoints import Checkpoints, encode_data_state
+from resilax._src.protect import anomaly as _anomaly, base as _base, hoststore as _hoststore
+from resilax._src.protect.checkpoints import Checkpoints
+from resilax._src.protect.data_state import encode_data_state
 from resilax._src.protect.crosscheck import CrossCheck
 from resilax._src.protect.peers import Peers
 from resilax._src.protect.record_log import RecordLog
@@ -680,7 +679,12 @@ class ResilientStep:
                 try:
                     if self._ckpt is not None:
                         with self.goodput_recorder.span("checkpoint_save", phase="final wait"):
-                            self._ckpt.close()
+                            try:
+                                self._ckpt.close()
+                            except (jax.errors.JaxRuntimeError, StorageError) as e:
+                                if not in_place.possible(self) or self._broken:
+                                    raise
+                                in_place.after_failed_close(self, e)  # a process died: re-form (or it stands)
                 finally:
                     if self._liveness is not None:
                         self._liveness.close()

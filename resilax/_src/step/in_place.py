@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 
 from resilax._src.errors import StateLostError
-from resilax._src.protect.checkpoints import decode_data_state
+from resilax._src.protect.data_state import decode_data_state
 from resilax._src.runtime import membership, worker
 from resilax._src.step.recovery import newest_checkpoint
 
@@ -65,23 +65,10 @@ def go_on(run, err: BaseException, entry: int, batch, finished, call: Callable):
     own step path). ``finished``: ``(step, metrics)`` of a step this call completed before
     the error. Returns the call's ``(state, metrics)``, or None without a verdict naming
     dead processes: the error stands (the supervisor then restarts the job)."""
-    e = worker.env()
     t_err = time.perf_counter()
-    worker.set_phase("recover")  # not a step: the supervisor's step deadline does not apply
-    wait_s = worker.in_place_wait(e)
-    worker.say(f"step {entry + 1} failed ({type(err).__name__}: {str(err)[:160]}); waiting up to "
-               f"{wait_s:.0f} s for the supervisor's verdict (--in-place)")
-    m = membership.wait_membership(membership.epoch(), wait_s)
-    worker.say(f"verdict: {m}")
-    if m is None or jax.process_index() not in m["alive"]:
-        worker.say("no process was declared dead (or this one was): the error stands")
+    m = _verdict(run, err, f"step {entry + 1}")
+    if m is None:
         return None
-    if m.get("reform"):  # the others re-form (with warm spares, or alone as a smaller job): leave
-        membership.shrunk(m)  # (threads may wait on the dead for good: see worker.exit_if_shrunk)
-        if run.checkpointer is not None:
-            run.checkpointer.store.abandon()  # a save in flight waits on the dead: nothing waits for it
-        leave_for_reform(run, m["reform"], f"processes {m['dead']} died: the others re-form on a new backend",
-                         cause=err, dead_processes=m["dead"], after_error=True)
     finished = finished if finished is not None and finished[0] == entry + 1 else None
     with run.goodput_recorder.span("recovery"):
         while True:
@@ -111,6 +98,39 @@ def go_on(run, err: BaseException, entry: int, batch, finished, call: Callable):
     if run.step == entry + 1:  # every survivor completed this call's step: its metrics stand
         return run.live, finished[1]
     return call(batch)
+
+
+def _verdict(run, err: BaseException, what: str) -> dict | None:
+    """Waits for the supervisor's verdict on ``err`` (``what`` failed). None: no process was
+    declared dead, or this one was (the error stands). A verdict to re-form: leaves
+    (`leave_for_reform`, raises). Else the membership the survivors go on with."""
+    e = worker.env()
+    worker.set_phase("recover")  # not a step: the supervisor's step deadline does not apply
+    wait_s = worker.in_place_wait(e)
+    worker.say(f"{what} failed ({type(err).__name__}: {str(err)[:160]}); waiting up to "
+               f"{wait_s:.0f} s for the supervisor's verdict (--in-place)")
+    m = membership.wait_membership(membership.epoch(), wait_s)
+    worker.say(f"verdict: {m}")
+    if m is None or jax.process_index() not in m["alive"]:
+        worker.say("no process was declared dead (or this one was): the error stands")
+        return None
+    if m.get("reform"):  # the others re-form (with warm spares, or alone as a smaller job): leave
+        membership.shrunk(m)  # (threads may wait on the dead for good: see worker.exit_if_shrunk)
+        if run.checkpointer is not None:
+            run.checkpointer.store.abandon()  # a save in flight waits on the dead: nothing waits for it
+        leave_for_reform(run, m["reform"], f"processes {m['dead']} died: the others re-form on a new backend",
+                         cause=err, dead_processes=m["dead"], after_error=True)
+    return m
+
+
+def after_failed_close(run, err: BaseException) -> None:
+    """The last save failed in `ResilientStep.close` (``err``: its collective broke) under
+    `resilax launch --in-place`: when the supervisor declares a process dead and the others
+    re-form, this one leaves too (`leave_for_reform`: raises `membership.Reform`), and the
+    next generation restores the step from the host stores and writes the save again. In
+    any other case ``err`` stands (the supervisor restarts the job)."""
+    _verdict(run, err, f"the save of step {run.step} at the end")
+    raise err
 
 
 def leave_for_reform(run, generation: int, why: str, cause: BaseException | None = None, **fields):

@@ -19,7 +19,8 @@ import numpy as np
 
 from resilax._src.errors import ReplayLogError
 from resilax._src.protect import hoststore as _hoststore
-from resilax._src.protect.checkpoints import collectives, decode_data_state
+from resilax._src.protect.checkpoints import collectives
+from resilax._src.protect.data_state import decode_data_state
 from resilax._src.protect.checksum import anchor_tree, legacy_anchor_order
 from resilax._src.protect.disk_log import batch_template, scalar_value
 from resilax._src.protect.record_log import local
