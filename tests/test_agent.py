@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -455,6 +456,45 @@ def test_a_spare_stands_in_for_a_hung_host_which_is_fenced_when_it_wakes(tmp_pat
     assert back["generation"] >= 1 and not _pid_alive(old_worker)
     final = json.loads((run / "processes.json").read_text())
     assert final["status"] == "done" and final["nodes"]["1"]["agent"] == spare.pid, final
+
+
+def test_a_node_that_ends_and_leaves_between_two_reads_is_the_jobs_end(tmp_path):
+    """The end of a job across hosts: node 1's agent saw every node done, exited and released
+    its lease between node 0's read of the nodes' parts (node 1 still running) and its look
+    at the rendezvous (node 1 left). That is the job's end, not a lost node: node 0 ends
+    with 0 (CI, 1 run in 24 beside three others: node 0 formed a generation alone after
+    the job had ended, and its worker waited for a peer for good). The agents' own
+    rendezvous and part files; the interleaving is made at node 0's look."""
+    from resilax._src.runtime.rendezvous import Rendezvous
+    from resilax.tools.agent import NODES, Agent
+
+    agents = [Agent([sys.executable, "-c", "pass"], nodes=2, node_rank=r, n=1, devices_per_process=1,
+                    run_dir=tmp_path, lease_s=30.0, host_store_every=0) for r in (0, 1)]
+    (tmp_path / NODES).mkdir()
+    for a in agents:
+        a.rdv = Rendezvous(tmp_path, a.rank, workers=1, lease_s=30.0, poll_s=0.01)
+        a.rdv.register(renew=False)
+    got = {}
+    threads = [threading.Thread(target=lambda a=a: got.setdefault(a.rank, a.rdv.agree(min_nodes=2, timeout_s=10)))
+               for a in agents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for a in agents:
+        a.gen = got[a.rank]  # (no workers: both nodes' workers exited 0)
+    agents[1]._write_node("running")
+    look = agents[0].rdv.changed
+
+    def node_1_ends_then_look(gen):
+        agents[1]._write_node("done")  # node 1 saw both parts done ...
+        agents[1].rdv.close()  # ... and its agent exited, releasing its lease
+        return look(gen)
+
+    agents[0].rdv.changed = node_1_ends_then_look
+    assert look(agents[0].gen) is None
+    assert agents[0]._watch() == ("done", 0, "")
+    assert agents[0].rdv.changed(agents[0].gen) == "node 1 left"  # what node 0 saw, after the parts
 
 
 def _json_file(path):

@@ -358,14 +358,19 @@ class Agent:
             failed = [r for r, p in parts.items() if p.get("status") == "failed"]
             if failed:
                 return "ended", 1, f"node {failed[0]} failed: {parts[failed[0]].get('why')}"
-            if mine_done and len(parts) == len(self.gen.members) and all(p["status"] == "done" for p in parts.values()):
+            if mine_done and self._all_done(parts):
                 return "done", 0, ""
             why = self.rdv.changed(self.gen)
             if why is not None:
-                return "ended", 1, why
+                # a node that was done when it read the parts may have ended and left (its lease
+                # released) since this agent read them: that is the job's end, not a lost node
+                return ("done", 0, "") if mine_done and self._all_done(self._nodes()) else ("ended", 1, why)
             if forwarded is not None and now - forwarded > self.grace_s:
                 return "term", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
             time.sleep(0.05)
+
+    def _all_done(self, parts: dict[int, dict]) -> bool:
+        return len(parts) == len(self.gen.members) and all(p["status"] == "done" for p in parts.values())
 
     def _growing(self) -> bool:
         """The generation ends only because agents joined: every member still holds its lease
