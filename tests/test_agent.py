@@ -19,6 +19,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import recipes
 from helpers import cli, kill_tree
@@ -53,8 +54,12 @@ def test_launch_cli_rejects_bad_node_options(tmp_path, capsys):
     base = ["launch", "-n", "1", "--run-dir", str(tmp_path), "--nodes", "2"]
     for extra, want in ((["--", "true"], "--nodes needs --node-rank"),
                         (["--node-rank", "2", "--", "true"], "0 <= --node-rank < --nodes, got --nodes 2 --node-rank 2"),
-                        (["--node-rank", "0", "--in-place", "--", "true"],
-                         "--in-place cannot be combined with --nodes"),
+                        (["--node-rank", "0", "--in-place", "--shrink", "backend", "--", "true"],
+                         "--shrink backend cannot be combined with --nodes"),
+                        (["--node-rank", "0", "--in-place", "--min-in-place", "1", "--", "true"],
+                         "--min-in-place (across hosts: --min-nodes) cannot be combined with --nodes"),
+                        (["--node-rank", "0", "--in-place", "--host-store-every", "0", "--", "true"],
+                         "--in-place re-forms from the host stores: it needs --host-store-every > 0"),
                         (["--node-rank", "0", "--spares", "-1", "--", "true"],
                          "--spares must be an integer >= 0"),
                         (["--node-rank", "0", "--host-store-mirrors", "2", "--", "true"],
@@ -597,6 +602,59 @@ def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tm
     assert _resumed(tmp_path / "q0.log", "[g1 n0 p0]") == stopped[0], again[-3000:]
     assert stopped[0] in {m["step"] for m in metas}, [m["step"] for m in metas]  # it resumed from a packed save
     assert json.loads((run / "processes.json").read_text())["status"] == "done"
+    a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
+    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+@pytest.mark.parametrize("lost", ["host", "worker"])
+def test_in_place_the_live_hosts_workers_re_form_in_their_processes_bitwise(tmp_path, child_env, lost):
+    """``--in-place`` across hosts: 3 agents x 1 worker x 2 CPU devices (the bit-exact mode,
+    host stores). Past step 13, ``host``: SIGKILL of node 2, agent and worker (not the
+    service host); ``worker``: SIGKILL of node 1's worker only (its agent starts a new one).
+    The other hosts keep their workers: the agents agree on generation 1 (without node 2;
+    with all three) while the workers wait in their broken step, and the workers re-form in
+    their own processes (the same pids), resuming from their host stores at the step
+    reached, not at the checkpoint (10). The final state is bitwise that of a failure-free
+    single-process run."""
+    steps = 40
+    train = ["resilax", "train", "--topology", _topology(tmp_path, 3), "--layout", "sharded", "--steps", str(steps),
+             "--checkpoint-every", "10", "--log-every", "10", "--batch", "48"]
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    cmd = [sys.executable, "-m", *train, "--out", str(out)]
+    opts = ("-n", "1", "--devices-per-process", "2", "--in-place", "--lease", "2", "--collective-timeout", "5",
+            "--rendezvous-timeout", "120")
+    agents = [_launch(tmp_path, run, r, 3, cmd, child_env, "i", *opts) for r in (0, 1, 2)]
+    kept, members = ((0, 1), "[0, 1]") if lost == "host" else ((0, 2), "[0, 1, 2]")
+    try:
+        procs = _wait(lambda: _processes(run, 0, (0, 1, 2)), 180, "generation 0 on the three nodes", agents)
+        kill_step = min(_wait(lambda: (s := _steps(run, 0)) and len(s) == 3 and min(s.values()) >= 13 and s,
+                              180, "generation 0 past step 13", agents).values())
+        if lost == "host":
+            _signal_host(procs, 2, signal.SIGKILL)
+        else:
+            os.kill(int(procs["nodes"]["1"]["workers"]["1"]), signal.SIGKILL)
+        ref = subprocess.run([*cmd[:2], *train, "--no-log", "--no-peers", "--checkpoint-dir", str(tmp_path / "ref_ck"),
+                              "--out", str(tmp_path / "ref.npz"), "--quiet"], env=child_env, capture_output=True,
+                             text=True, timeout=240)
+        assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+        ending = agents[:2] if lost == "host" else agents
+        rcs = _exit_codes(ending, 240, "the job's end", also=agents[len(ending):])
+    finally:
+        for a in agents:
+            kill_tree(a)
+    texts = [(tmp_path / f"i{r}.log").read_text(errors="replace") for r in (0, 1, 2)]
+    assert rcs == [0] * len(ending), [t[-3000:] for t in texts]
+    for r in kept:
+        assert f"node {r}, generation 0 ended: " in texts[r] and "this node's workers stay (--in-place)" in texts[r], \
+            texts[r][-3000:]
+        pid = procs["nodes"][str(r)]["workers"][str(r)]
+        line = next(ln for ln in texts[r].splitlines() if f"node {r}, generation 1: nodes {members}" in ln)
+        assert f"(pids [{pid}])" in line and "] re-attached without restarting" in line, line
+        resumed = _resumed(tmp_path / f"i{r}.log", f"[g1 n{r} p")
+        assert resumed is not None and resumed >= kill_step - 1 and resumed > 10, (kill_step, texts[r][-3000:])
+    if lost == "worker":  # node 1 started a new worker; the verdict called its old one dead
+        line = next(ln for ln in texts[1].splitlines() if "node 1, generation 1: nodes [0, 1, 2]" in ln)
+        assert "re-attached" not in line and f"[{procs['nodes']['1']['workers']['1']}]" not in line, line
     a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 

@@ -1,5 +1,5 @@
 """`resilax launch` under a scheduler: the node count, rank and address from the scheduler's
-environment (`agent.placement`), and the recipes in examples/ (no JAX compute, no agents run:
+environment (`agent_cli.placement`), and the recipes in examples/ (no JAX compute, no agents run:
 tests/test_agent.py runs the Slurm recipe's command as two agents on loopback).
 
 There is no Slurm or Kubernetes here: these tests set the variables they set (Slurm's
@@ -13,7 +13,7 @@ import socket
 import pytest
 
 import recipes
-from resilax.tools import agent, cli
+from resilax.tools import agent_cli as agent, cli
 
 SLURM = {"SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_LOCALID": "0",
          "SLURMD_NODENAME": "localhost"}

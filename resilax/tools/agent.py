@@ -24,7 +24,8 @@ this host dies or hangs (stale heartbeat), another node reports a failure or ask
 generation, a member's lease expires (a dead host, or a hung one: a SIGSTOPped agent stops
 renewing), another agent takes a member's rank, or a live agent that is not a member joins.
 Then every agent stops its own workers (their JAX runtime cannot outlive a lost peer:
-/work/shared/MULTIPROCESS.md), the old service node's agent shuts its service down, and the
+/work/shared/MULTIPROCESS.md; with ``--in-place`` the live hosts' workers re-form in their
+processes instead where they can: `agent_reform`), the old service node's agent shuts its service down, and the
 agents agree on the next generation with the live nodes (`Rendezvous.agree`): the lowest
 live rank proposes and becomes the service node (so the service moves off a dead host),
 each agent starts its workers with the new global process ids, and they resume from the
@@ -75,20 +76,18 @@ its lease, claims that rank once (`rendezvous.standby`) and runs as its agent.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import json
 import os
 import pathlib
 import shutil
 import signal
-import socket
-import sys
 import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore_files, hoststore_net
-from resilax._src.runtime import rendezvous
+from resilax._src.runtime import membership, rendezvous
 from resilax._src.runtime.worker import LaunchEnv
+from resilax.tools import agent_reform
 from resilax.tools.processes import (HEARTBEATS, SPARES, Output, SparePool, WorkerProcess, exit_reason,
                                      generation_settled, heartbeat_file, popen, read_json, say, signal_running,
                                      stop_all)
@@ -119,7 +118,7 @@ class Agent:
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, collective_timeout_s: int = 15,
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 60, grace_s: float = 60.0,
                  min_nodes: int | None = None, max_restarts: int = 3, host_store_every: int = 1,
-                 host_store_dir=None, host_store_mirrors: int = 1, spares: int = 0):
+                 host_store_dir=None, host_store_mirrors: int = 1, spares: int = 0, in_place: bool = False):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if nodes < 1 or not 0 <= node_rank < nodes:
@@ -149,6 +148,9 @@ class Agent:
         self.jax_heartbeat_timeout_s, self.grace_s = jax_heartbeat_timeout_s, grace_s
         self.min_nodes, self.max_restarts = min_nodes, max_restarts
         self.host_store_every, self.host_store_mirrors = host_store_every, host_store_mirrors
+        if in_place and not host_store_every:
+            raise ValueError("resilax launch: --in-place re-forms from the host stores: it needs --host-store-every > 0")
+        self.in_place = bool(in_place)  # a lost host: the others' workers re-form in their processes (`agent_reform`)
         # this host's store (RAM where there is /dev/shm; never under the shared run dir, which
         # is a network file system on a cluster): made by `run`, removed when the agent ends
         tag = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
@@ -181,11 +183,11 @@ class Agent:
             "workers": {str(w.process_id): w.proc.pid for w in self.workers},
             "host_store": str(self.store_root or ""), **extra})
 
-    def _nodes(self) -> dict[int, dict]:
-        """The member nodes' parts of this generation that are readable now."""
-        out = {}
-        for r in self.gen.members:
-            rec = read_json(self._node_file(self.gen.generation, r))
+    def _nodes(self, gen=None) -> dict[int, dict]:
+        """The member nodes' parts of this generation (or ``gen``) that are readable now."""
+        out, gen = {}, gen or self.gen
+        for r in gen.members:
+            rec = read_json(self._node_file(gen.generation, r))
             if rec is not None:
                 out[r] = rec
         return out
@@ -203,8 +205,11 @@ class Agent:
                       for r, p in sorted(parts.items())}})
 
     # ------------------------------------------------------------------ a generation
-    def _start(self):
-        g, gen = self.gen.generation, self.gen
+    def _start(self, carry: dict | None = None):
+        """Starts this host's workers of the committed generation: ``carry`` (the live workers of
+        the one before, by their place in the job) re-form in their own processes, a ready warm
+        spare or a new process takes each other place."""
+        g, gen, carry = self.gen.generation, self.gen, carry or {}
         short = [r for r in gen.members if len(gen.process_ids[r]) != self.n]
         if short:
             raise rendezvous.RendezvousError(
@@ -229,7 +234,7 @@ class Agent:
             host, port = gen.coordinator.rsplit(":", 1)
             self._service = jaxdist.start_service(int(port), gen.num_processes, host=host,
                                                   heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
-        for pid_ in gen.process_ids[self.rank]:
+        for j, pid_ in enumerate(gen.process_ids[self.rank]):
             env = LaunchEnv(
                 coordinator=gen.coordinator, process_id=pid_, num_processes=gen.num_processes, generation=g,
                 devices_per_process=self.k, run_dir=str(self.run_dir),
@@ -238,8 +243,16 @@ class Agent:
                 init_timeout_s=int(min(self.startup_timeout_s, 600)), host_store=str(self.store_root or ""),
                 host_store_every=self.host_store_every, host_store_mirror=0, host_store_steps=steps,
                 host_store_remote=remote, host_store_peers=peers,
-                slots="" if whole else ",".join(map(str, slots)), num_slots=0 if whole else self.nodes * self.n)
+                slots="" if whole else ",".join(map(str, slots)), num_slots=0 if whole else self.nodes * self.n,
+                in_place_wait_s=self.lease_s + self.heartbeat_timeout_s + 10.0 if self.in_place else 0.0)
             prefix, log = f"[g{g} n{self.rank} p{pid_}] ", self.run_dir / "logs" / f"g{g}.p{pid_}.log"
+            w = carry.get(self.rank * self.n + j)
+            if w is not None:  # re-forms in its own process (its assignment is named by its id in its generation)
+                w.out.relabel(prefix, log)
+                write_json(membership.reform_assignment(self.run_dir, w.env.generation + 1, w.process_id),
+                           env.to_dict())
+                self.workers.append(WorkerProcess(pid_, env, w.proc, w.out))
+                continue
             ready = self.pool.ready()
             if ready:  # a warm spare of this host: its place (it then joins like a fresh worker)
                 self.workers.append(self.pool.assign(ready[0], env, prefix, log))
@@ -253,6 +266,8 @@ class Agent:
             f"{[w.process_id for w in self.workers]} (pids {[w.proc.pid for w in self.workers]})"
             + (f", from warm spares {[w.spare for w in self.workers if w.spare is not None]}"
                if any(w.spare is not None for w in self.workers) else "")
+            + (f"; processes {[w.process_id for w in self.workers if w.proc in kept]} re-attached without restarting"
+               if (kept := {w.proc for w in carry.values()}) else "")
             + ("" if whole else f" as the job's processes {[w.slot for w in self.workers]} of {self.nodes * self.n} "
                f"(nodes {sorted(set(range(self.nodes)) - set(gen.members))} missing)"))
 
@@ -369,6 +384,13 @@ class Agent:
                 return "term", 128 + signal.SIGTERM, f"workers did not exit within {self.grace_s:g} s of SIGTERM"
             time.sleep(0.05)
 
+    def _failed_nodes(self, gen) -> list[int]:
+        return [r for r, p in self._nodes(gen).items() if p.get("status") == "failed"]
+
+    def _reform_wait_s(self) -> float:
+        """How long re-forming in place waits for workers to leave a broken step and detach."""
+        return self.collective_timeout_s + self.lease_s + self.heartbeat_timeout_s + 10.0
+
     def _all_done(self, parts: dict[int, dict]) -> bool:
         return len(parts) == len(self.gen.members) and all(p["status"] == "done" for p in parts.values())
 
@@ -400,14 +422,14 @@ class Agent:
         return why + ("; the workers saved their step and exited" if all(c == 0 for c in codes)
                       else f"; the drain ended with exit codes {codes}")
 
-    def _end_generation(self, outcome: str, why: str) -> int:
-        """Stops this node's workers and the service it ran; returns the newest step they
-        had completed (-1: none)."""
+    def _end_generation(self, outcome: str, why: str, keep_service: bool = False) -> int:
+        """Stops this node's workers and (unless ``keep_service``) the service it ran; returns
+        the newest step they had completed (-1: none)."""
         reached = max([(w.heartbeat() or {}).get("step") or -1 for w in self.workers] + [-1])
         stop_all(self.workers, why)
         self._write_node("failed" if outcome == "failed" else "stopped", why=why)
         self._write_processes(self._nodes(), "failed" if self._term is not None else "restarting")
-        if self._service is not None:
+        if self._service is not None and not keep_service:
             self._service.shutdown()
             self._service = None
         return reached
@@ -434,10 +456,11 @@ class Agent:
             self.rdv.register(wait_s=2 * self.lease_s)  # a relaunch after a kill: the old lease expires first
             say(f"node {self.rank}: waiting for the {self.nodes} agents in {self.rdv.root}")
             self.gen = self.rdv.agree(min_nodes=self.nodes, timeout_s=self.rendezvous_timeout_s)
+            carry = None
             while True:
-                self._start()
+                self._start(carry)
                 outcome, rc, why = self._watch()
-                g = self.gen.generation
+                old_gen, g, carry = self.gen, self.gen.generation, None
                 if outcome == "done":
                     # SIGTERM to this agent, or to the workers directly (a scheduler's preemption)
                     preempted = self._term is not None or any(
@@ -448,23 +471,44 @@ class Agent:
                     return 0
                 if outcome == "ended" and self._term is None and self._growing():
                     why = self._drain(why)
-                reached = self._end_generation(outcome, why)
-                if self._term is not None:
-                    say(f"node {self.rank}, generation {g} ended after SIGTERM: {why}; this node's workers stopped")
-                    return rc
-                if outcome == "failed":
-                    self.rdv.request(g, why)  # the other nodes end this generation too
-                grows = sorted(set(self.rdv.live()) - set(self.gen.members))
-                if reached > best:  # this node got further than at the last failure: not a crash loop
-                    restarts, best = 0, reached
-                restarts += 0 if grows and outcome != "failed" else 1
-                if restarts > self.max_restarts:
-                    say(f"node {self.rank}: giving up: {self.max_restarts} restarts in a row without getting past step "
-                        f"{best} (--max-restarts {self.max_restarts}); last: {why}")
-                    return rc
-                say(f"node {self.rank}, generation {g} ended: {why}; this node's workers stopped (newest step "
-                    f"{reached}); agreeing on generation {g + 1} with the live nodes (at least {self.min_nodes})")
-                self.gen = self.rdv.agree(after=g, min_nodes=self.min_nodes, timeout_s=self.rendezvous_timeout_s)
+                refused = agent_reform.refused(self.workers, outcome, self._term) if self.in_place else "off"
+                if refused is None:  # --in-place: the workers wait in their broken step while the agents agree
+                    say(f"node {self.rank}, generation {g} ended: {why}; this node's workers stay (--in-place): "
+                        f"agreeing on the next generation with the live nodes (at least {self.min_nodes}), then they "
+                        f"re-form in their processes")
+                    self.gen = self.rdv.agree(after=g, min_nodes=self.min_nodes, timeout_s=self.rendezvous_timeout_s)
+                    agent_reform.write_verdict(self.run_dir, old_gen, self.gen, self._failed_nodes(old_gen))
+                    carry = agent_reform.await_detached(self.workers, self._reform_wait_s(), self.heartbeat_timeout_s)
+                    self.workers = []
+                else:
+                    if self.in_place:
+                        say(f"node {self.rank}, generation {g}: not re-forming in place: {refused}")
+                    # (--in-place: the service stays until the other hosts' workers left it, below)
+                    reached = self._end_generation(outcome, why, keep_service=self.in_place and self._term is None)
+                    if self._term is not None:
+                        say(f"node {self.rank}, generation {g} ended after SIGTERM: {why}; this node's workers stopped")
+                        return rc
+                    if outcome == "failed":
+                        self.rdv.request(g, why)  # the other nodes end this generation too
+                    grows = sorted(set(self.rdv.live()) - set(self.gen.members))
+                    if reached > best:  # this node got further than at the last failure: not a crash loop
+                        restarts, best = 0, reached
+                    restarts += 0 if grows and outcome != "failed" else 1
+                    if restarts > self.max_restarts:
+                        say(f"node {self.rank}: giving up: {self.max_restarts} restarts in a row without getting past "
+                            f"step {best} (--max-restarts {self.max_restarts}); last: {why}")
+                        return rc
+                    say(f"node {self.rank}, generation {g} ended: {why}; this node's workers stopped (newest step "
+                        f"{reached}); agreeing on generation {g + 1} with the live nodes (at least {self.min_nodes})")
+                    self.gen = self.rdv.agree(after=g, min_nodes=self.min_nodes, timeout_s=self.rendezvous_timeout_s)
+                if self._service is not None:  # (--in-place) detaching talks to the old service: it goes last
+                    verdict = agent_reform.write_verdict(self.run_dir, old_gen, self.gen, self._failed_nodes(old_gen))
+                    left = agent_reform.await_survivors(self.run_dir, verdict, self._reform_wait_s(),
+                                                        self.heartbeat_timeout_s)
+                    if left:
+                        say(f"node {self.rank}: processes {left} did not leave generation {g}'s service in time")
+                    self._service.shutdown()
+                    self._service = None
         except rendezvous.RendezvousError as e:
             fenced = (f" (fenced: another agent, a replacement or a spare, took node {self.rank}'s rank while this one "
                       f"did not renew its lease, stopped or cut off; this agent and its workers stop)"
@@ -505,178 +549,3 @@ class Agent:
 
     def _on_signal(self, signum, frame):
         self._term = signum
-
-
-# ---------------------------------------------------------------------- the scheduler's environment
-NODE_COUNT_VARS = ("SLURM_NNODES", "SLURM_JOB_NUM_NODES")  # Slurm: the step's node count, else the job's
-NODE_RANK_VARS = ("SLURM_NODEID", "JOB_COMPLETION_INDEX")  # Slurm; a Kubernetes Indexed Job (a JobSet's pods)
-
-
-def _env_int(environ, name: str, low: int) -> int | None:
-    v = environ.get(name)
-    if v is None or v.strip() == "":
-        return None
-    try:
-        i = int(v)
-    except ValueError:
-        i = None
-    if i is None or i < low:
-        raise ValueError(f"{name}={v!r} in the environment is not an integer >= {low} (set by the scheduler, read "
-                         f"when --nodes/--node-rank are not given)")
-    return i
-
-
-def host_address(environ=os.environ) -> str:
-    """This host's address for the other hosts: ``SLURMD_NODENAME`` (Slurm's name for the
-    node), else the host name, resolved here (a Kubernetes pod's host name resolves to its IP)."""
-    name, what = ((environ["SLURMD_NODENAME"], "SLURMD_NODENAME") if environ.get("SLURMD_NODENAME")
-                  else (socket.gethostname(), "the host name"))
-    try:
-        return socket.gethostbyname(name)
-    except OSError as e:
-        raise ValueError(f"{what} {name!r} does not resolve to an address ({e}): pass --address") from None
-
-
-def placement(nodes: int | None, node_rank: int | None, address: str | None, environ=os.environ):
-    """``(nodes, node_rank, address)`` of this agent: the flags that were given (they win), the
-    rest from the scheduler's environment. ``nodes`` None: not a job across hosts (no
-    ``--nodes`` and no Slurm node count, or a one-node Slurm allocation), the single-host
-    launch. The node count: ``--nodes``, else ``SLURM_NNODES`` / ``SLURM_JOB_NUM_NODES``
-    (Kubernetes has none: the manifest passes ``--nodes``); the rank: ``--node-rank``, else
-    ``SLURM_NODEID`` or ``JOB_COMPLETION_INDEX``; the address: ``--address``, else, when the
-    count or the rank came from the environment, `host_address`, else loopback.
-
-    Raises:
-      ValueError: a malformed value, or values that disagree, naming the variable.
-    """
-    used = []
-    if nodes is None:
-        for name in NODE_COUNT_VARS:
-            nodes = _env_int(environ, name, 1)
-            if nodes is not None:
-                used.append(name)
-                break
-        if nodes in (None, 1):  # one node: the single-host launch, as without a scheduler
-            return None, node_rank, address
-    if node_rank is None:
-        found = {name: v for name in NODE_RANK_VARS if (v := _env_int(environ, name, 0)) is not None}
-        if len(set(found.values())) > 1:
-            raise ValueError(f"{' and '.join(f'{k}={v}' for k, v in found.items())} disagree on this host's node "
-                             f"rank: pass --node-rank")
-        if "SLURM_NODEID" in found and environ.get("SLURM_LOCALID", "0").strip() not in ("", "0"):
-            raise ValueError(f"SLURM_LOCALID={environ['SLURM_LOCALID']!r}: Slurm started more than one task on this "
-                             f"node, but a job needs one agent per host: srun --ntasks-per-node=1")
-        for name, v in found.items():
-            if v >= nodes:
-                raise ValueError(f"{name}={v} is not a node rank of {nodes} nodes ("
-                                 f"{f'{used[0]}={nodes}' if used else f'--nodes {nodes}'})")
-            node_rank = v
-        used += list(found)
-    if address is None:
-        address = host_address(environ) if used else "127.0.0.1"
-    return nodes, node_rank, address
-
-
-def add_arguments(p) -> None:
-    """The options of `resilax launch` that make it one agent of a job across hosts."""
-    g = p.add_argument_group("across hosts (one agent per host; see resilax/tools/agent.py)")
-    g.add_argument("--nodes", type=int, default=None, metavar="N",
-                   help="hosts in the job (one agent on each; default: SLURM_NNODES under Slurm)")
-    g.add_argument("--node-rank", type=int, default=None, metavar="R",
-                   help="this host's rank, 0 <= R < --nodes (default: SLURM_NODEID, or JOB_COMPLETION_INDEX in a "
-                        "Kubernetes Indexed Job / JobSet)")
-    g.add_argument("--spare", action="store_true",
-                   help="a standby agent (a spare host; no --node-rank): waits until a host of the running job loses "
-                        "its lease (dead or hung), takes its rank and runs as its agent, so the job grows back to "
-                        "--nodes without that host's replacement; exits 0 when the job ends first, 1 when no job runs "
-                        "for --rendezvous-timeout")
-    g.add_argument("--lease", type=float, default=5.0, metavar="S", help="an agent silent for this long is dead (s)")
-    g.add_argument("--address", default=None,
-                   help="how the other hosts reach this one: the coordination service binds and is advertised there "
-                        "when it runs here (default: 127.0.0.1, loopback; when the node count or rank comes from "
-                        "the scheduler's environment: SLURMD_NODENAME or the host name, resolved)")
-    g.add_argument("--min-nodes", type=int, default=None, metavar="M",
-                   help="after a lost host, go on with at least M live nodes (default: half of --nodes, rounded up); "
-                        "with fewer, wait for replacements up to --rendezvous-timeout, then exit 1")
-    g.add_argument("--rendezvous-timeout", type=float, default=300.0, metavar="S",
-                   help="how long the agents wait to agree on a generation (s)")
-    g.add_argument("--host-store-dir", default=None, metavar="DIR",
-                   help="this host's state store (--host-store-every; served on --address for the mirror of the previous "
-                        "host's shards): a directory on this "
-                        "host, not the shared run dir (default: a new one on /dev/shm, else in the temp dir; emptied "
-                        "when the agent starts, removed when it ends)")
-    g.add_argument("--host-store-mirrors", type=int, default=1, metavar="K",
-                   help="mirror each host's shards (the default mode's; a whole copy is on every host) on the next K "
-                        "live hosts: any K hosts next to each other may be lost at once and the job still resumes "
-                        "from the host stores (default 1; each more costs one more copy's network and memory)")
-
-
-def main(cmd, args, environ=os.environ) -> int | None:
-    """`resilax launch --nodes ...` (or under a scheduler, `placement`): builds and runs the
-    `Agent` (exit 2 on bad options). None: not a job across hosts; the caller runs the
-    single-host launch."""
-    other = [o for o, v in (("--in-place", args.in_place),) if v]
-    spare = bool(getattr(args, "spare", False))
-    try:
-        if spare and args.node_rank is not None:
-            raise ValueError("--spare takes the rank of a lost host: leave out --node-rank")
-        nodes, rank, address = placement(args.nodes, 0 if spare else args.node_rank, args.address, environ)
-        if nodes is None:
-            if spare:
-                raise ValueError("--spare is a standby agent of a job across hosts: it needs --nodes (> 1)")
-            return None
-        if rank is None or other:
-            raise ValueError("--nodes needs --node-rank (or SLURM_NODEID / JOB_COMPLETION_INDEX from the scheduler)"
-                             if rank is None else f"{', '.join(other)} cannot be combined with --nodes yet")
-
-        def make(rank):
-            return Agent(cmd, nodes=nodes, node_rank=rank, n=args.n,
-                         devices_per_process=args.devices_per_process, run_dir=args.run_dir, lease_s=args.lease,
-                         address=address, heartbeat_s=args.heartbeat, heartbeat_timeout_s=args.heartbeat_timeout,
-                         collective_timeout_s=args.collective_timeout or 15, startup_timeout_s=args.startup_timeout,
-                         min_nodes=args.min_nodes, max_restarts=args.max_restarts,
-                         rendezvous_timeout_s=args.rendezvous_timeout, host_store_every=args.host_store_every,
-                         host_store_dir=args.host_store_dir, host_store_mirrors=args.host_store_mirrors,
-                         spares=args.spares)
-
-        agent = make(rank)  # (a spare's options are checked before it waits; its rank comes later)
-    except ValueError as e:
-        print(f"resilax: error: resilax launch: {e}" if not str(e).startswith("resilax") else f"resilax: error: {e}",
-              file=sys.stderr)
-        return 2
-    if nodes > 1 and args.address is None and ipaddress.ip_address(address).is_loopback:
-        say(f"{'spare' if spare else f'node {rank}'}: warning: the coordination service binds {address} (loopback) "
-            f"when it runs on this node: only agents on this machine reach it; across machines, pass --address")
-    if spare:
-        got = _stand_by(agent.run_dir, nodes, args.rendezvous_timeout)
-        if not isinstance(got, tuple):
-            return got
-        agent = make(got[0])
-    return agent.run()
-
-
-def _stand_by(run_dir: pathlib.Path, nodes: int, timeout_s: float):
-    """A spare agent's wait (`rendezvous.standby`): ``(rank, dead incarnation)`` to stand in
-    for, else the exit code (0: the job ended first; 1: no job ran for ``timeout_s``)."""
-    def state():
-        procs = read_json(run_dir / PROCESSES_JSON) or {}
-        return procs.get("status"), procs.get("generation")
-
-    before = state()  # (a relaunch's spare: the run directory may still say how the last launch ended)
-
-    def ended():
-        now = state()
-        return now[0] in ("done", "preempted", "failed") and now != before
-
-    say(f"spare (pid {os.getpid()}): standing by in {run_dir} for a lost host of the job's {nodes}")
-    try:
-        got = rendezvous.standby(run_dir, nodes, ended=ended, idle_timeout_s=timeout_s)
-    except rendezvous.RendezvousError as e:
-        say(f"spare: {e}")
-        return 1
-    if got is None:
-        say(f"spare: the job in {run_dir} ended ({(read_json(run_dir / PROCESSES_JSON) or {}).get('status')}) with no "
-            f"host to stand in for")
-        return 0
-    say(f"spare: node {got[0]}'s agent (incarnation {got[1][:8]}) lost its lease: standing in as node {got[0]}")
-    return got

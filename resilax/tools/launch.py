@@ -72,7 +72,7 @@ from resilax._src.io import write_json
 from resilax._src.protect import hoststore_files
 from resilax._src.runtime import membership, rendezvous
 from resilax._src.runtime.worker import LaunchEnv
-from resilax.tools import agent, processes
+from resilax.tools import agent_cli, processes
 from resilax.tools.processes import (HEARTBEATS, Output, SparePool, WorkerProcess, exit_reason, heartbeat_file,
                                      popen, read_json, say, stop_all)
 
@@ -610,7 +610,7 @@ def register_cli(sub) -> None:
     p.add_argument("--min-in-place", type=int, default=None, metavar="M",
                    help="go on in place only while at least M workers are left (default: half of -n, rounded up); "
                         "below that a new generation brings the job back to -n workers")
-    agent.add_arguments(p)  # --nodes, --node-rank: one agent of a job across hosts (tools/agent.py)
+    agent_cli.add_arguments(p)  # --nodes, --node-rank: one agent of a job across hosts (tools/agent.py)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     p.set_defaults(func=_cmd_launch)
 
@@ -619,7 +619,7 @@ def _cmd_launch(args) -> int:
     cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
     if cmd and cmd[0] == "resilax":  # the same interpreter and resilax as the supervisor
         cmd = [sys.executable, "-m", "resilax", *cmd[1:]]
-    if (rc := agent.main(cmd, args)) is not None:  # --nodes, or a scheduler's: one agent of a job across hosts
+    if (rc := agent_cli.main(cmd, args)) is not None:  # --nodes, or a scheduler's: one agent of a job across hosts
         return rc
     try:
         sup = Supervisor(cmd, n=args.n, devices_per_process=args.devices_per_process, run_dir=args.run_dir,
