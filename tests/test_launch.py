@@ -585,26 +585,42 @@ def test_bit_exact_mode_with_4_device_domains_keeps_its_bits_when_processes_go(t
     order for more than 2 participants: it is not the reference here (1.4e-2 off after 8
     steps; ``benchmarks/collective_order_probe.py``). This case was refused before that was
     known."""
-    from helpers import child_env
 
     train = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", "8", "--quiet"]
+    text, _ = _re_form_2x4_alone(tmp_path, train, "hang@4:after_step/1")
+    assert "[g1 p0] resumed at step 4 (host store" in text, text[-3000:]
+    _launched_ref_bitwise(tmp_path, train)
+
+
+def _re_form_2x4_alone(tmp_path, train, fault):
+    """``launch -n 2 --devices-per-process 4 --in-place --min-in-place 1`` of ``train`` with
+    ``fault``: process 0 re-forms alone (generation 1) and the job ends 0; its output and run dir."""
+    from helpers import child_env
+
     run, out = tmp_path / "run", tmp_path / "final.npz"
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
            "--in-place", "--min-in-place", "1", "--heartbeat", "0.2", "--heartbeat-timeout", "2",
            "--min-step-deadline", "6", "--collective-timeout", "3", "--max-restarts", "0", "--", *train,
-           "--out", str(out), "--fault", "hang@4:after_step/1"]
+           "--out", str(out), "--fault", fault]
     r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
     text = r.stdout + r.stderr
     assert r.returncode == 0 and out.exists(), text[-5000:]
     hist = json.loads((run / "launch_history.json").read_text())["generations"]
     assert [(g["outcome"], g["processes"]) for g in hist] == [("reform", [0, 1]), ("done", [0])], (hist, text[-3000:])
-    assert "[g1 p0] resumed at step 4 (host store" in text, text[-3000:]
+    return text, run
+
+
+def _launched_ref_bitwise(tmp_path, train):
+    """Runs ``train`` failure-free as ``launch -n 1 --devices-per-process 8`` (run dir
+    ``ref_run``) and checks ``final.npz`` is bitwise its final state."""
+    from helpers import child_env
+
     ref = tmp_path / "ref.npz"
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "1", "--devices-per-process", "8", "--run-dir",
            str(tmp_path / "ref_run"), "--max-restarts", "0", "--", *train, "--out", str(ref)]
     r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
-    a, b = np.load(out, allow_pickle=False), np.load(ref, allow_pickle=False)
+    a, b = np.load(tmp_path / "final.npz", allow_pickle=False), np.load(ref, allow_pickle=False)
     assert sorted(a.files) == sorted(b.files)
     assert all(np.array_equal(a[k], b[k]) for k in a.files), _rel_diff(a, b)
 
@@ -617,31 +633,13 @@ def test_a_process_that_dies_during_the_last_save_is_re_formed_around_in_place(t
     saw a job restart from scratch when a kill landed there); generation 1 restores step 8
     from its host store, writes checkpoint 8 again and ends. The final state and checkpoint
     8 are bitwise those of a failure-free run."""
-    from helpers import child_env
-
     train = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", "8", "--quiet",
              "--checkpoint-every", "4"]
-    run, out = tmp_path / "run", tmp_path / "final.npz"
-    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
-           "--in-place", "--min-in-place", "1", "--heartbeat", "0.2", "--heartbeat-timeout", "2",
-           "--min-step-deadline", "6", "--collective-timeout", "3", "--max-restarts", "0", "--", *train,
-           "--out", str(out), "--fault", "kill_process@8:during_save/1"]
-    r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
-    text = r.stdout + r.stderr
-    assert r.returncode == 0 and out.exists(), text[-5000:]
-    hist = json.loads((run / "launch_history.json").read_text())["generations"]
-    assert [(g["outcome"], g["processes"]) for g in hist] == [("reform", [0, 1]), ("done", [0])], (hist, text[-3000:])
+    text, run = _re_form_2x4_alone(tmp_path, train, "kill_process@8:during_save/1")
     assert "the save of step 8 at the end failed" in text and "[g1 p0] resumed at step 8 (host store" in text, \
         text[-3000:]
-    ref_run, ref = tmp_path / "ref_run", tmp_path / "ref.npz"
-    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "1", "--devices-per-process", "8", "--run-dir",
-           str(ref_run), "--max-restarts", "0", "--", *train, "--out", str(ref)]
-    r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
-    a, b = np.load(out, allow_pickle=False), np.load(ref, allow_pickle=False)
-    assert sorted(a.files) == sorted(b.files)
-    assert all(np.array_equal(a[k], b[k]) for k in a.files), _rel_diff(a, b)
-    got, want = (_checkpoint_sums(d / "checkpoints" / "8") for d in (run, ref_run))
+    _launched_ref_bitwise(tmp_path, train)
+    got, want = (_checkpoint_sums(d / "checkpoints" / "8") for d in (run, tmp_path / "ref_run"))
     assert got[1] == want[1] and np.array_equal(got[0], want[0]), (got, want)
 
 

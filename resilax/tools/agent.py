@@ -476,6 +476,7 @@ class Agent:
                     say(f"node {self.rank}, generation {g} ended: {why}; this node's workers stay (--in-place): "
                         f"agreeing on the next generation with the live nodes (at least {self.min_nodes}), then they "
                         f"re-form in their processes")
+                    self._write_node("reforming", why=why)
                     self.gen = self.rdv.agree(after=g, min_nodes=self.min_nodes, timeout_s=self.rendezvous_timeout_s)
                     agent_reform.write_verdict(self.run_dir, old_gen, self.gen, self._failed_nodes(old_gen))
                     carry = agent_reform.await_detached(self.workers, self._reform_wait_s(), self.heartbeat_timeout_s)

@@ -124,6 +124,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lease", type=float, default=2.0, metavar="S", help="the agents' --lease")
     p.add_argument("--spares", type=int, default=0, metavar="S",
                    help="the agents' --spares: S warm worker processes on each host (the start phase's imports)")
+    p.add_argument("--in-place", action="store_true",
+                   help="the agents' --in-place: the live hosts' workers re-form in their processes (bit-exact mode)")
     p.add_argument("--host-store-every", type=int, default=1, metavar="K", help="the agents' (0: host stores off)")
     p.add_argument("--host-store-mirrors", type=int, default=1, metavar="K", help="the agents' (default 1)")
     p.add_argument("--timeout", type=float, default=240.0, metavar="S",
@@ -358,7 +360,7 @@ def _reforming(run, dead, at: str):
 def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int, lease: float, timeout: float,
              replace: bool = False, host_store_every: int = 1, workers: int = 1, devices: int = 2, mirrors: int = 1,
              min_nodes: int | None = None, second_kill_at: str = "attached", nodes: int = NODES, spares: int = 0,
-             log=print) -> dict:
+             in_place: bool = False, log=print) -> dict:
     """One job of ``nodes`` agents; ``case`` as in the module docstring. Raises `Hang` or `BenchError`;
     returns the measurements (``bitwise``: the final state is ``ref``'s; ``distance``: how far from it)."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
@@ -370,6 +372,7 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
         opts += ["--min-nodes", str(min_nodes)]
     if spares:
         opts += ["--spares", str(spares)]
+    opts += ["--in-place", "--collective-timeout", "5"] if in_place else []
     nproc = nodes * workers
     hosts = Hosts(work, run, cmd, opts, time.time() + timeout, nodes)
     second = None  # double: where the second kill landed
@@ -459,7 +462,7 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
 
     def _stopped(g_, r):  # when node r had stopped its workers and marked generation g_ ended
         f = run / "nodes" / f"g{g_}.node{r}.json"
-        return _mtime(f) if (_json(f) or {}).get("status") in ("stopped", "failed") else None
+        return _mtime(f) if (_json(f) or {}).get("status") in ("stopped", "failed", "reforming") else None
 
     if case == "relaunch":
         detected = t_kill
@@ -540,7 +543,7 @@ def _stats(xs):
 def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=None, repeat=1, replace=False, soak=0,
                     lease=2.0, timeout=240.0, workdir=None, host_store_every=1, workers_per_host=1, mirrors=1,
                     devices_per_process=None, min_nodes=None, second_kill_at="attached", nodes=NODES,
-                    deterministic=True, spares=0, log=print) -> dict:
+                    deterministic=True, spares=0, in_place=False, log=print) -> dict:
     import numpy as np
 
     if cases is None:
@@ -594,7 +597,7 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=None, 
             res = run_case(work / name, case, train=train, ref=ref, kill_after=kill_after, lease=lease,
                            timeout=timeout, replace=rep, host_store_every=host_store_every, workers=workers,
                            mirrors=mirrors, devices=devices, min_nodes=min_nodes if min_nodes or case != "double" else 1,
-                           second_kill_at=second_kill_at, nodes=nodes, spares=spares, log=log)
+                           second_kill_at=second_kill_at, nodes=nodes, spares=spares, in_place=in_place, log=log)
             res["outcome"] = "bitwise" if res["bitwise"] else (f"within {tol:g}" if res["distance"] <= tol else
                                                                f"off by {res['distance']:.2e}")
         except Hang as e:
@@ -614,7 +617,7 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=None, 
         "benchmark": "multihost",
         "setup": {"nodes": nodes, "workers_per_node": workers, "devices_per_process": devices,
                   "topology": _topology_name(workers, devices, nodes), "cases": list(cases), "min_nodes": min_nodes,
-                  "spares": spares,
+                  "spares": spares, "in_place": in_place,
                   "second_kill_at": second_kill_at if "double" in cases else None,
                   "mode": mode, "tolerance": tol, "batch": 48, "steps": steps, "checkpoint_every": checkpoint_every,
                   "kill_after": kill_after, "lease_s": lease, "heartbeat_s": 0.2, "host_store_every": host_store_every,
@@ -661,7 +664,7 @@ def run(args) -> int:
                         mirrors=args.host_store_mirrors,
                         workers_per_host=args.workers_per_host, devices_per_process=args.devices_per_process,
                         min_nodes=args.min_nodes, second_kill_at=args.second_kill_at, nodes=args.nodes,
-                        deterministic=not args.no_deterministic, spares=args.spares,
+                        deterministic=not args.no_deterministic, spares=args.spares, in_place=args.in_place,
                         log=lambda m: print(m, flush=True))
     print_table(r)
     if args.json:
