@@ -621,8 +621,8 @@ def test_in_place_the_live_hosts_workers_re_form_in_their_processes_bitwise(tmp_
              "--checkpoint-every", "10", "--log-every", "10", "--batch", "48"]
     run, out = tmp_path / "run", tmp_path / "final.npz"
     cmd = [sys.executable, "-m", *train, "--out", str(out)]
-    opts = ("-n", "1", "--devices-per-process", "2", "--in-place", "--lease", "2", "--collective-timeout", "5",
-            "--rendezvous-timeout", "120")
+    opts = ("-n", "1", "--devices-per-process", "2", "--in-place", "--lease", "4", "--collective-timeout", "5",
+            "--rendezvous-timeout", "120")  # (lease 4 s: 2 s expired under a starved renewal thread, 1 run in 20)
     agents = [_launch(tmp_path, run, r, 3, cmd, child_env, "i", *opts) for r in (0, 1, 2)]
     kept, members = ((0, 1), "[0, 1]") if lost == "host" else ((0, 2), "[0, 1, 2]")
     try:
@@ -657,6 +657,36 @@ def test_in_place_the_live_hosts_workers_re_form_in_their_processes_bitwise(tmp_
         assert "re-attached" not in line and f"[{procs['nodes']['1']['workers']['1']}]" not in line, line
     a, b = np.load(out, allow_pickle=False), np.load(tmp_path / "ref.npz", allow_pickle=False)
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_the_agents_write_the_same_verdict_at_once_none_trips_on_another(tmp_path):
+    """Every agent re-forming in place writes ``D/membership.json`` (the same record): three
+    writers at once, 200 times each, never fail (a temporary file shared by name made one
+    agent's rename fail and the agent exit) and leave the whole record, no temporary file."""
+    import types
+
+    from resilax.tools import agent_reform
+
+    old = types.SimpleNamespace(generation=4, members=(0, 1, 2), process_ids={0: (0, 1), 1: (2, 3), 2: (4, 5)})
+    new = types.SimpleNamespace(generation=6, members=(0, 1), process_ids={0: (0, 1), 1: (2, 3)})
+    errors = []
+
+    def write():
+        try:
+            for _ in range(200):
+                agent_reform.write_verdict(tmp_path, old, new, [])
+        except Exception as e:  # noqa: BLE001  (the test's outcome)
+            errors.append(e)
+
+    threads = [threading.Thread(target=write) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert json.loads((tmp_path / "membership.json").read_text()) == {
+        "generation": 4, "epoch": 1, "dead": [4, 5], "alive": [0, 1, 2, 3], "reform": 6}
+    assert os.listdir(tmp_path) == ["membership.json"]
 
 
 def test_default_mode_a_lost_host_resumes_from_its_mirror_on_the_next_host_within_1e_4(tmp_path, child_env):

@@ -190,6 +190,7 @@ class ResilientStep:
         self._keep_input = False  # the next step does not donate the live state (a save reads it)
         self._store = None  # the host state store (under `resilax launch`)
         self._finished = None  # (step, metrics) of the current call once its step completed
+        self.lookahead = in_place.Lookahead()  # (under `launch --in-place`: how far the host runs ahead)
         self._batch_key = None  # (treedef, shapes and dtypes) of the last batch checked against the program
         self._timed_prog = None  # the program the last step_seconds sample ran on
         self._steady_dt = None  # the last step's seconds, None after a program's first step
@@ -386,24 +387,14 @@ class ResilientStep:
         self._finished = None  # (step, metrics) once this call's step completed (a save may still fail)
         try:
             return self._call(batch)
-        except (ResilaxError, jax.errors.JaxRuntimeError) as e:
+        except BaseException as e:
             if in_place.possible(self) and isinstance(e, (jax.errors.JaxRuntimeError, StorageError)):
                 # under `resilax launch --in-place`: a collective broke; if a process died, go on without it
                 out = in_place.go_on(self, e, entry, batch, self._finished, self._call)
                 if out is not None:
                     return out
-                self._broken_if_lost()  # no process was declared dead: the error stands
-                raise
-            self._broken_if_lost()
-            if isinstance(e, ResilaxError):
-                raise
-            if self._broken:
-                raise ResilaxError(f"resilax.ResilientStep: the step failed after the state was donated ({e!r}); "
-                                   f"step.state holds nothing usable") from e
-            raise
-        except BaseException as e:
-            self._broken_if_lost()
-            if self._broken:
+            self._broken_if_lost()  # (under --in-place: no process was declared dead, the error stands)
+            if self._broken and not isinstance(e, ResilaxError):
                 raise ResilaxError(f"resilax.ResilientStep: the step failed after the state was donated ({e!r}); "
                                    f"step.state holds nothing usable") from e
             raise
@@ -445,6 +436,7 @@ class ResilientStep:
         dev_batch = prog.put_batch(batch)
         # kept, not popped: a step redone from its batch (`in_place.go_on`) gets its fault, so its first verdict
         gout = prog.grad(log_ring, self._grad_faults.get(k))(self.live, self.guard, dev_batch, np.uint32(k))
+        self.lookahead.push(gout.ok)
         for p in self._protections:
             p.before_update(self, self.live, batch, k, gout, prog)
         keep, self._keep_input = self._keep_input, False  # a checkpoint's persister still reads this state

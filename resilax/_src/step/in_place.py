@@ -10,6 +10,7 @@ read-only properties and change it through its hooks (``moved``, ``resume_at``,
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Callable
 
@@ -19,6 +20,33 @@ from resilax._src.errors import StateLostError
 from resilax._src.protect.data_state import decode_data_state
 from resilax._src.runtime import membership, worker
 from resilax._src.step.recovery import newest_checkpoint
+
+
+class Lookahead:
+    """Under `resilax launch --in-place` the host runs at most `STEPS` steps ahead of the
+    devices: a step's dispatch waits until the grad part `STEPS` steps before it completed
+    (its verdict, ``GradOut.ok``, is ready; nothing is read). Steps queued behind a collective
+    that a dead process broke each wait XLA's collective timeout before they fail: a survivor
+    6 steps ahead took about 30 s to reach its verdict, longer than the re-form across hosts
+    waits for it (it was then restarted). This bounds that to `STEPS` timeouts and costs
+    nothing while the host is slower than the devices. Outside ``--in-place``: nothing."""
+
+    STEPS = 2
+
+    def __init__(self):
+        self._q: collections.deque = collections.deque()
+
+    def push(self, done) -> None:
+        e = worker.env()
+        if e is None or e.in_place_wait_s <= 0:
+            return
+        self._q.append(done)
+        if len(self._q) > self.STEPS:
+            self._q.popleft().block_until_ready()  # (a broken collective's step raises here)
+
+    def clear(self) -> None:
+        """Forgets the steps in flight (they ran on a backend the job went on without)."""
+        self._q.clear()
 
 
 def possible(run) -> bool:
@@ -66,6 +94,7 @@ def go_on(run, err: BaseException, entry: int, batch, finished, call: Callable):
     the error. Returns the call's ``(state, metrics)``, or None without a verdict naming
     dead processes: the error stands (the supervisor then restarts the job)."""
     t_err = time.perf_counter()
+    run.lookahead.clear()
     m = _verdict(run, err, f"step {entry + 1}")
     if m is None:
         return None
