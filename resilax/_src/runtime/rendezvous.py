@@ -105,19 +105,22 @@ def _tmp(path: pathlib.Path) -> pathlib.Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
-def _write_tmp(path: pathlib.Path, rec: dict) -> pathlib.Path:
+def _write_tmp(path: pathlib.Path, rec: dict, sync: bool = True) -> pathlib.Path:
     tmp = _tmp(path)
     with open(tmp, "wb") as f:
         f.write(_sealed(rec))
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     return tmp
 
 
-def write_record(path, rec: dict) -> None:
-    """Writes ``rec`` with its checksum, atomically (a reader sees the old record or the new)."""
+def write_record(path, rec: dict, sync: bool = True) -> None:
+    """Writes ``rec`` with its checksum, atomically (a reader sees the old record or the new).
+    ``sync=False``: no fsync (a lease: it must outlive no crash of its host, and its renewal
+    must not wait on a busy disk's flush for longer than the lease)."""
     path = pathlib.Path(path)
-    os.replace(_write_tmp(path, rec), path)
+    os.replace(_write_tmp(path, rec, sync), path)
 
 
 def create_record(path, rec: dict) -> bool:
@@ -231,7 +234,7 @@ class Rendezvous:
         write_record(self._lease_path(self.rank), {
             "rank": self.rank, "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
             "address": self.address, "store": self.store, "workers": self.workers, "t": now,
-            "expires": now + self.lease_s})
+            "expires": now + self.lease_s}, sync=False)
 
     def register(self, *, renew: bool = True, wait_s: float = 0.0) -> None:
         """Takes this rank's lease and (``renew``) starts the thread that keeps it. A live lease
