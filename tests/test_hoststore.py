@@ -414,3 +414,27 @@ def test_timings_of_a_long_run_keep_their_totals_in_bounded_memory():
         t.append(float(i))
     assert (t.count, t.total) == (10, 55.0)
     assert list(t) == [7.0, 8.0, 9.0, 10.0] and t.median() == 8.5 and Timings().median() is None
+
+
+def test_the_stores_of_killed_owners_are_removed_and_live_ones_kept(tmp_path):
+    """A SIGKILLed agent or supervisor leaves its host store (in RAM, /dev/shm, until the
+    machine restarts); the next one of the same kind on the host removes the stores whose
+    owner is gone (`hoststore_files.remove_orphans`), and only those: a live owner's store,
+    another rank's, and anything not named like a store stay."""
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # (reaped: its pid names no process now)
+    mine = os.getpid()
+    names = [f"resilax-store-0123456789ab-node1-{dead.pid}", f"resilax-store-0123456789ab-node1-{mine}",
+             f"resilax-store-0123456789ab-node2-{dead.pid}", f"resilax-store-{dead.pid}-17", f"resilax-store-{mine}-18",
+             "something-else"]
+    for n in names:
+        (tmp_path / n / "host0").mkdir(parents=True)
+    gone = hsf.remove_orphans(tmp_path, r"resilax-store-0123456789ab-node1-(?P<pid>\d+)")  # an agent of rank 1
+    assert gone == [names[0]]
+    gone = hsf.remove_orphans(tmp_path, r"resilax-store-(?P<pid>\d+)-\d+")  # a single-host supervisor
+    assert gone == [names[3]]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:3] + names[4:])

@@ -79,6 +79,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import time
@@ -440,6 +441,11 @@ class Agent:
                   self.run_dir / SPARES):
             d.mkdir(parents=True, exist_ok=True)
         if self.store_root is not None:  # a new agent starts with an empty store (a new host's memory)
+            gone = hoststore_files.remove_orphans(self.store_root.parent, re.escape(
+                self.store_root.name.rsplit("-", 1)[0]) + r"-(?P<pid>\d+)") if re.fullmatch(
+                r"resilax-store-[0-9a-f]{12}-node\d+-\d+", self.store_root.name) else []  # (not --host-store-dir)
+            if gone:
+                say(f"node {self.rank}: removed the host store(s) of killed agent(s) of this rank: {gone}")
             shutil.rmtree(self.store_root, ignore_errors=True)
             for j in range(self.n):
                 (self.store_root / f"host{self.rank * self.n + j}").mkdir(parents=True)

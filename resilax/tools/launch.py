@@ -553,7 +553,11 @@ class Supervisor:
     # ------------------------------------------------------------------ host state store
     def _make_store(self):
         """One directory per host, in RAM (/dev/shm) where there is one; the supervisor owns them."""
-        self.store_root = hoststore_files.ram_root(self.run_dir) / f"resilax-store-{os.getpid()}-{time.time_ns()}"
+        root = hoststore_files.ram_root(self.run_dir)
+        gone = hoststore_files.remove_orphans(root, r"resilax-store-(?P<pid>\d+)-\d+")
+        if gone:
+            say(f"removed the host stores of killed supervisor(s): {gone}")
+        self.store_root = root / f"resilax-store-{os.getpid()}-{time.time_ns()}"
         for i in range(self.n):
             (self.store_root / f"host{i}").mkdir(parents=True)
 

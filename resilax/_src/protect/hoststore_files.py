@@ -187,6 +187,32 @@ def decode(raw: bytes) -> dict:
         return {k: z[k] for k in z.files}
 
 
+def remove_orphans(root: pathlib.Path, pattern: str) -> list[str]:
+    """Removes the host stores in ``root`` whose names match ``pattern`` (a regular
+    expression with a group ``pid``: the agent or supervisor that owns the store) and whose
+    owner is gone. A SIGKILLed agent or supervisor cannot remove its store, and one in RAM
+    (/dev/shm) would hold that memory until the machine restarts; no later process can use
+    it (a new owner starts with an empty store). A live owner's store, or one whose pid now
+    names another live process, is kept. Returns the names removed."""
+    import shutil
+
+    gone = []
+    for d in sorted(root.glob("resilax-store-*")):
+        m = re.fullmatch(pattern, d.name)
+        if m is None or not d.is_dir():
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+            continue  # alive (or reused by another live process: kept)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process: alive
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d.name)
+    return gone
+
+
 def ram_root(fallback: str | os.PathLike | None = None) -> pathlib.Path:
     """Where host stores go by default: RAM (``/dev/shm``) where there is one, else
     ``fallback`` (or the temp dir). Never a shared run directory on a cluster: that is a
