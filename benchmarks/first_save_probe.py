@@ -20,7 +20,6 @@ later ones names what a warm-up must do. Run it under both allocator settings:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import threading
 import time
@@ -28,6 +27,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from resilax._src.io import write_json
 
 
 def main(argv=None) -> dict:
@@ -109,8 +110,7 @@ def main(argv=None) -> dict:
     out = {"device": dev.device_kind, "platform": dev.platform, "mb": a.mb, "free": a.free,
            "preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "default"), "results": results}
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.json, out)
     return out
 
 

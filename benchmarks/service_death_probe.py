@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from resilax._src.io import write_json
+
 SERVICE = r"""
 import sys, time
 from resilax._src.runtime import jaxdist
@@ -106,8 +108,7 @@ def main(argv=None) -> dict:
             print(f"{t['heartbeat_timeout_s']:>18} {i:>7} {r['exit']:>16} {r['ended_s_after_kill']:>21}")
     res = {"jax": jax.__version__, "trials": trials}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.json, res)
     return res
 
 

@@ -117,3 +117,19 @@ def reference_run(tmp_path_factory, *args) -> dict:
                 (d / "done").write_text("")
         _REFERENCE_RUNS[key] = load_npz(d / "ref.npz")
     return _REFERENCE_RUNS[key]
+
+
+def agree_together(rdvs, after=-1, min_nodes=1):
+    """``Rendezvous.agree`` of every one of ``rdvs`` at once (threads): the generation they all
+    agreed on (an AssertionError if one did not, or they disagree)."""
+    import threading
+
+    got = {}
+    threads = [threading.Thread(target=lambda r=r: got.setdefault(r.incarnation, r.agree(
+        after=after, min_nodes=min_nodes, timeout_s=10))) for r in rdvs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(got) == len(rdvs) and len({g.sha256 for g in got.values()}) == 1, got
+    return next(iter(got.values()))

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import recipes
-from helpers import cli, kill_tree
+from helpers import agree_together, cli, kill_tree
 
 STEPS = 6
 TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
@@ -479,15 +479,9 @@ def test_a_node_that_ends_and_leaves_between_two_reads_is_the_jobs_end(tmp_path)
     for a in agents:
         a.rdv = Rendezvous(tmp_path, a.rank, workers=1, lease_s=30.0, poll_s=0.01)
         a.rdv.register(renew=False)
-    got = {}
-    threads = [threading.Thread(target=lambda a=a: got.setdefault(a.rank, a.rdv.agree(min_nodes=2, timeout_s=10)))
-               for a in agents]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    gen = agree_together([a.rdv for a in agents], min_nodes=2)
     for a in agents:
-        a.gen = got[a.rank]  # (no workers: both nodes' workers exited 0)
+        a.gen = gen  # (no workers: both nodes' workers exited 0)
     agents[1]._write_node("running")
     look = agents[0].rdv.changed
 

@@ -18,6 +18,7 @@ import threading
 import time
 
 import pytest
+from helpers import agree_together
 
 from resilax._src.runtime import rendezvous as rdv
 from resilax._src.runtime.rendezvous import (ABANDONED, COMMITTED, CorruptRecordError, LeaseLostError, RankTakenError,
@@ -120,19 +121,6 @@ def _agents(tmp_path, ranks, clock, **kw):
     return out
 
 
-def _agree_together(agents, after, min_nodes):
-    """``agree`` of every agent in ``agents`` at once (threads); the generation they agreed on."""
-    got = {}
-    threads = [threading.Thread(target=lambda a=a: got.setdefault(a.incarnation, a.agree(
-        after=after, min_nodes=min_nodes, timeout_s=10))) for a in agents]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert len(got) == len(agents) and len({g.sha256 for g in got.values()}) == 1, got
-    return next(iter(got.values()))
-
-
 class _Clock:
     def __init__(self):
         self.t = 1000.0
@@ -217,14 +205,14 @@ def test_a_renewal_stopped_between_its_read_and_its_write_does_not_take_the_rank
     its own lease back at its next renewal and keeps the rank."""
     clock = _Clock()
     agents = _agents(tmp_path, [0, 1], clock)
-    gen = _agree_together([agents[0], agents[1]], after=-1, min_nodes=2)
+    gen = agree_together([agents[0], agents[1]], after=-1, min_nodes=2)
     zombie = agents[1]
     clock.t += 1.5  # node 1 hangs: its lease expires (node 0's too, on this clock: renew it)
     agents[0].renew()
     assert rdv.standby(tmp_path, 2, ended=lambda: False, poll_s=0.01, clock=clock) == (1, zombie.incarnation)
     spare = Rendezvous(tmp_path, 1, workers=2, lease_s=1.0, clock=clock)
     spare.register(renew=False)
-    g1 = _agree_together([agents[0], spare], after=gen.generation, min_nodes=2)
+    g1 = agree_together([agents[0], spare], after=gen.generation, min_nodes=2)
     assert g1.members == (0, 1) and g1.incarnations[1] == spare.incarnation
     zombie._write_lease()  # the stopped renewal's write lands
     lease = tmp_path / rdv.RENDEZVOUS / "leases" / "node1.json"

@@ -79,7 +79,6 @@ import hashlib
 import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import time
@@ -90,8 +89,8 @@ from resilax._src.runtime import membership, rendezvous
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import agent_reform
 from resilax.tools.processes import (HEARTBEATS, SPARES, Output, SparePool, WorkerProcess, exit_reason,
-                                     generation_settled, heartbeat_file, popen, read_json, say, signal_running,
-                                     stop_all)
+                                     generation_settled, hand_place, heartbeat_file, popen, read_json, say,
+                                     signal_running, stop_all)
 
 PROCESSES_JSON = "processes.json"
 NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
@@ -155,6 +154,8 @@ class Agent:
         # this host's store (RAM where there is /dev/shm; never under the shared run dir, which
         # is a network file system on a cluster): made by `run`, removed when the agent ends
         tag = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
+        # the default stores of this rank's agents (the pid last): a killed one's is removed (`run`)
+        self._orphans = None if host_store_dir else rf"resilax-store-{tag}-node{node_rank}-(?P<pid>\d+)"
         self.store_root = (pathlib.Path(host_store_dir).absolute() if host_store_dir else
                            hoststore_files.ram_root() / f"resilax-store-{tag}-node{node_rank}-{os.getpid()}"
                            ) if host_store_every else None
@@ -249,10 +250,8 @@ class Agent:
             prefix, log = f"[g{g} n{self.rank} p{pid_}] ", self.run_dir / "logs" / f"g{g}.p{pid_}.log"
             w = carry.get(self.rank * self.n + j)
             if w is not None:  # re-forms in its own process (its assignment is named by its id in its generation)
-                w.out.relabel(prefix, log)
-                write_json(membership.reform_assignment(self.run_dir, w.env.generation + 1, w.process_id),
-                           env.to_dict())
-                self.workers.append(WorkerProcess(pid_, env, w.proc, w.out))
+                self.workers.append(hand_place(w.proc, w.out, env, prefix, log, membership.reform_assignment(
+                    self.run_dir, w.env.generation + 1, w.process_id)))
                 continue
             ready = self.pool.ready()
             if ready:  # a warm spare of this host: its place (it then joins like a fresh worker)
@@ -441,9 +440,7 @@ class Agent:
                   self.run_dir / SPARES):
             d.mkdir(parents=True, exist_ok=True)
         if self.store_root is not None:  # a new agent starts with an empty store (a new host's memory)
-            gone = hoststore_files.remove_orphans(self.store_root.parent, re.escape(
-                self.store_root.name.rsplit("-", 1)[0]) + r"-(?P<pid>\d+)") if re.fullmatch(
-                r"resilax-store-[0-9a-f]{12}-node\d+-\d+", self.store_root.name) else []  # (not --host-store-dir)
+            gone = hoststore_files.remove_orphans(self.store_root.parent, self._orphans) if self._orphans else []
             if gone:
                 say(f"node {self.rank}: removed the host store(s) of killed agent(s) of this rank: {gone}")
             shutil.rmtree(self.store_root, ignore_errors=True)
@@ -478,13 +475,14 @@ class Agent:
                 if outcome == "ended" and self._term is None and self._growing():
                     why = self._drain(why)
                 refused = agent_reform.refused(self.workers, outcome, self._term) if self.in_place else "off"
+                verdict = None
                 if refused is None:  # --in-place: the workers wait in their broken step while the agents agree
                     say(f"node {self.rank}, generation {g} ended: {why}; this node's workers stay (--in-place): "
                         f"agreeing on the next generation with the live nodes (at least {self.min_nodes}), then they "
                         f"re-form in their processes")
                     self._write_node("reforming", why=why)
                     self.gen = self.rdv.agree(after=g, min_nodes=self.min_nodes, timeout_s=self.rendezvous_timeout_s)
-                    agent_reform.write_verdict(self.run_dir, old_gen, self.gen, self._failed_nodes(old_gen))
+                    verdict = agent_reform.write_verdict(self.run_dir, old_gen, self.gen, self._failed_nodes(old_gen))
                     carry = agent_reform.await_detached(self.workers, self._reform_wait_s(), self.heartbeat_timeout_s)
                     self.workers = []
                 else:
@@ -509,7 +507,8 @@ class Agent:
                         f"{reached}); agreeing on generation {g + 1} with the live nodes (at least {self.min_nodes})")
                     self.gen = self.rdv.agree(after=g, min_nodes=self.min_nodes, timeout_s=self.rendezvous_timeout_s)
                 if self._service is not None:  # (--in-place) detaching talks to the old service: it goes last
-                    verdict = agent_reform.write_verdict(self.run_dir, old_gen, self.gen, self._failed_nodes(old_gen))
+                    verdict = verdict or agent_reform.write_verdict(self.run_dir, old_gen, self.gen,
+                                                                    self._failed_nodes(old_gen))
                     left = agent_reform.await_survivors(self.run_dir, verdict, self._reform_wait_s(),
                                                         self.heartbeat_timeout_s)
                     if left:

@@ -28,7 +28,7 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.runtime import membership
-from resilax.tools.processes import heartbeat_file, read_json, stop_all
+from resilax.tools.processes import heartbeat_file, not_ready_in_place, read_json, stop_all
 
 
 def refused(workers, outcome: str, term) -> str | None:
@@ -41,14 +41,9 @@ def refused(workers, outcome: str, term) -> str | None:
     if not workers:
         return "this host has no worker"
     for w in workers:
-        hb = w.heartbeat() or {}
-        if w.proc.poll() is not None:
-            return f"process {w.process_id} has exited"
-        if not hb.get("in_place"):
-            return (f"process {w.process_id} cannot go on in place (not the bit-exact mode with one failure domain "
-                    f"per process and a host store, or not started yet)")
-        if not hb.get("first_step_t"):
-            return f"process {w.process_id} has not completed a step of this generation"
+        why = f"process {w.process_id} has exited" if w.proc.poll() is not None else not_ready_in_place(w)
+        if why is not None:
+            return why
     return None
 
 

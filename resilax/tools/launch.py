@@ -227,9 +227,8 @@ class Supervisor:
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
             if slot in carried:  # a live worker of the generation that re-formed: it re-attaches without restarting
                 w = carried[slot]  # (its assignment is named by its process id in that generation)
-                w.out.relabel(prefix, log)  # (before it can read its place: see processes.Output)
-                write_json(membership.reform_assignment(self.run_dir, g, w.process_id), env.to_dict())
-                self.workers.append(WorkerProcess(i, env, w.proc, w.out))
+                self.workers.append(processes.hand_place(w.proc, w.out, env, prefix, log,
+                                                         membership.reform_assignment(self.run_dir, g, w.process_id)))
                 continue
             if ready:  # a warm spare: tell it its place (it then joins like a fresh worker)
                 self.workers.append(self.pool.assign(ready.pop(0), env, prefix, log))
@@ -368,14 +367,7 @@ class Supervisor:
             return "another worker has exited too"
         if len(others) < self.min_in_place:
             return f"{len(others)} worker(s) would be left (--min-in-place {self.min_in_place})"
-        for x in others:
-            hb = x.heartbeat() or {}
-            if not hb.get("in_place"):
-                return f"process {x.process_id} cannot go on in place (not the bit-exact mode with one failure " \
-                       f"domain per process and a host store, or not started yet)"
-            if not hb.get("first_step_t"):
-                return f"process {x.process_id} has not completed a step of this generation"
-        return None
+        return next((why for x in others if (why := processes.not_ready_in_place(x)) is not None), None)
 
     def _shrink_in_place(self, w: WorkerProcess, why: str, now: float) -> bool:
         """Path A: ``w`` is dead (or killed here as hung); the others go on in place when they

@@ -269,9 +269,7 @@ class SparePool:
         """Gives ready spare ``s`` its place (it then joins like a fresh worker): its output
         goes on under the worker's prefix and log, its assignment is ``env`` (atomically)."""
         self.spares.remove(s)
-        s.out.relabel(prefix, log)  # (before it can read its place: see `Output`)
-        write_json(s.assignment, env.to_dict())
-        return WorkerProcess(env.process_id, env, s.proc, s.out, spare=s.index)
+        return hand_place(s.proc, s.out, env, prefix, log, s.assignment, spare=s.index)
 
     def pids(self) -> dict[str, int]:
         return {str(s.index): s.proc.pid for s in self.spares if s.proc.poll() is None}
@@ -279,6 +277,30 @@ class SparePool:
     def kill_all(self) -> None:
         stop_all(self.spares)
         self.spares.clear()
+
+
+def hand_place(proc, out: "Output", env: LaunchEnv, prefix: str, log, assignment, spare: int | None = None
+               ) -> "WorkerProcess":
+    """A running process (a warm spare, or a live worker re-forming in its own process) takes
+    its place ``env`` in a generation: its output goes on under the worker's ``prefix`` and
+    ``log`` first (before it can read its place: see `Output`), then ``env`` is written to
+    ``assignment``, whole (the process waits for that file)."""
+    out.relabel(prefix, log)
+    write_json(assignment, env.to_dict())
+    return WorkerProcess(env.process_id, env, proc, out, spare=spare)
+
+
+def not_ready_in_place(w) -> str | None:
+    """Why live worker ``w`` cannot go on in place now (None: it can): its heartbeat says it
+    is not in the bit-exact mode with one failure domain per process and a host store (or it
+    has not started), or it has not completed a step of this generation."""
+    hb = w.heartbeat() or {}
+    if not hb.get("in_place"):
+        return (f"process {w.process_id} cannot go on in place (not the bit-exact mode with one failure domain "
+                f"per process and a host store, or not started yet)")
+    if not hb.get("first_step_t"):
+        return f"process {w.process_id} has not completed a step of this generation"
+    return None
 
 
 def generation_settled(workers, first: bool, since: float, timeout_s: float, now: float) -> bool:

@@ -256,9 +256,7 @@ class Rendezvous:
                     f"an expired lease (waited {wait_s:g} s for it to expire)")
             time.sleep(self.poll_s)
         if cur is not None and cur["incarnation"] != self.incarnation:  # fence the expired one first
-            create_record(self.claim_path(self.rank, cur["incarnation"]), {
-                "rank": self.rank, "dead": cur["incarnation"], "by": self.incarnation, "pid": os.getpid(),
-                "host": socket.gethostname(), "t": self.clock()})  # (exists already when a spare claimed it)
+            self.claim(self.rank, cur["incarnation"], by=self.incarnation)  # (a spare's claim may be there already)
         self._write_lease()
         if renew:
             self._thread = threading.Thread(target=self._renew_loop, name=f"resilax-lease-{self.rank}", daemon=True)
@@ -272,8 +270,7 @@ class Rendezvous:
         """
         self.check_fence()
         cur = read_record(self._lease_path(self.rank))
-        if cur is not None and cur["incarnation"] != self.incarnation and not self.claim_path(
-                self.rank, cur["incarnation"]).exists():  # (a claimed one: a fenced agent's last write)
+        if self._held_by_other(self.rank, cur, self.incarnation):
             self.lost = True
             raise LeaseLostError(f"resilax rendezvous: node {self.rank}'s lease is now held by pid {cur['pid']} on "
                                  f"{cur['host']} (this agent's lease expired and a replacement took the rank)")
@@ -282,6 +279,18 @@ class Rendezvous:
 
     def claim_path(self, rank: int, incarnation: str) -> pathlib.Path:
         return self.root / "claims" / f"node{rank}.{incarnation}.json"
+
+    def claim(self, rank: int, dead: str, **who) -> bool:
+        """Claims rank ``rank`` from its dead incarnation ``dead`` (create-once: True for exactly
+        one claimant); the fence of that incarnation for good."""
+        return create_record(self.claim_path(rank, dead), {"rank": rank, "dead": dead, **who, "pid": os.getpid(),
+                                                           "host": socket.gethostname(), "t": self.clock()})
+
+    def _held_by_other(self, rank: int, lease: dict | None, incarnation: str) -> bool:
+        """Whether ``lease`` of ``rank`` names another incarnation than ``incarnation``, not a
+        claimed one (a fenced agent's last write, undone at its successor's next renewal)."""
+        return (lease is not None and lease["incarnation"] != incarnation
+                and not self.claim_path(rank, lease["incarnation"]).exists())
 
     def check_fence(self) -> None:
         """Raises `LeaseLostError` when this agent is fenced: a replacement or a spare claimed
@@ -433,8 +442,7 @@ class Rendezvous:
         live = self.live(leases)
         for r in gen.members:
             lease = leases.get(r)
-            if lease is not None and lease["incarnation"] != gen.incarnations[r] and not self.claim_path(
-                    r, lease["incarnation"]).exists():  # (a claimed one: a fenced agent's last write, undone soon)
+            if self._held_by_other(r, lease, gen.incarnations[r]):
                 return f"node {r} was replaced (another agent holds its rank)"
             if r not in live:
                 return f"node {r}'s lease expired" if lease is not None else f"node {r} left"
@@ -529,10 +537,7 @@ def standby(run_dir, nodes: int, *, ended, idle_timeout_s: float = 300.0, poll_s
                 idle_since = time.monotonic()
                 for r in range(nodes):
                     lease = leases.get(r)
-                    if lease is not None and lease["expires"] <= now and create_record(
-                            rdv.claim_path(r, lease["incarnation"]),
-                            {"rank": r, "dead": lease["incarnation"], "pid": os.getpid(),
-                             "host": socket.gethostname(), "t": now}):
+                    if lease is not None and lease["expires"] <= now and rdv.claim(r, lease["incarnation"]):
                         return r, lease["incarnation"]
         except (OSError, CorruptRecordError):
             pass  # a transient shared-file-system error or a torn record: look again
