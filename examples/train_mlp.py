@@ -13,12 +13,15 @@ import argparse
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)  # 2 emulated slices x 4 devices; before JAX starts
+import resilax
+
+# 2 emulated slices x 4 devices, before JAX starts; dispatched as an accelerator's are (a call
+# returns while the previous step runs), which jax.config.update("jax_num_cpu_devices", 8)
+# alone does not give on a machine with fewer cores than devices
+resilax.request_cpu_devices(8)
 
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import resilax  # noqa: E402
 from resilax.tools import example as ex  # noqa: E402  (the model and data; a user brings their own)
 
 

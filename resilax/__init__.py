@@ -26,6 +26,7 @@ _WHERE = {
     "Fault": "resilax._src.runtime.faults",
     "FaultPlan": "resilax._src.runtime.faults",
     "record": "resilax._src.step.record",
+    "request_cpu_devices": "resilax._src.runtime.cpu_devices",
     "Topology": "resilax._src.runtime.topology",
     "ResilientStep": "resilax._src.step.driver",
     "wrap": "resilax._src.step.driver",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
                                                   orbax_lock as orbax_lock)
     from resilax._src.runtime.faults import Fault as Fault, FaultPlan as FaultPlan  # noqa: F401
     from resilax._src.step.record import record as record  # noqa: F401
+    from resilax._src.runtime.cpu_devices import request_cpu_devices as request_cpu_devices  # noqa: F401
     from resilax._src.runtime.topology import Topology as Topology  # noqa: F401
     from resilax._src.step.driver import ResilientStep as ResilientStep, wrap as wrap  # noqa: F401
     from resilax import launched as launched  # noqa: F401
@@ -100,5 +102,6 @@ __all__ = [
     "launched",
     "orbax_lock",
     "record",
+    "request_cpu_devices",
     "wrap",
 ]

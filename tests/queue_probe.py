@@ -1,8 +1,10 @@
-"""Run by tests/test_async.py in a process with one CPU device: how soon four calls of a
-heavy step return, as a fraction of the time until the device is done with them, for
-plain jit and for resilax (interleaved twice). Prints one JSON line.
+"""Run by tests/test_async.py: how soon four calls of a heavy step return, as a fraction of
+the time until the device is done with them, for plain jit and for resilax (interleaved
+twice). Prints one JSON line. With DEVICES > 1: two emulated slices (peer copies on), the
+batch sharded over every device, the devices requested as `resilax.request_cpu_devices`
+does (a call of a multi-device program returns while the previous one runs).
 
-Usage: python tests/queue_probe.py {default|checkpoint} TMP_DIR
+Usage: python tests/queue_probe.py {default|checkpoint} TMP_DIR [DEVICES]
 """
 
 import json
@@ -13,13 +15,14 @@ import warnings
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 1)
+import resilax
+
+DEVICES = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+resilax.request_cpu_devices(DEVICES)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import resilax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 
 def heavy_step(state, batch):
@@ -35,12 +38,13 @@ def heavy_step(state, batch):
 
 
 def main(config, tmp):
-    topo = resilax.Topology.emulated(slices=1, devices_per_slice=1)
+    topo = resilax.Topology.emulated(slices=1 if DEVICES == 1 else 2, devices_per_slice=max(1, DEVICES // 2))
+    bspec = P() if DEVICES == 1 else P(("data", "fsdp"))
     cfg = resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "ck"), every=100)
                          if config == "checkpoint" else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # one failure domain: no peers
-        step = resilax.wrap(heavy_step, topology=topo, state_sharding=P(), batch_sharding=P(), config=cfg)
+        step = resilax.wrap(heavy_step, topology=topo, state_sharding=P(), batch_sharding=bspec, config=cfg)
     rng = np.random.default_rng(0)
     state = {"w": jnp.asarray(rng.normal(size=(768, 768)) * 0.03, jnp.float32), "n": jnp.zeros((), jnp.int32)}
     batch = {"x": rng.normal(size=(768, 768)).astype(np.float32)}
@@ -48,7 +52,8 @@ def main(config, tmp):
     for _ in range(3):  # compile, and the first step's one-off work
         s, m = step(s, batch)
     jax.block_until_ready(s)
-    plain = jax.jit(heavy_step, donate_argnums=0)  # resilax.record outside a wrapped step: identity
+    plain = jax.jit(heavy_step, in_shardings=(step.program.state_sh, NamedSharding(step.mesh, bspec)),
+                    donate_argnums=0)  # resilax.record outside a wrapped step: identity
     ps = jax.device_put(dict(state), step.program.state_sh)
     ps, _ = plain(ps, batch)
     jax.block_until_ready(ps)

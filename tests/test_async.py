@@ -56,16 +56,17 @@ def test_no_program_of_a_failure_free_run_waits_on_the_host(tmp_path):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("config", ["default", "checkpoint"])
-def test_calls_return_while_the_device_computes(config, tmp_path):
+@pytest.mark.parametrize("config,devices", [("default", 1), ("checkpoint", 1), ("default", 8)])
+def test_calls_return_while_the_device_computes(config, devices, tmp_path):
     """Four calls of a heavy step in a row return long before the device is done with them,
     as plain jit's do: nothing on the step path waits for a device value (verdicts, losses
-    and counters are read late). Run in a process with one CPU device: XLA:CPU runs a
-    one-device program asynchronously (a multi-device one may wait at dispatch for inputs
-    still being computed, plain jit's too). ``checkpoint``: a save is due on none of these
-    steps, but the checkpoint protection is on."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "queue_probe.py"), config, str(tmp_path)],
-                          env=child_env(), capture_output=True, text=True, timeout=300)
+    and counters are read late). ``checkpoint``: a save is due on none of these steps, but
+    the checkpoint protection is on. ``8``: two emulated slices of 4 (peer copies on), the
+    batch over every device, devices requested with `resilax.request_cpu_devices`: with
+    XLA:CPU's default client pool (one thread per device on 2 cores) the update part's call
+    waited for the whole grad part (fractions 0.5-1.0, measured)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "queue_probe.py"), config, str(tmp_path),
+                           str(devices)], env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fractions = json.loads(proc.stdout.strip().splitlines()[-1])
     # plain jit returns at once; resilax must too (before: the verdict read one step late made

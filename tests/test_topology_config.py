@@ -128,3 +128,23 @@ def test_config_from_gin():
 
 def test_eight_cpu_devices():
     assert jax.device_count() == 8
+
+
+def test_emulated_devices_get_a_client_pool_for_two_programs(monkeypatch):
+    """`request_cpu_devices` sizes XLA:CPU's client thread pool (NPROC) for a running
+    program plus the next one's dispatch (two per device), never below the cores, and keeps
+    a value the user set; one device needs nothing."""
+    from resilax._src.runtime import cpu_devices
+
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.setattr(cpu_devices.os, "sched_getaffinity", lambda _: set(range(2)), raising=False)
+    assert cpu_devices.dispatch_threads(8) == 16
+    monkeypatch.setattr(cpu_devices.os, "sched_getaffinity", lambda _: set(range(64)), raising=False)
+    assert cpu_devices.dispatch_threads(8) == 64  # a big machine's pool is not shrunk
+    cpu_devices.reserve_dispatch_threads(1)
+    assert "NPROC" not in os.environ
+    cpu_devices.reserve_dispatch_threads(8)
+    assert os.environ["NPROC"] == "64"
+    monkeypatch.setenv("NPROC", "5")
+    cpu_devices.reserve_dispatch_threads(8)
+    assert os.environ["NPROC"] == "5"

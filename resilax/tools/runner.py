@@ -61,7 +61,9 @@ def configure_cpu_devices(n: int) -> None:
                 f"processes x {e.devices_per_process} devices = {e.job_processes * e.devices_per_process}")
         return
     if jax.config.jax_platforms in (None, "", "cpu") and os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
-        jax.config.update("jax_num_cpu_devices", n)
+        from resilax._src.runtime.cpu_devices import request_cpu_devices
+
+        request_cpu_devices(n)  # (with a client thread pool that lets a call return while the last step runs)
 
 
 def make_config(*, checkpoint_dir: str | None = None, checkpoint_every: int = 10, log: bool = True,
