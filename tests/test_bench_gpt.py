@@ -5,7 +5,7 @@ output, not asserted here."""
 import json
 import subprocess
 
-KEYS = ("platform", "device_kind", "state_bytes", "plain_ms", "orbax_ratio", "off_ratio", "default_ratio",
+KEYS = ("platform", "device_kind", "state_bytes", "plain_ms", "split_ratio", "orbax_ratio", "off_ratio", "default_ratio",
         "default_ckpt_ratio", "save_blocking_s", "first_save_blocking_s", "host_copy_s", "host_overhead_ms",
         "run_to_run_bitwise", "resume_bitwise")
 
@@ -24,7 +24,7 @@ def test_bench_gpt_tiny_writes_every_key(tmp_path, child_env, python):
     # restarted with the same plan, end bitwise equal (issues 26 and 27)
     assert d["run_to_run_bitwise"] is True and d["resume_bitwise"] is True, (d["resume"], r.stdout[-2000:])
     assert d["resume"]["killed_rc"] == -9  # the run really was SIGKILLed before its restart
-    for k in ("plain_ms", "orbax_ratio", "off_ratio", "default_ratio", "default_ckpt_ratio", "host_copy_s",
+    for k in ("plain_ms", "split_ratio", "orbax_ratio", "off_ratio", "default_ratio", "default_ckpt_ratio", "host_copy_s",
               "save_blocking_s", "first_save_blocking_s"):
         assert isinstance(d[k], float) and d[k] >= 0, (k, d[k])
     assert "default_ckpt" in r.stdout and "SIGKILL + resume bitwise" in r.stdout  # the table

@@ -6,6 +6,9 @@ runs on CPU) on one failure domain holding every device present (state FSDP-shar
 them, the batch over them), five variants run in interleaved blocks:
 
 - ``plain``: ``jax.jit`` of the same step, state donated;
+- ``split``: the same step as two plain jits, gradients then update (state donated): what
+  running a step as two programs costs on this platform without resilax (on a GPU nothing
+  measurable; on emulated CPU devices each program's launch is a task per device);
 - ``orbax``: the same plus a plain Orbax async ``CheckpointManager`` save every ``--every``;
 - ``off``: `resilax.wrap` with every protection off (the grad/update split only);
 - ``default``: `resilax.wrap` with ``Config()``;
@@ -18,7 +21,7 @@ dispatched). Blocks start at multiples of ``--block`` and ``--block`` divides ``
 so a save is the first step of its block and the steps it touches run back to back.
 
 JSON keys (the table prints them): ``platform``, ``device_kind``, ``devices``,
-``state_bytes``, ``plain_ms`` (mean step), ``orbax_ratio``, ``off_ratio``,
+``state_bytes``, ``plain_ms`` (mean step), ``split_ratio``, ``orbax_ratio``, ``off_ratio``,
 ``default_ratio``, ``default_ckpt_ratio`` (ratios of means against ``plain``, saves
 included), ``save_blocking_s`` (median over the saves after the first of the steps' time
 above the variant's median step, summed over the save's block), ``first_save_blocking_s``,
@@ -45,7 +48,7 @@ import numpy as np
 
 from resilax.tools.bench import option_adder, write_result
 
-VARIANTS = ("plain", "orbax", "off", "default", "default_ckpt")
+VARIANTS = ("plain", "split", "orbax", "off", "default", "default_ckpt")
 UNPINNED = "default_ckpt_unpinned"  # --unpinned: Orbax's copy to host without pinned memory (its GPU default: with)
 PACKED = "default_ckpt_packed"  # --packed: packed checkpoints (`CheckpointStore.PACK`, experimental)
 EXTRA = (UNPINNED, PACKED)
@@ -173,7 +176,7 @@ class _Plain:
     state donated; ``orbax``: a plain async ``CheckpointManager`` save every ``every``, the
     loop going on while Orbax writes, as a plain Orbax user's does."""
 
-    def __init__(self, size, mesh, n, directory=None, every=100):
+    def __init__(self, size, mesh, n, directory=None, every=100, split=False):
         import jax
         from jax.sharding import NamedSharding
 
@@ -190,6 +193,18 @@ class _Plain:
 
         self._fn = jax.jit(step, in_shardings=(self.state_sh, self.batch_sh, None),
                            out_shardings=(self.state_sh, None), donate_argnums=(0,))
+        if split:  # ``split``: gradients, then the update, as two programs
+            grad = jax.jit(lambda s, b, k: gpt.plain_grad(s, b, jax.random.fold_in(jax.random.key(0), k)),
+                           in_shardings=(self.state_sh, self.batch_sh, None),
+                           out_shardings=(self.state_sh.params, None))
+            update = jax.jit(lambda s, g: s.apply_gradients(grads=g), in_shardings=(self.state_sh, self.state_sh.params),
+                             out_shardings=self.state_sh, donate_argnums=(0,))
+
+            def two(state, batch, k):
+                grads, loss = grad(state, batch, k)
+                return update(state, grads), {"loss": loss}
+
+            self._fn = two
         self.step = 0
         self.mgr = None
         self.every = every
@@ -477,9 +492,9 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
     try:
         t0 = time.perf_counter()
         for v in variants:
-            if v in ("plain", "orbax"):
+            if v in ("plain", "split", "orbax"):
                 runs[v] = _Plain(sz, mesh, topo.num_devices, os.path.join(tmp, "orbax") if v == "orbax" else None,
-                                 every)
+                                 every, split=v == "split")
                 states[v] = runs[v].state
             else:
                 runs[v], states[v] = _wrapped(v, sz, topo, os.path.join(tmp, "ckpt"), every)
@@ -510,7 +525,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         for v in variants:
             runs[v].close()
         runs = {}
-        states.clear()  # five train states off the device before the bitwise runs (1.33 GB each on `small`)
+        states.clear()  # the variants' train states off the device before the bitwise runs (1.33 GB each on `small`)
         t1 = time.perf_counter()
         r2r = _run_to_run(sz, topo, batches)
         r2r_s = time.perf_counter() - t1
@@ -530,6 +545,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         "phase_s": {"setup": setup_s, "interleaved": timed_s, "run_to_run": r2r_s,
                     "resume": res.get("seconds")},
         "plain_ms": mean["plain"] * 1e3,
+        "split_ratio": mean["split"] / mean["plain"],
         "orbax_ratio": mean["orbax"] / mean["plain"],
         "off_ratio": mean["off"] / mean["plain"],
         "default_ratio": mean["default"] / mean["plain"],
@@ -566,6 +582,8 @@ def print_gpt(r: dict) -> None:
     for v in VARIANTS:
         ratio = 1.0 if v == "plain" else r[f"{v}_ratio"]
         print(f"{v:<14}{r['mean_ms'][v]:>10.2f}{r['median_ms'][v]:>11.2f}{r['return_ms'][v]:>17.2f}{ratio:>15.3f}")
+    print(f"two programs a step, no resilax (split): {r['split_ratio']:.3f}; resilax against it: every protection "
+          f"off {r['off_ratio'] / r['split_ratio']:.3f}, Config() {r['default_ratio'] / r['split_ratio']:.3f}")
     f = lambda x: "n/a" if x is None else f"{x * 1e3:.1f} ms"  # noqa: E731
     print(f"save blocking (steps above the median, per save): first {f(r['first_save_blocking_s'])}, later "
           f"(median) {f(r['save_blocking_s'])}; plain Orbax first {f(r['orbax_first_save_blocking_s'])}, later "

@@ -91,21 +91,24 @@ def train_step(state, batch, rng):
     """Next-token cross entropy; the step `resilax.wrap(..., rng=True)` calls."""
     import resilax
 
+    grads, loss = plain_grad(state, batch, rng)
+    return state.apply_gradients(grads=resilax.record(grads)), {"loss": loss}
+
+
+def plain_grad(state, batch, rng):
+    """``(grads, loss)`` of the step without `resilax.record`: the grad half of
+    `plain_step`, for the bench's plain two-program reference."""
     def loss_fn(p):
         logits = state.apply_fn({"params": p}, batch["tokens"], train=True, rngs={"dropout": rng})
         return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["tokens"][:, 1:]).mean()
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=resilax.record(grads)), {"loss": loss}
+    return grads, loss
 
 
 def plain_step(state, batch, rng):
     """The same step without `resilax.record` (for a plain ``jax.jit``)."""
-    def loss_fn(p):
-        logits = state.apply_fn({"params": p}, batch["tokens"], train=True, rngs={"dropout": rng})
-        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["tokens"][:, 1:]).mean()
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    grads, loss = plain_grad(state, batch, rng)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
 
