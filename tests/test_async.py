@@ -76,3 +76,78 @@ def test_calls_return_while_the_device_computes(config, devices, tmp_path):
     # LogConfig.max_lag = 2 steps, so the fourth call waits for the second step: ~1/2.
     assert min(fractions["plain"]) < 0.25, fractions
     assert min(fractions["resilax"]) < (0.25 if config == "default" else 0.62), fractions
+
+
+def _layers_step(layers, width=4):
+    """A train state of ``6 * layers + 1`` leaves (kernel and bias per layer, for the
+    parameters and Adam's two moments) and its step."""
+    import optax
+    from flax.training import train_state
+
+    import resilax
+
+    params = {f"l{i:03d}": {"w": jnp.full((width, width), 0.05, jnp.float32), "b": jnp.zeros((width,), jnp.float32)}
+              for i in range(layers)}
+
+    def apply(p, x):
+        for i in range(layers):
+            x = jnp.tanh(x @ p[f"l{i:03d}"]["w"] + p[f"l{i:03d}"]["b"])
+        return x
+
+    def step(state, batch):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((apply(p, batch["x"]) - batch["y"]) ** 2))(state.params)
+        return state.apply_gradients(grads=resilax.record(g)), {"loss": loss}
+
+    return train_state.TrainState.create(apply_fn=apply, params=params, tx=optax.adam(1e-3)), step
+
+
+def _python_lines_per_step(layers, config, steps=8):
+    """Python lines executed by the calling thread per failure-free call (after 6 calls:
+    compiles and first-step work), on two emulated slices (peer copies on)."""
+    import resilax
+    from jax.sharding import PartitionSpec as P
+
+    state, fn = _layers_step(layers)
+    step = resilax.wrap(fn, topology=resilax.Topology.emulated(2, 4), state_sharding=P(),
+                        batch_sharding=P(("data", "fsdp")), config=config)
+    s = step.init(state)
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+               for _ in range(2)]
+    for i in range(6):
+        s, _ = step(s, batches[i % 2])
+    jax.block_until_ready(s)
+    lines = 0
+
+    def count(frame, event, arg):
+        nonlocal lines
+        lines += event == "line"
+        return count
+
+    sys.settrace(count)
+    try:
+        for i in range(steps):
+            s, _ = step(s, batches[i % 2])
+    finally:
+        sys.settrace(None)
+    jax.block_until_ready(s)
+    step.close()
+    return lines / steps
+
+
+@pytest.mark.parametrize("checkpoints", [False, True])
+def test_python_work_per_step_does_not_grow_with_the_leaves(checkpoints, tmp_path):
+    """The Python a failure-free call runs (resilax's and JAX's dispatch, counted in lines
+    executed) is the same for 13 state leaves and for 601: treedefs, shardings and the
+    recorded values' packing are made once, and nothing on the step path loops over the
+    leaves in Python (measured: ~1,220 lines a call for both; ~1,400 with a checkpoint
+    directory, whose disk log writes an inputs entry every step). A loop over the leaves
+    would add hundreds of lines a call."""
+    import resilax
+
+    def config(tag):
+        return resilax.Config(checkpoint=resilax.CheckpointConfig(str(tmp_path / tag), every=1000)) if checkpoints \
+            else resilax.Config()
+
+    few, many = _python_lines_per_step(2, config("few")), _python_lines_per_step(100, config("many"))
+    assert many < 1.15 * few, (few, many)
