@@ -22,9 +22,8 @@ import jax  # noqa: E402
 from resilax._src.runtime.cpu_devices import request_cpu_devices  # noqa: E402
 
 # 8 devices, with an XLA:CPU client thread pool in which a call returns while the previous
-# program runs (as on an accelerator; `cpu_devices` says why): the pool is sized from NPROC
-# when the client is built (below), and the processes the tests start size their own
-_NPROC = os.environ.get("NPROC")
+# program runs (as on an accelerator; `resilax._src.runtime.cpu_devices` says why). This
+# builds the CPU client now; the processes the tests start size their own.
 request_cpu_devices(8)
 
 # Test speed: the persistent-cache key leaves out the device assignment on CPU, as JAX's own
@@ -51,9 +50,6 @@ _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
-jax.devices()  # the CPU client is built now, with the pool NPROC sized
-if _NPROC is None:
-    os.environ.pop("NPROC", None)
 
 
 import sys  # noqa: E402

@@ -44,11 +44,20 @@ def reserve_dispatch_threads(devices: int) -> None:
 
 
 def request_cpu_devices(n: int) -> None:
-    """Asks JAX for ``n`` CPU devices (emulated slices), dispatched as an accelerator's are:
-    a call of a program returns while the previous one still runs. Must run before JAX
-    starts its backends (``jax.config.update("jax_num_cpu_devices", n)`` alone gives the
-    devices, but a second program's call then waits for the first)."""
+    """Starts JAX's CPU backend with ``n`` devices (emulated slices), dispatched as an
+    accelerator's are: a call of a program returns while the previous one still runs. Must
+    run before anything else starts JAX's backends (``jax.config.update("jax_num_cpu_devices",
+    n)`` alone gives the devices, but a second program's call then waits for the first).
+
+    ``NPROC`` is set only while the client is built: processes started later (a `resilax
+    launch` job's workers, which may hold another number of devices) size their own."""
     import jax
 
+    before = os.environ.get(_VAR)
     reserve_dispatch_threads(n)
-    jax.config.update("jax_num_cpu_devices", int(n))
+    try:
+        jax.config.update("jax_num_cpu_devices", int(n))
+        jax.devices("cpu")  # XLA reads NPROC as it builds the CPU client: now
+    finally:
+        if before is None:
+            os.environ.pop(_VAR, None)
