@@ -13,15 +13,16 @@
 # `resilax.tools.hlo_scan` over the dump: no program of the bench may hold a conditional, a
 # loop or a host callback.
 #
-# BENCH_ARGS replaces "--size small" (e.g. "--size small --packed --no-resume"); TIMEOUT bounds the bench
-# (seconds). PYSPY=1 records the bench's process with py-spy (--gil --threads, non-blocking:
+# BENCH_ARGS replaces "--size small" (e.g. "--size small --packed --no-resume"; "--no-split" leaves
+# out the two-plain-jits reference, a sixth of the interleaved time); TIMEOUT bounds the bench
+# (seconds; 441 s for five variants on an H100, 2026-11-27). PYSPY=1 records the bench's process with py-spy (--gil --threads, non-blocking:
 # the samples of whichever thread holds the GIL) and summarizes them by thread
 # (benchmarks/pyspy_threads.py): which threads kept the step loop from running Python.
 set -o pipefail
 OUT=${OUT:-/tmp/resilax-gpu-out}
 mkdir -p "$OUT"
 BENCH_ARGS=${BENCH_ARGS:-"--size small"}
-TIMEOUT=${TIMEOUT:-480}
+TIMEOUT=${TIMEOUT:-540}
 # the carried wheels; orbax only where the machine's own is older than the one resilax is tested with
 pip_in() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@"; }
 pip_in .whl/gin_config-*.whl .whl/ml_collections-*.whl || exit 1
