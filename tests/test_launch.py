@@ -688,35 +688,63 @@ def test_a_survivors_wait_for_the_verdict_follows_the_step_deadline(monkeypatch,
     assert worker.in_place_wait(LaunchEnv(**{**e.__dict__, "step_deadline_factor": 0.0})) == 18.0
 
 
-def test_a_wait_for_every_process_ends_when_the_supervisor_names_a_dead_one(tmp_path):
+def test_a_wait_for_every_process_ends_when_the_supervisor_names_a_dead_one(tmp_path, caplog, capfd):
     """`membership.wait_unless_a_verdict` (the wait for the previous checkpoint's commit under
     `--in-place`): Orbax's commit barrier waits for a SIGSTOPped process 20 min; once the
     supervisor's verdict names it, the survivor's wait ends with an error (its step fails and
-    it re-forms with the others) instead of holding it in its step. Without a verdict the
-    wait is the plain one: it returns, and its own error is raised as it is."""
+    it re-forms with the others) instead of holding it in its step. What Orbax logs on the
+    abandoned wait's thread afterwards (its commit failing on the dead process: an ERROR and
+    a long traceback) is not shown; one line says so. Without a verdict the wait is the
+    plain one: it returns, its own error is raised as it is, and its logging is kept."""
+    import logging
     import threading
     from types import SimpleNamespace
 
     from resilax._src.runtime import membership
 
-    gate = threading.Event()
+    gate, logged, bg_logged = threading.Event(), threading.Event(), threading.Event()
+    absl_log = logging.getLogger("absl")
+
+    def commit():
+        gate.wait(60)
+        absl_log.error("Save Finalize thread (save_finalize) failed.")
+        logged.set()
+
+    def background_commit():  # Orbax's own commit thread of the save in flight
+        gate.wait(60)
+        absl_log.error("Failed to run 5 Handler Commit operations in background save thread")
+        bg_logged.set()
+
+    threading.Thread(target=background_commit, daemon=True).start()
+
     membership.joined(SimpleNamespace(run_dir=str(tmp_path), generation=3, in_place_wait_s=10.0))
+    membership._QuietAbandoned.said = False
     try:
         threading.Timer(0.3, lambda: (tmp_path / membership.MEMBERSHIP_JSON).write_text(json.dumps(
             {"generation": 3, "epoch": 1, "alive": [0, 1, 3], "dead": [2]}))).start()
         t0 = time.time()
-        with pytest.raises(RuntimeError, match=r"process\(es\) \[2\] of the job failed while the commit"):
-            membership.wait_unless_a_verdict(lambda: gate.wait(60), "the commit")
-        assert time.time() - t0 < 5
-        gate.set()
-        (tmp_path / membership.MEMBERSHIP_JSON).unlink()
-        membership.wait_unless_a_verdict(lambda: time.sleep(0.1), "the commit")  # no verdict: returns
+        with caplog.at_level(logging.ERROR):
+            with pytest.raises(RuntimeError, match=r"process\(es\) \[2\] of the job failed while the commit"):
+                membership.wait_unless_a_verdict(commit, "the commit")
+            assert time.time() - t0 < 5
+            gate.set()
+            assert logged.wait(5) and bg_logged.wait(5)
+            assert not [r for r in caplog.records if "save_finalize" in r.getMessage() or "Handler" in r.getMessage()]
+            later = threading.Thread(target=lambda: absl_log.error("the next generation's save failed"))
+            later.start()
+            later.join()
+            assert [r for r in caplog.records if r.getMessage() == "the next generation's save failed"]  # kept
+            assert "left behind by the supervisor's verdict" in capfd.readouterr().err
+            (tmp_path / membership.MEMBERSHIP_JSON).unlink()
+            membership.wait_unless_a_verdict(lambda: time.sleep(0.1), "the commit")  # no verdict: returns
 
-        def broken():
-            raise ValueError("orbax said no")
+            def broken():
+                absl_log.error("orbax logged this")
+                raise ValueError("orbax said no")
 
-        with pytest.raises(ValueError, match="orbax said no"):
-            membership.wait_unless_a_verdict(broken, "the commit")
+            with pytest.raises(ValueError, match="orbax said no"):
+                membership.wait_unless_a_verdict(broken, "the commit")
+            assert [r for r in caplog.records if r.getMessage() == "orbax logged this"]  # kept: no verdict
     finally:
         gate.set()
         membership.reset()

@@ -49,7 +49,9 @@ def _cmd_train(args) -> int:
         from resilax._src.io import write_json
 
         write_json(args.summary, summary)
-    print(f"done: {summary['steps']} steps, loss {summary['final_loss']:.4f}, {summary['wall_s']:.1f} s", flush=True)
+    ran = summary["steps"] > summary["resumed_from"]  # (resumed at the last step: no step ran, no loss read)
+    print(f"done: {summary['steps']} steps, " + (f"loss {summary['final_loss']:.4f}" if ran else
+          "resumed at the last step (none ran in this process)") + f", {summary['wall_s']:.1f} s", flush=True)
     worker.exit_if_shrunk(0)
     return 0
 

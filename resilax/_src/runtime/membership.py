@@ -11,10 +11,14 @@ leaving a generation (`worker.reattach`) forgets it (`reset`).
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
+import sys
 import threading
 import time
+import weakref
 from typing import Callable
 
 _state: dict = {}  # "env": the joined LaunchEnv; "membership": the verdict gone on under; "reform_at"
@@ -71,13 +75,43 @@ class DeadProcessVerdict(RuntimeError):
     """`wait_unless_a_verdict` gave up its wait: the supervisor named a dead process."""
 
 
+_waits = itertools.count()
+# the threads left behind by a wait given up on a verdict (the objects: a later thread may reuse an ident)
+_ABANDONED: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+class _QuietAbandoned(logging.Filter):
+    """Drops what Orbax logs (through absl) on the threads a verdict left behind: the wait's
+    helper thread and every other thread alive then (Orbax's background commit of the save
+    in flight), whose commit can only fail now (a barrier with a dead process). Orbax logged
+    each as an ERROR with a 20-60-line traceback in the survivor's log, after a re-form that
+    went on as it should. One line says so instead. Threads started later (the next
+    generation's saves) log as usual; their failures also reach resilax's own waits."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if threading.current_thread() not in _ABANDONED:  # (a filter runs on the logging thread)
+            return True
+        if not self.said:
+            _QuietAbandoned.said = True
+            sys.stderr.write(f"resilax: Orbax's threads left behind by the supervisor's verdict fail on the dead "
+                             f"process, as expected; their errors are not shown (the first, on {record.threadName}: "
+                             f"{record.getMessage()[:160]})\n")
+        return False
+
+
+_quiet = _QuietAbandoned()
+
+
 def wait_unless_a_verdict(wait: Callable[[], None], what: str) -> None:
     """Runs the blocking ``wait``. Under `launch --in-place` it runs on a helper thread and
     this returns early, raising, once the supervisor names a dead process: a wait that needs
     every process (Orbax's commit barrier, 20 min by default) must not hold a survivor in
     its step while the others re-form (a CI run: process 0 waited 25 s for the previous
     checkpoint's commit after process 2 was SIGSTOPped, the others left at once, and the
-    launcher fell back to a restart). The helper thread is left waiting then."""
+    launcher fell back to a restart). The helper thread is left waiting then, and what
+    Orbax logs on it afterwards is not shown (`_QuietAbandoned`)."""
     e = _state.get("env")
     if e is None or getattr(e, "in_place_wait_s", 0) <= 0:
         wait()
@@ -92,13 +126,19 @@ def wait_unless_a_verdict(wait: Callable[[], None], what: str) -> None:
         finally:
             done.set()
 
-    threading.Thread(target=run, name="resilax-wait-unless-verdict", daemon=True).start()
+    name = f"resilax-wait-unless-verdict-{next(_waits)}"
+    absl_log = logging.getLogger("absl")
+    if _quiet not in absl_log.filters:
+        absl_log.addFilter(_quiet)
+    threading.Thread(target=run, name=name, daemon=True).start()
     after = epoch()
     while not done.wait(0.05):
         m = _newer(after)
         if m is not None:
+            main = threading.main_thread()
+            _ABANDONED.update(t for t in threading.enumerate() if t is not main)
             raise DeadProcessVerdict(f"process(es) {m.get('dead')} of the job failed while {what} (the supervisor's verdict, "
-                               f"epoch {m.get('epoch')})")
+                                     f"epoch {m.get('epoch')})")
     if err:
         raise err[0]
 
