@@ -727,6 +727,7 @@ def test_a_wait_for_every_process_ends_when_the_supervisor_names_a_dead_one(tmp_
             with pytest.raises(RuntimeError, match=r"process\(es\) \[2\] of the job failed while the commit"):
                 membership.wait_unless_a_verdict(commit, "the commit")
             assert time.time() - t0 < 5
+            membership.leave_behind()  # (as `in_place.leave_for_reform` does: the backend is left)
             gate.set()
             assert logged.wait(5) and bg_logged.wait(5)
             assert not [r for r in caplog.records if "save_finalize" in r.getMessage() or "Handler" in r.getMessage()]
@@ -748,6 +749,7 @@ def test_a_wait_for_every_process_ends_when_the_supervisor_names_a_dead_one(tmp_
     finally:
         gate.set()
         membership.reset()
+        membership._ABANDONED.clear()  # (this test process's threads log as before)
     ran = []
     membership.wait_unless_a_verdict(lambda: ran.append(threading.current_thread()), "x")  # outside a launch:
     assert ran == [threading.main_thread()]  # the plain wait, on the caller's thread

@@ -81,9 +81,10 @@ _ABANDONED: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 class _QuietAbandoned(logging.Filter):
-    """Drops what Orbax logs (through absl) on the threads a verdict left behind: the wait's
-    helper thread and every other thread alive then (Orbax's background commit of the save
-    in flight), whose commit can only fail now (a barrier with a dead process). Orbax logged
+    """Drops what Orbax logs (through absl) on the threads a verdict left behind
+    (`leave_behind`): a given-up wait's helper thread, and, when this process leaves its
+    backend to re-form, every thread alive then (Orbax's background commit of the save in
+    flight), whose commit can only fail now (a barrier with a dead process). Orbax logged
     each as an ERROR with a 20-60-line traceback in the survivor's log, after a re-form that
     went on as it should. One line says so instead. Threads started later (the next
     generation's saves) log as usual; their failures also reach resilax's own waits."""
@@ -102,6 +103,17 @@ class _QuietAbandoned(logging.Filter):
 
 
 _quiet = _QuietAbandoned()
+
+
+def leave_behind(threads=None) -> None:
+    """What ``threads`` log through absl from now on is not shown (`_QuietAbandoned`);
+    default: every thread alive but the main one (this process leaves its backend to re-form:
+    the save in flight's commit threads wait on the dead process)."""
+    absl_log = logging.getLogger("absl")
+    if _quiet not in absl_log.filters:
+        absl_log.addFilter(_quiet)
+    main = threading.main_thread()
+    _ABANDONED.update(t for t in (threading.enumerate() if threads is None else threads) if t is not main)
 
 
 def wait_unless_a_verdict(wait: Callable[[], None], what: str) -> None:
@@ -126,17 +138,13 @@ def wait_unless_a_verdict(wait: Callable[[], None], what: str) -> None:
         finally:
             done.set()
 
-    name = f"resilax-wait-unless-verdict-{next(_waits)}"
-    absl_log = logging.getLogger("absl")
-    if _quiet not in absl_log.filters:
-        absl_log.addFilter(_quiet)
-    threading.Thread(target=run, name=name, daemon=True).start()
+    helper = threading.Thread(target=run, name=f"resilax-wait-unless-verdict-{next(_waits)}", daemon=True)
+    helper.start()
     after = epoch()
     while not done.wait(0.05):
         m = _newer(after)
         if m is not None:
-            main = threading.main_thread()
-            _ABANDONED.update(t for t in threading.enumerate() if t is not main)
+            leave_behind([helper])
             raise DeadProcessVerdict(f"process(es) {m.get('dead')} of the job failed while {what} (the supervisor's verdict, "
                                      f"epoch {m.get('epoch')})")
     if err:

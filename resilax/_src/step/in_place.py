@@ -172,6 +172,7 @@ def leave_for_reform(run, generation: int, why: str, cause: BaseException | None
     worker.say(f"leaving at step {run.step}: {why}; this process rejoins generation {generation} without "
                f"restarting (its host store holds step {held})")
     run.event("reform", run.step, generation=generation, **fields)
+    membership.leave_behind()  # the old backend's threads (a save's commit) fail on the dead: not shown
     raise membership.Reform(generation, run.step) from cause
 
 
