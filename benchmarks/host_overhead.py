@@ -35,10 +35,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 1)
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import resilax  # noqa: E402
@@ -48,21 +45,10 @@ W = 4  # layer width: tiny, so the device's work is small next to the host's
 
 
 def make(layers: int):
-    params = {f"l{i:03d}": {"w": jnp.full((W, W), 0.05, jnp.float32), "b": jnp.zeros((W,), jnp.float32)}
-              for i in range(layers)}
+    """``(state, step)``: `resilax.tools.models.many_leaves` (``6 * layers + 1`` leaves)."""
+    from resilax.tools.models import many_leaves
 
-    def apply(p, x):
-        for i in range(layers):
-            x = jnp.tanh(x @ p[f"l{i:03d}"]["w"] + p[f"l{i:03d}"]["b"])
-        return x
-
-    def step(state, batch, record=True):
-        loss, g = jax.value_and_grad(lambda p: jnp.mean((apply(p, batch["x"]) - batch["y"]) ** 2))(state.params)
-        g = resilax.record(g)  # outside a wrapped step it returns g: plain jit runs the same step
-        return state.apply_gradients(grads=g), {"loss": loss}
-
-    state = train_state.TrainState.create(apply_fn=apply, params=params, tx=optax.adam(1e-3))
-    return state, step
+    return many_leaves(layers, W)
 
 
 from _clock import ExecutableClock as _ExecutableClock, finish  # noqa: E402

@@ -78,36 +78,15 @@ def test_calls_return_while_the_device_computes(config, devices, tmp_path):
     assert min(fractions["resilax"]) < (0.25 if config == "default" else 0.62), fractions
 
 
-def _layers_step(layers, width=4):
-    """A train state of ``6 * layers + 1`` leaves (kernel and bias per layer, for the
-    parameters and Adam's two moments) and its step."""
-    import optax
-    from flax.training import train_state
-
-    import resilax
-
-    params = {f"l{i:03d}": {"w": jnp.full((width, width), 0.05, jnp.float32), "b": jnp.zeros((width,), jnp.float32)}
-              for i in range(layers)}
-
-    def apply(p, x):
-        for i in range(layers):
-            x = jnp.tanh(x @ p[f"l{i:03d}"]["w"] + p[f"l{i:03d}"]["b"])
-        return x
-
-    def step(state, batch):
-        loss, g = jax.value_and_grad(lambda p: jnp.mean((apply(p, batch["x"]) - batch["y"]) ** 2))(state.params)
-        return state.apply_gradients(grads=resilax.record(g)), {"loss": loss}
-
-    return train_state.TrainState.create(apply_fn=apply, params=params, tx=optax.adam(1e-3)), step
-
-
 def _python_lines_per_step(layers, config, steps=8):
     """Python lines executed by the calling thread per failure-free call (after 6 calls:
     compiles and first-step work), on two emulated slices (peer copies on)."""
     import resilax
     from jax.sharding import PartitionSpec as P
 
-    state, fn = _layers_step(layers)
+    from resilax.tools.models import many_leaves
+
+    state, fn = many_leaves(layers)
     step = resilax.wrap(fn, topology=resilax.Topology.emulated(2, 4), state_sharding=P(),
                         batch_sharding=P(("data", "fsdp")), config=config)
     s = step.init(state)

@@ -199,6 +199,29 @@ for _c in CASES.values():  # defaults for the seed argument of make_batches
     object.__setattr__(_c, "make_batches", (lambda f: lambda n, seed=0: f(n, seed))(_c.make_batches))
 
 
+def many_leaves(layers: int, width: int = 4):
+    """``(state, train_step)``: a chain of ``layers`` tiny dense layers under Adam, a train
+    state of ``6 * layers + 1`` leaves (kernel and bias per layer for the parameters and both
+    moments, and the step count), so small that the host's per-step work is what a step
+    costs (`benchmarks/host_overhead.py`; `tests/test_async.py`: Python work per call does
+    not grow with the leaves). ``train_step(state, batch)`` with ``batch = {"x", "y"}`` of
+    ``(rows, width)``; outside a wrapped step `resilax.record` returns its input, so plain
+    jit runs the same step."""
+    params = {f"l{i:03d}": {"w": jnp.full((width, width), 0.05, jnp.float32), "b": jnp.zeros((width,), jnp.float32)}
+              for i in range(layers)}
+
+    def apply(p, x):
+        for i in range(layers):
+            x = jnp.tanh(x @ p[f"l{i:03d}"]["w"] + p[f"l{i:03d}"]["b"])
+        return x
+
+    def step(state, batch):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((apply(p, batch["x"]) - batch["y"]) ** 2))(state.params)
+        return state.apply_gradients(grads=resilax.record(g)), {"loss": loss}
+
+    return train_state.TrainState.create(apply_fn=apply, params=params, tx=optax.adam(1e-3)), step
+
+
 def tree_rel_diff(a, b) -> float:
     """Max over leaves of ||a - b|| / ||b|| (float64 norms); inf if an integer leaf differs."""
     worst = 0.0
