@@ -49,7 +49,8 @@ def _cmd_train(args) -> int:
         from resilax._src.io import write_json
 
         write_json(args.summary, summary)
-    ran = summary["steps"] > summary["resumed_from"]  # (resumed at the last step: no step ran, no loss read)
+    start = summary.get("resumed_from") or 0  # (resumed at the last step: no step ran, no loss was read)
+    ran = start == 0 or summary["steps"] > start
     print(f"done: {summary['steps']} steps, " + (f"loss {summary['final_loss']:.4f}" if ran else
           "resumed at the last step (none ran in this process)") + f", {summary['wall_s']:.1f} s", flush=True)
     worker.exit_if_shrunk(0)
