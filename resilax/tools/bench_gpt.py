@@ -192,9 +192,10 @@ class _Plain:
         def step(state, batch, k):
             return gpt.plain_step(state, batch, jax.random.fold_in(jax.random.key(0), k))
 
-        self._fn = jax.jit(step, in_shardings=(self.state_sh, self.batch_sh, None),
-                           out_shardings=(self.state_sh, None), donate_argnums=(0,))
-        if split:  # ``split``: gradients, then the update, as two programs
+        if not split:
+            self._fn = jax.jit(step, in_shardings=(self.state_sh, self.batch_sh, None),
+                               out_shardings=(self.state_sh, None), donate_argnums=(0,))
+        else:  # ``split``: gradients, then the update, as two programs
             grad = jax.jit(lambda s, b, k: gpt.plain_grad(s, b, jax.random.fold_in(jax.random.key(0), k)),
                            in_shardings=(self.state_sh, self.batch_sh, None),
                            out_shardings=(self.state_sh.params, None))

@@ -11,7 +11,6 @@ leaving a generation (`worker.reattach`) forgets it (`reset`).
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -75,7 +74,6 @@ class DeadProcessVerdict(RuntimeError):
     """`wait_unless_a_verdict` gave up its wait: the supervisor named a dead process."""
 
 
-_waits = itertools.count()
 # the threads left behind by a wait given up on a verdict (the objects: a later thread may reuse an ident)
 _ABANDONED: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
@@ -138,7 +136,7 @@ def wait_unless_a_verdict(wait: Callable[[], None], what: str) -> None:
         finally:
             done.set()
 
-    helper = threading.Thread(target=run, name=f"resilax-wait-unless-verdict-{next(_waits)}", daemon=True)
+    helper = threading.Thread(target=run, name="resilax-wait-unless-verdict", daemon=True)
     helper.start()
     after = epoch()
     while not done.wait(0.05):
