@@ -175,7 +175,7 @@ def test_the_extra_variants_stores_are_made_with_their_settings(tmp_path, monkey
 
     seen = []
     real = orbax_warm.item_handlers
-    monkeypatch.setattr(orbax_warm, "item_handlers", lambda names, p=None: seen.append(p) or real(names, p))
+    monkeypatch.setattr(orbax_warm, "item_handlers", lambda names, p=None, c=True: seen.append(p) or real(names, p, c))
     before = (CheckpointStore.PINNED_HOST_TRANSFER, CheckpointStore.PACK)
     topo = bench_gpt._topology()
     for variant, pinned, pack in ((bench_gpt.UNPINNED, False, before[1]), (bench_gpt.PACKED, None, True)):

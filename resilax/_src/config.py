@@ -46,6 +46,11 @@ class CheckpointConfig:
         a sharding as one array (Orbax's save costs ~2-5 ms of host Python per array, beside
         the loop). ``None``: the ``RESILAX_PACK_CHECKPOINTS`` environment variable (``1``:
         on), else off. A restore reads either layout, whatever this says.
+      compress: zstd-compress the arrays (Orbax's default). On float train state it saves
+        ~10% of the disk and of the bytes written; off, a restore (what a recovery from
+        storage waits for) took 0.55x the time, at about the same CPU per save
+        (`benchmarks/compression_cost.py`, docs/performance.md). A restore reads either,
+        whatever this says.
     """
 
     directory: str
@@ -53,6 +58,7 @@ class CheckpointConfig:
     keep: int = 3
     async_save: bool = True
     pack: bool | None = None
+    compress: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "directory", _path("CheckpointConfig", "directory", self.directory, optional=False))
@@ -60,6 +66,7 @@ class CheckpointConfig:
             _check_type("CheckpointConfig", name, getattr(self, name), (int,))
         _check_type("CheckpointConfig", "async_save", self.async_save, (bool,))
         _check_type("CheckpointConfig", "pack", self.pack, (bool, type(None)))
+        _check_type("CheckpointConfig", "compress", self.compress, (bool,))
         if self.every < 0:
             raise ConfigError(f"resilax.CheckpointConfig: every must be >= 0, but got {self.every}")
         if self.keep < 1:

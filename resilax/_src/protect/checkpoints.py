@@ -153,6 +153,7 @@ class CheckpointStore:
       async_save: persist in the background (the caller blocks only to dispatch the
         snapshot); ``False``: `save` returns once the checkpoint is committed.
       pack: packed saves (`packing`; None: ``PACK``, from ``RESILAX_PACK_CHECKPOINTS``).
+      compress: zstd-compress the arrays written (Orbax's default).
 
     Thread-safety: every Orbax call runs under one process-wide lock; the persister thread makes
     the saves, the caller's thread everything else (after waiting for queued saves)."""
@@ -163,8 +164,9 @@ class CheckpointStore:
     PACK: bool = os.environ.get("RESILAX_PACK_CHECKPOINTS") == "1"  #: experimental (`packing`)
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
-                 pack: bool | None = None):
+                 pack: bool | None = None, compress: bool = True):
         self.directory = pathlib.Path(directory).absolute()
+        self._compress = bool(compress)
         self._keep = keep
         self._async = async_save
         self._abandoned = False
@@ -197,7 +199,8 @@ class CheckpointStore:
             cleanup_tmp_directories=True,
             create=True,
         )
-        mgr, self._array_handler = orbax_warm.manager(self.directory, opts, ("state", "checksums", "meta"), self.PINNED_HOST_TRANSFER)
+        mgr, self._array_handler = orbax_warm.manager(self.directory, opts, ("state", "checksums", "meta"), self.PINNED_HOST_TRANSFER,
+                                                      compress=self._compress)
         return mgr
 
     # ------------------------------------------------------------------ warm-up
@@ -627,7 +630,8 @@ class Checkpoints(base.Protection):
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.store = CheckpointStore(cfg.directory, keep=cfg.keep, async_save=cfg.async_save, pack=cfg.pack)
+        self.store = CheckpointStore(cfg.directory, keep=cfg.keep, async_save=cfg.async_save, pack=cfg.pack,
+                                     compress=cfg.compress)
         self.paused: str | None = None  # why no checkpoint can be saved now (an in-place shrink)
 
     def tree(self, state, guard):

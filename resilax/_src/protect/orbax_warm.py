@@ -38,18 +38,19 @@ def cpu_only() -> bool:
         return False
 
 
-def item_handlers(names, pinned: bool | None = None) -> tuple[dict, object] | None:
+def item_handlers(names, pinned: bool | None = None, compress: bool = True) -> tuple[dict, object] | None:
     """``({name: handler}, the ArrayHandler they save arrays with)`` for a CheckpointManager
-    whose ``StandardSave`` items are saved without replica-parallel slicing (on CPU) and, where
-    ``pinned`` is not None, with Orbax's pinned-host transfer on or off (its default: on where
-    the backend is a GPU); None for Orbax's defaults (elsewhere, or where Orbax's internals
+    whose ``StandardSave`` items are saved without replica-parallel slicing (on CPU), where
+    ``pinned`` is not None with Orbax's pinned-host transfer on or off (its default: on where
+    the backend is a GPU), and with zstd compression only if ``compress`` (Orbax's default:
+    on); None for Orbax's defaults (nothing of these differs from them, or Orbax's internals
     moved). The handler is Orbax's own StandardCheckpointHandler (same on-disk format, same
-    handler name in the checkpoint's metadata) over a PyTreeCheckpointHandler whose type
-    registry holds Orbax's registered handlers, its ArrayHandler copied with replica-parallel
-    off on CPU (the rest of its setup kept: the array metadata that brings a PRNG key back
-    typed)."""
+    handler name in the checkpoint's metadata; a restore reads compressed and uncompressed
+    arrays alike) over a PyTreeCheckpointHandler whose type registry holds Orbax's
+    registered handlers, its ArrayHandler copied with replica-parallel off on CPU (the rest
+    of its setup kept: the array metadata that brings a PRNG key back typed)."""
     cpu = cpu_only()
-    if not cpu and pinned is None:
+    if not cpu and pinned is None and compress:
         return None
     try:
         import copy
@@ -60,7 +61,9 @@ def item_handlers(names, pinned: bool | None = None) -> tuple[dict, object] | No
         arrays = copy.copy(reg.get_type_handler(jax.Array))
         if cpu:
             arrays._use_replica_parallel = False
-        kw = {} if pinned is None else {"enable_pinned_host_transfer": bool(pinned)}
+        kw = {"use_compression": bool(compress)}
+        if pinned is not None:
+            kw["enable_pinned_host_transfer"] = bool(pinned)
 
         def standard():
             pairs = [(ty, arrays if ty is jax.Array else reg.get_type_handler(ty)) for ty in reg.supported_types()]
@@ -69,16 +72,17 @@ def item_handlers(names, pinned: bool | None = None) -> tuple[dict, object] | No
             return h
 
         return {n: ocp.JsonCheckpointHandler() if n == "meta" else standard() for n in names}, arrays
-    except Exception:  # Orbax's private API moved: its defaults (replica-parallel on)
+    except Exception:  # Orbax's private API moved: its defaults (replica-parallel on, compressed)
         return None
 
 
-def manager(directory, options, names, pinned: bool | None = None):
+def manager(directory, options, names, pinned: bool | None = None, compress: bool = True):
     """``(CheckpointManager, the ArrayHandler its "state" item saves with)``: on CPU with
-    replica-parallel slicing off, ``pinned`` as in `item_handlers`, else Orbax's defaults."""
+    replica-parallel slicing off, ``pinned`` and ``compress`` as in `item_handlers`, else
+    Orbax's defaults."""
     import orbax.checkpoint as ocp
 
-    got = item_handlers(names, pinned)
+    got = item_handlers(names, pinned, compress)
     if got is None:
         mgr = ocp.CheckpointManager(directory, options=options, item_names=names)
         return mgr, ocp.type_handlers.get_type_handler(jax.Array)
