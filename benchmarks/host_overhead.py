@@ -138,7 +138,7 @@ def main(argv=None):
         print(f"{k:14s} {host[k]:14.3f} {exe[k]:16.3f} {py[k]:10.3f} {py[k] - py['plain']:17.3f}")
     if prof is not None:
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=out).sort_stats(os.environ.get("HO_SORT", "tottime")).print_stats(int(os.environ.get("HO_N", "25")))
         print(out.getvalue())
     if args.json:
         write_json(args.json, res)

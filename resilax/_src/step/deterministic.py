@@ -75,7 +75,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from resilax._src.errors import WrapError
 from resilax._src.protect import ring as _ring
 from resilax._src.step import sharding as _sh
-from resilax._src.step.program import GradOut, Program, combine, combine_metrics, gate, watched_metric
+from resilax._src.step.gating import gated_update
+from resilax._src.step.program import GradOut, Program, combine, combine_metrics, watched_metric
 
 
 def strip_axis(specs, axis: str):
@@ -286,7 +287,7 @@ class DeterministicProgram(Program):
 
         def fn(state, rec, ok, step_no):
             zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), template)  # dead code: read via record only
-            new = gate(ok, split.update(state, zeros, step_no, rec), state)
+            new = gated_update(ok, split.update, state, zeros, step_no, rec)
             return jax.lax.with_sharding_constraint(new, dom.state_sh)
 
         def build():

@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from resilax._src.errors import WrapError
 from resilax._src.protect import ring as _ring
 from resilax._src.step import sharding as _sh
+from resilax._src.step.gating import gated_update
 from resilax._src.step.split import Split
 
 REDUCTIONS = ("mean", "sum", "max", "min", "last")
@@ -335,7 +336,7 @@ class Program:
             if self.rec_layout is not None:
                 rec = jax.tree.unflatten(jax.tree.structure(self.abstract_rec), _ring.local_unpack(rec, self.rec_layout))
             zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), template)  # dead code: read via record only
-            new = gate(ok, split.update(state, zeros, step_no, rec), state)
+            new = gated_update(ok, split.update, state, zeros, step_no, rec)
             new = jax.lax.with_sharding_constraint(new, state_sh)
             ring = local = None
             if copy is not None and pack is not None:
@@ -431,20 +432,6 @@ class Program:
         if self.rec_layout is not None:  # what a log entry, a replay or a recovery needs
             self._repack("pack")
             self._repack("unpack")
-
-
-def gate(ok, new, old):
-    """Traced: ``new`` where the verdict ``ok`` is `anomaly.OK` (0), else ``old``, leaf by leaf.
-
-    A select, not a ``lax.cond``: the program has no conditional, whose predicate XLA:GPU
-    evaluates on the host (the step would wait for the device: 1.27x a plain step on an
-    H100, measured; with this select 1.00x there). XLA fuses it into the update's
-    element-wise fusions, but XLA:CPU with a donated state recomputes Adam's moments in the
-    parameter's fusion and copies ``mu``/``nu`` first (1,201 copies for 1,802 leaves,
-    measured; docs/performance.md). The update is computed either way; a skipped
-    step's values (NaN included) are never selected, so the result is bitwise ``old``."""
-    take = ok == 0
-    return jax.tree.map(lambda n, o: jnp.where(take, n, o), new, old)
 
 
 def watched_metric(spec) -> str:
