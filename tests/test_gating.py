@@ -120,3 +120,41 @@ def test_the_wrapped_steps_update_program_holds_no_copy_of_the_moments():
     moments = 2 * sum(x.nbytes for x in jax.tree.leaves(st.params))
     assert temp < moments and temp <= plain + (64 << 10), (temp, plain, moments)
     step.close()
+
+
+@pytest.mark.parametrize("where", ["small_bf16", "small_f32", "large"])
+def test_a_non_finite_value_in_one_leaf_skips_the_step(where):
+    """The finite check reads the recorded values as they cross to the update part: the small
+    leaves packed into a buffer per dtype (one reduction per buffer), the large ones as they
+    are. One NaN or inf in any one leaf, packed or not, of either dtype, is a skipped step:
+    the state after it is bitwise the state before."""
+    import optax
+    from flax.training import train_state
+
+    big = 2 * (1 << 20) // 4 + 8  # over `Program.PACK_LEAF_BYTES` (1 MB) per device: crosses unpacked
+    params = {"small_bf16": jnp.ones((8,), jnp.bfloat16), "small_f32": jnp.ones((4, 4)),
+              "other": jnp.ones((3,)), "large": jnp.ones((big,))}
+    st = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+
+    def step(state, batch):
+        def loss(p):
+            return sum(jnp.sum(v.astype(jnp.float32) * batch["x"][0]) for v in p.values()) / 10.0
+
+        g = jax.grad(loss)(state.params)
+        g = {k: v * batch["poison"][0].astype(v.dtype) if k == where else v for k, v in g.items()}
+        return state.apply_gradients(grads=resilax.record(g)), {"loss": loss(state.params)}
+
+    w = resilax.wrap(step, topology=resilax.Topology.load("cpu-2x4"), config=resilax.Config(log=None, peers=None))
+    assert w.init(st) is not None
+    s = w.state
+    clean = {"x": np.ones((8,), np.float32), "poison": np.ones((8,), np.float32)}
+    s, _ = w(s, clean)
+    # the small leaves do cross packed, the large one does not (order: sorted keys)
+    assert [slot is None for slot in w.program.rec_layout.slots] == [True, False, False, False]
+    for bad in (np.nan, np.inf):
+        before = jax.tree.map(np.asarray, s)
+        s, _ = w(s, dict(clean, poison=np.full((8,), bad, np.float32)))
+        assert state_equal(s, before), (where, bad)
+    s, _ = w(s, clean)
+    assert not state_equal(s, before)
+    w.close()
