@@ -19,7 +19,7 @@ import numpy as np
 
 from resilax._src.errors import ReplayLogError
 from resilax._src.protect import hoststore as _hoststore
-from resilax._src.protect.checkpoints import collectives
+from resilax._src.protect import checkpoints as _checkpoints
 from resilax._src.protect.data_state import decode_data_state
 from resilax._src.protect.checksum import anchor_tree, legacy_anchor_order
 from resilax._src.protect.disk_log import batch_template, scalar_value
@@ -75,7 +75,9 @@ def _check_collectives(run, restored) -> None:
     every collective) and one without it sum a failure domain of more than 2 devices in
     another order. A resume across that line goes on correctly but bitwise equal to a run of
     this kind, not to the one that wrote the checkpoint: said, not silent."""
-    was, now = restored.meta.get("collectives"), collectives()
+    # (read through the module: a test that labels a run's checkpoints patches it there, and this
+    # module may first be imported while that patch is on)
+    was, now = restored.meta.get("collectives"), _checkpoints.collectives()
     widest = max(len(d) for d in run.domains)
     if (run.config.deterministic is None or was is None or was == now or "unknown" in (was, now)
             or not now.startswith("cpu:") or widest <= 2):
