@@ -124,10 +124,14 @@ def test_the_wrapped_steps_update_program_holds_no_copy_of_the_moments():
 
 @pytest.mark.parametrize("where", ["small_bf16", "small_f32", "large"])
 def test_a_non_finite_value_in_one_leaf_skips_the_step(where):
-    """The finite check reads the recorded values as they cross to the update part: the small
-    leaves packed into a buffer per dtype (one reduction per buffer), the large ones as they
-    are. One NaN or inf in any one leaf, packed or not, of either dtype, is a skipped step:
-    the state after it is bitwise the state before."""
+    """One NaN or inf in any one recorded leaf, whether it crosses to the update part packed
+    with the other small leaves (a buffer per dtype) or as it is, bf16 or f32, is a skipped
+    step: the state after it is bitwise the state before.
+
+    (The finite check reads the leaves, not the packed buffers: reading the buffers, one
+    reduction per dtype instead of one per leaf, changed how XLA fused the gradients that
+    feed them, and a packed and an unpacked run of BatchNorm then differed in the last bits
+    (test_pipeline's peer-replay test).)"""
     import optax
     from flax.training import train_state
 

@@ -279,16 +279,14 @@ class Program:
             if "spike" in faults and isinstance(metrics, dict):
                 metrics = {k: (v * 1000.0 if k == watched_metric(spec) else v) for k, v in metrics.items()}
             rec = jax.lax.with_sharding_constraint(rec, rec_sh)
-            # what crosses to the update part: small leaves as a buffer per dtype (`rec_layout`)
-            packed = None if self.rec_layout is None else _ring.local_pack(jax.tree.leaves(rec), self.rec_layout)
-            if spec.anomaly_check is not None:  # the finite check reads the packed buffers where there
-                # are some: a reduction per buffer, not one per leaf (600 more fusions at 600 leaves)
-                ok, loss, guard = (spec.anomaly_check(guard, rec, metrics, rec_sh) if packed is None else
-                                   spec.anomaly_check(guard, packed, metrics, self.rec_in_sh))
+            if spec.anomaly_check is not None:
+                ok, loss, guard = spec.anomaly_check(guard, rec, metrics, rec_sh)
             else:
                 ok, loss = jnp.zeros((), jnp.int32), None
             ring = _ring.ring_pack(jax.tree.leaves(rec), pack) if log_ring and pack is not None else None
-            return GradOut(rec if packed is None else packed, metrics, ok, guard, loss, ring, weight)
+            if self.rec_layout is not None:  # what crosses to the update part: a buffer per dtype
+                rec = _ring.local_pack(jax.tree.leaves(rec), self.rec_layout)
+            return GradOut(rec, metrics, ok, guard, loss, ring, weight)
 
         return fn
 
