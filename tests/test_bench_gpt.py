@@ -28,6 +28,9 @@ def test_bench_gpt_tiny_writes_every_key(tmp_path, child_env, python):
               "save_blocking_s", "first_save_blocking_s"):
         assert isinstance(d[k], float) and d[k] >= 0, (k, d[k])
     assert "default_ckpt" in r.stdout and "SIGKILL + resume bitwise" in r.stdout  # the table
+    # the update's temporary memory: resilax's gate adds none to plain jit's update
+    mem = d["update_temp_bytes"]
+    assert mem["default"] is not None and mem["default"] <= mem["plain"] + (64 << 10), mem
 
 
 def test_time_a_warm_up_save_waited_is_not_taken_off_a_timed_step():

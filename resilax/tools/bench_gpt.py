@@ -277,6 +277,25 @@ class _Plain:
                 self.mgr.close()
 
 
+def _update_temp_bytes(plain, wrapped) -> dict:
+    """Temporary device memory per device of the update (XLA's memory analysis of the compiled
+    programs): plain jit's ``apply_gradients`` with the state donated, and the update part of
+    the wrapped `Config()` step (its skip gate once made XLA copy both Adam moments)."""
+    import jax
+
+    def temp(compiled):
+        try:
+            return int(compiled.memory_analysis().temp_size_in_bytes)
+        except Exception:  # a backend without memory analysis
+            return None
+
+    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), plain.state,
+                            plain.state_sh)
+    upd = jax.jit(lambda s, g: s.apply_gradients(grads=g), out_shardings=plain.state_sh, donate_argnums=(0,))
+    return {"plain": temp(upd.lower(abstract, abstract.params).compile()),
+            "default": temp(wrapped.program.update(None))}
+
+
 def _state_bytes(state) -> int:
     import jax
 
@@ -524,6 +543,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
                 "first_save_blocking_s": u[0] if u else None, "save_steps_ms": _span_ms(samples[v], spans[v]),
                 "handoff_s": list(us.handoff_s), "persist_s": list(us.persist_s)}
         save_steps = {v: _span_ms(samples[v], spans[v]) for v in ("orbax", "default_ckpt")}
+        update_temp = _update_temp_bytes(runs["plain"], runs["default"])
         for v in variants:
             runs[v].close()
         runs = {}
@@ -569,6 +589,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         "orbax_save_call_s": orbax_calls,
         "host_copy_s": host_copy,
         "host_overhead_ms": (ret["default"] - ret["plain"]) * 1e3,
+        "update_temp_bytes": update_temp,
         "run_to_run_bitwise": bool(r2r),
         "resume_bitwise": res.get("bitwise"),  # None: not run (--no-resume) or failed
         "resume": res,
@@ -593,6 +614,8 @@ def print_gpt(r: dict) -> None:
           f"{f(r['orbax_save_blocking_s'])}; host copy of the state {f(r['host_copy_s'])}")
     print(f"host time per call vs plain jit: {r['host_overhead_ms']:+.2f} ms; waits for a previous save: "
           f"{len(r['checkpoint_waits'])}")
+    mb = {k: "n/a" if v is None else f"{v / 1e6:.1f} MB" for k, v in r["update_temp_bytes"].items()}
+    print(f"update program's temporary memory per device: plain jit {mb['plain']}, Config() {mb['default']}")
     print(f"run to run bitwise: {r['run_to_run_bitwise']}; SIGKILL + resume bitwise: {r['resume_bitwise']} "
           f"({ {k: v for k, v in r['resume'].items() if k != 'error'} })")
     for v in EXTRA:
