@@ -644,10 +644,14 @@ def test_a_process_that_dies_during_the_last_save_is_re_formed_around_in_place(t
 
 
 def _checkpoint_sums(path):
-    """A checkpoint's per-leaf checksums (of the values saved) and its data position."""
+    """A checkpoint's per-leaf checksums (of the values saved) and its data position. Read as
+    a host array: the array's saved sharding names the devices of the process that wrote it
+    (ids 2048+ when that was process 1 of the job), which this process does not have (a CI
+    run's ValueError: 'Topology mismatch detected')."""
     import orbax.checkpoint as ocp
 
-    sums = np.asarray(ocp.StandardCheckpointer().restore(path / "checksums")["sums"])
+    sums = np.asarray(ocp.PyTreeCheckpointer().restore(
+        path / "checksums", restore_args={"sums": ocp.RestoreArgs(restore_type=np.ndarray)})["sums"])
     meta = json.loads((path / "meta" / "metadata").read_text())
     return sums, (meta["step"], meta["data_state"])
 
