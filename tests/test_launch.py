@@ -757,3 +757,42 @@ def test_a_wait_for_every_process_ends_when_the_supervisor_names_a_dead_one(tmp_
     ran = []
     membership.wait_unless_a_verdict(lambda: ran.append(threading.current_thread()), "x")  # outside a launch:
     assert ran == [threading.main_thread()]  # the plain wait, on the caller's thread
+
+
+def test_a_stale_heartbeat_of_a_running_worker_blames_the_worker_it_waits_for():
+    """The supervisor's choice of whom to kill (`Supervisor._blame`), on real processes: a
+    worker whose heartbeat is stale but which is not stopped, and which has started a step
+    another worker never started, is waiting for that one (a suite run under load named the
+    waiting process 0 while process 1 hung); a SIGSTOPped worker is itself the cause, ahead
+    or not; with no worker behind, the stale one stays named."""
+    from resilax.tools import processes
+
+    class W:
+        def __init__(self, pid_proc, process_id, started):
+            self.proc, self.process_id, self._started, self.rc = pid_proc, process_id, started, None
+
+        def heartbeat(self):
+            return {"started": self._started}
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        ahead, behind = W(procs[0], 0, 6), W(procs[1], 1, 4)
+        sup = Supervisor.__new__(Supervisor)
+        sup.workers = [ahead, behind]
+        stale = "hung: heartbeat 2.0 s old (--heartbeat-timeout 2 s; SIGSTOP?)"
+        assert processes.stopped(procs[0].pid) is False
+        w, why = sup._blame(ahead, stale)
+        assert w is behind and "never started step 5" in why and "process 0 hung: heartbeat" in why, why
+        assert sup._blame(behind, stale)[0] is behind  # no one behind it
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        for _ in range(100):
+            if processes.stopped(procs[0].pid):
+                break
+            time.sleep(0.01)
+        assert processes.stopped(procs[0].pid) is True
+        assert sup._blame(ahead, stale) == (ahead, stale)
+        assert processes.stopped(2 ** 22 + 12345) is None  # no such process
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

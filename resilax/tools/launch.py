@@ -297,6 +297,18 @@ class Supervisor:
                         f"{deadline:.1f} s: max(--min-step-deadline, {self.factor:g} x {hb['step_s'] * 1e3:.1f} ms))")
         return None
 
+    def _blame(self, w: "WorkerProcess", why: str) -> tuple["WorkerProcess", str]:
+        """The worker to act on when ``w`` looks dead for ``why``: past the step deadline the
+        workers waiting in a collective look hung too, and with the collective timeout below
+        the deadline they fail first (exit 1), so the one the others wait for is the cause
+        (`_culprit`). Likewise for a stale heartbeat from a process that is not stopped (a
+        suite run under load: the worker waiting for a hung one had a heartbeat 2 s old and
+        was named instead of it). A stopped process (SIGSTOP) is itself the cause."""
+        if (why.startswith("hung: no step") or (w.rc or 0) > 0
+                or (why.startswith("hung: heartbeat") and processes.stopped(w.proc.pid) is False)):
+            return self._culprit(w, why)
+        return w, why
+
     def _culprit(self, w: "WorkerProcess", why: str) -> tuple["WorkerProcess", str]:
         """Past the step deadline every worker waiting in a collective looks hung; the one
         that never started the step the others are in is the cause (ties: ``w``)."""
@@ -332,10 +344,8 @@ class Supervisor:
                 self._tend_spares(now)
             for w in self.workers:
                 why = self._check(w, now)
-                if why is not None and (why.startswith("hung: no step") or (w.rc or 0) > 0):
-                    # past the deadline the workers waiting in a collective look hung too, and
-                    # with the collective timeout below the deadline they fail first (exit 1)
-                    w, why = self._culprit(w, why)
+                if why is not None:
+                    w, why = self._blame(w, why)
                 if why is not None and self._shrink_in_place(w, why, now):
                     break  # the survivors go on: watch them
                 if why is not None:

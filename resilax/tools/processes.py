@@ -65,6 +65,17 @@ def kill_group(proc: subprocess.Popen) -> None:
             pass
 
 
+def stopped(pid: int) -> bool | None:
+    """Whether process ``pid`` is stopped (SIGSTOP: state ``T`` in ``/proc/PID/stat``); None
+    where that cannot be read (no ``/proc``, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2] in "Tt"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def exit_reason(rc: int) -> str:
     return f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
 
