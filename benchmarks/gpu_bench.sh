@@ -60,5 +60,8 @@ if [ "${PROBE:-0}" = 1 ]; then
       --json "$OUT/probe${free:+_free}.json" 2>&1 | tee -a "$OUT/probe.txt"
   done
 fi
+# the update's skip gate, three forms: does XLA:GPU copy Adam's moments under a select of every output?
+XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 120 python3 benchmarks/gate_memory.py \
+  --json "$OUT/gate_memory_gpu.json" 2>&1 | tee "$OUT/gate_memory.txt"
 ls /tmp/hlo | grep after_optimizations.txt | sed -E 's/^module_[0-9]+\.//; s/\.[^.]*after_optimizations.txt$//' \
   | sort | uniq -c > "$OUT/hlo_programs.txt"
