@@ -50,6 +50,7 @@ def main(argv=None) -> int:
 
     from resilax._src.io import write_json
     from resilax._src.step.gating import gate, gated_update
+    from resilax._src.step.program import temp_bytes
 
     def update(s, g):
         return s.apply_gradients(grads=g)
@@ -68,11 +69,8 @@ def main(argv=None) -> int:
                "state_mb": sum(x.nbytes for x in jax.tree.leaves(st)) / 1e6}
         for form, fn in forms.items():
             c = jax.jit(fn, donate_argnums=0).lower(abstract, abstract.params, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-            try:
-                temp = c.memory_analysis().temp_size_in_bytes / 1e6
-            except Exception:  # a backend without memory analysis
-                temp = None
-            row[form] = {"temp_mb": temp, "copies": c.as_text().count(" copy(")}
+            temp = temp_bytes(c)
+            row[form] = {"temp_mb": None if temp is None else temp / 1e6, "copies": c.as_text().count(" copy(")}
         rows.append(row)
         print(f"  {name}: done", file=sys.stderr, flush=True)
     out = {"bench": "gate_memory", "platform": dev.platform, "device_kind": dev.device_kind, "rows": rows}

@@ -283,17 +283,13 @@ def _update_temp_bytes(plain, wrapped) -> dict:
     the wrapped `Config()` step (its skip gate once made XLA copy both Adam moments)."""
     import jax
 
-    def temp(compiled):
-        try:
-            return int(compiled.memory_analysis().temp_size_in_bytes)
-        except Exception:  # a backend without memory analysis
-            return None
+    from resilax._src.step.program import temp_bytes
 
     abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), plain.state,
                             plain.state_sh)
     upd = jax.jit(lambda s, g: s.apply_gradients(grads=g), out_shardings=plain.state_sh, donate_argnums=(0,))
-    return {"plain": temp(upd.lower(abstract, abstract.params).compile()),
-            "default": temp(wrapped.program.update(None))}
+    return {"plain": temp_bytes(upd.lower(abstract, abstract.params).compile()),
+            "default": temp_bytes(wrapped.program.update(None))}
 
 
 def _state_bytes(state) -> int:

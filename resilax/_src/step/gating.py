@@ -38,8 +38,8 @@ def gated_update(ok, update, state, *args):
     """Traced: ``update(state, *args)`` where ``ok`` is `anomaly.OK` (0), else ``state``,
     bitwise as `gate` gives it, with the outputs the update also reads gated where they are
     made (see the module's doc). ``update`` must return a tree of ``state``'s structure,
-    shapes and dtypes; where it does not, or JAX's jaxpr internals are not as expected,
-    this is `gate`."""
+    shapes and dtypes; where it does not, this is `gate` (whose tree map then says what
+    differs)."""
     from jax.extend import core as jcore
 
     leaves, tree = jax.tree.flatten((state, args))

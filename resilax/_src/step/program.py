@@ -438,6 +438,15 @@ def watched_metric(spec) -> str:
     return getattr(spec, "watched_metric", "loss")
 
 
+def temp_bytes(compiled) -> int | None:
+    """A compiled program's temporary device memory per device (XLA's memory analysis); None
+    on a backend without one."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:
+        return None
+
+
 def _footprint(compiled) -> int:
     try:
         m = compiled.memory_analysis()
