@@ -15,10 +15,11 @@ because it runs one program per step. A pool of twice the devices holds a runnin
 and the next one's dispatch, so a call returns once dispatched, as on a GPU or TPU, and a
 test on emulated devices sees any call that waits for the device.
 
-`resilax launch`'s workers size their pool the same way (`jaxdist.initialize_worker`):
-their calls run ahead of their devices, as on a GPU, so a worker's reported step may be one
-its host store did not yet hold when it was killed (work in flight, redone from the data
-position; the in-place test allows for it).
+`resilax launch`'s workers keep XLA's default pool for now: with the larger one their
+calls ran ahead of their devices too, which changed what the multi-process tests observe
+(a worker's reported step could be one its host store did not yet hold when it was killed:
+work in flight, lost as on a GPU, but the in-place test's assertion said otherwise). Moving
+them over needs those assertions restated for steps in flight.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ import os
 import warnings
 
 from resilax._src.errors import ResilaxError
-from resilax._src.runtime.cpu_devices import reserve_dispatch_threads
 
 TESTED_VERSIONS = ("0.10.2",)
 _ALLOW_ENV = "RESILAX_ALLOW_UNTESTED_JAX"
@@ -157,7 +156,6 @@ def initialize_worker(*, coordinator: str, process_id: int, num_processes: int, 
     if _TIMEOUT_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {_TIMEOUT_FLAG}={int(collective_timeout_s)}".strip()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    reserve_dispatch_threads(int(local_devices))  # a call returns while the previous program runs (cpu_devices)
     jax.config.update("jax_num_cpu_devices", int(local_devices))
     client = _jax.get_distributed_runtime_client(
         coordinator, process_id, init_timeout=init_timeout_s, heartbeat_timeout=heartbeat_timeout_s,
