@@ -202,9 +202,11 @@ def test_in_place_re_forms_with_a_spare_then_without_one_grows_back_and_re_forms
     text = (tmp_path / "launch.log").read_text(errors="replace")
     assert rc == 0, f"{done}\n{text[-6000:]}"
     hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    whys = "\n".join(f"generation {g['generation']} {g['outcome']}: {g['why']}" for g in hist)
+    print(f"{done}\n{whys}\n{text[-6000:]}")  # (pytest cuts a long assertion message: the reasons come first)
     assert [(g["generation"], g["outcome"], g["processes"]) for g in hist] == [
         (0, "reform", [0, 1, 2, 3]), (1, "reform", [0, 1, 2, 3]), (2, "regrow", [1, 2, 3]), (3, "reform", [0, 1, 2, 3]),
-        (4, "done", sorted({0, 1, 2, 3} - {third}))], (done, hist, text[-3000:])
+        (4, "done", sorted({0, 1, 2, 3} - {third}))], f"{done}\n{whys}"
     assert f"process {done[0][1]} " in hist[0]["why"] and "hung: heartbeat" in hist[0]["why"]
     assert "--in-place`: the record log is off" in text  # said, not silently dropped
     assert "process 0 " in hist[1]["why"] and "signal SIGKILL" in hist[1]["why"]
@@ -792,6 +794,65 @@ def test_a_stale_heartbeat_of_a_running_worker_blames_the_worker_it_waits_for():
         assert processes.stopped(procs[0].pid) is True
         assert sup._blame(ahead, stale) == (ahead, stale)
         assert processes.stopped(2 ** 22 + 12345) is None  # no such process
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_detaching_waits_for_a_running_worker_with_a_stale_heartbeat_but_not_for_a_stopped_one(tmp_path, monkeypatch):
+    """`Supervisor._detach_live_workers` on real processes: a worker whose heartbeat goes
+    stale while it leaves its broken step, but which runs, is waited for and re-forms (the
+    silence is reported); a SIGSTOPped one, or one that exited, ends the re-form at once
+    (the caller restarts the job); one that never detaches ends it at the time limit."""
+    from resilax.tools import processes
+
+    class W:
+        def __init__(self, proc, process_id, beat):
+            self.proc, self.process_id, self._beat = proc, process_id, beat
+
+        def heartbeat(self):
+            return self._beat()
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    try:
+        t0 = time.time()
+        # silent 3 s (heartbeat timeout 1 s), then detached
+        slow = W(procs[0], 0, lambda: {"t": t0 - 1.0, "phase": "detaching"} if time.time() < t0 + 3.0
+                 else {"t": time.time(), "phase": "detached"})
+        fine = W(procs[1], 1, lambda: {"t": time.time(), "phase": "detached"})
+        sup = Supervisor.__new__(Supervisor)
+        sup.run_dir, sup.generation, sup.epoch = tmp_path, 2, 1
+        sup.collective_timeout_s, sup.min_deadline, sup.heartbeat_timeout_s = 5.0, 5.0, 1.0
+        sup.workers = [slow, fine]
+        lines = []
+        monkeypatch.setattr("resilax.tools.launch.say", lines.append)
+        assert sup._detach_live_workers() == [slow, fine]
+        assert time.time() - t0 >= 3.0
+        assert any("process 0 up to" in ln for ln in lines), lines
+        assert json.loads((tmp_path / "membership.json").read_text())["reform"] == 3
+        lines.clear()
+        stuck = W(procs[0], 0, lambda: {"t": time.time() - 5.0, "phase": "detaching"})
+        sup.workers = [stuck, fine]
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        for _ in range(100):
+            if processes.stopped(procs[0].pid):
+                break
+            time.sleep(0.01)
+        t1 = time.time()
+        assert sup._detach_live_workers() is None and time.time() - t1 < 2.0
+        assert any("process 0 did not re-form (stopped" in ln for ln in lines), lines
+        procs[2].kill()
+        procs[2].wait()
+        sup.workers = [fine, W(procs[2], 2, lambda: {"t": time.time(), "phase": "detached"})]
+        assert sup._detach_live_workers() is None
+        assert any("process 2 did not re-form (exited with signal SIGKILL)" in ln for ln in lines), lines
+        never = W(procs[1], 1, lambda: {"t": time.time(), "phase": "recover"})
+        sup.min_deadline, sup.collective_timeout_s = 0.5, 0.5
+        sup.workers = [never]
+        t2 = time.time()
+        assert sup._detach_live_workers() is None and 1.0 <= time.time() - t2 < 3.0
+        assert any("did not all detach within 1 s" in ln for ln in lines), lines
     finally:
         for p in procs:
             p.kill()

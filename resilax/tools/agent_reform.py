@@ -28,6 +28,7 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.runtime import membership
+from resilax.tools import processes
 from resilax.tools.processes import heartbeat_file, not_ready_in_place, read_json, stop_all
 
 
@@ -72,9 +73,10 @@ def await_detached(workers, timeout_s: float, heartbeat_timeout_s: float) -> dic
             if hb.get("phase") == "detached" and w.proc.poll() is None:
                 done[w.slot] = w
                 pending.remove(w)
-            elif w.proc.poll() is not None or now - hb.get("t", now) > heartbeat_timeout_s:
-                pending.remove(w)
-                stop_all([w], "did not re-form in place (exited or hung)")
+            elif w.proc.poll() is not None or (now - hb.get("t", now) > heartbeat_timeout_s
+                                               and processes.stopped(w.proc.pid) is not False):
+                pending.remove(w)  # (a stale heartbeat of a running worker: waited for, as `resilax launch` does)
+                stop_all([w], "did not re-form in place (exited, or stopped with a stale heartbeat)")
         time.sleep(0.05)
     stop_all(pending, f"did not detach within {timeout_s:g} s to re-form in place")
     return done

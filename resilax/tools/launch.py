@@ -440,26 +440,39 @@ class Supervisor:
         """The job re-forms: ``"reform"`` in the membership file tells the live workers to
         leave (after a death, from their failed step; to grow back, at a step boundary they
         agree on, `membership.reform_due`). Waits until each has detached from the service;
-        returns them, or None if one exited, hung or did not detach in time."""
+        returns them, or None if one exited, was stopped (SIGSTOP) or did not detach in time.
+        A stale heartbeat of a worker that runs (not stopped) is waited for up to that time:
+        under load, a worker leaving a broken step went 2 s without a beat (cause not found;
+        a probe of JAX's teardown held the GIL for at most 66 ms), and one hung for good is
+        caught by the time limit. The longest silence is reported."""
         current = read_json(self.run_dir / membership.MEMBERSHIP_JSON) or {}
         write_json(self.run_dir / membership.MEMBERSHIP_JSON, {
             "generation": self.generation, "epoch": self.epoch, **current, "reform": self.generation + 1})
         limit = time.time() + self.collective_timeout_s + self.min_deadline
+        stale: dict[int, float] = {}  # process id -> the oldest heartbeat age seen while it ran
         while True:
             now = time.time()
             states = []
             for w in self.workers:
                 hb = w.heartbeat() or {}
-                if w.proc.poll() is not None or now - hb.get("t", 0) > self.heartbeat_timeout_s:
-                    how = exit_reason(w.proc.returncode) if w.proc.poll() is not None else "stale heartbeat"
+                age = now - hb.get("t", 0)
+                if w.proc.poll() is not None or (age > self.heartbeat_timeout_s
+                                                and processes.stopped(w.proc.pid) is not False):
+                    how = (exit_reason(w.proc.returncode) if w.proc.poll() is not None
+                           else f"stopped (SIGSTOP?) or unknown, heartbeat {age:.1f} s old in phase {hb.get('phase')}")
                     say(f"process {w.process_id} did not re-form ({how})")
                     return None
+                if age > self.heartbeat_timeout_s:
+                    stale[w.process_id] = max(age, stale.get(w.process_id, 0.0))
                 states.append(hb.get("phase"))
             if all(p == "detached" for p in states):
+                if stale:
+                    say("re-forming: heartbeats went stale while the workers detached (not stopped: waited); "
+                         + ", ".join(f"process {i} up to {a:.1f} s" for i, a in sorted(stale.items())))
                 return list(self.workers)
             if now > limit:
                 say(f"the workers did not all detach within {self.collective_timeout_s + self.min_deadline:g} s "
-                     f"(phases {states})")
+                     f"(phases {states}" + (f"; heartbeats stale: {stale}" if stale else "") + ")")
                 return None
             time.sleep(0.05)
 
