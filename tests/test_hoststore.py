@@ -419,8 +419,9 @@ def test_timings_of_a_long_run_keep_their_totals_in_bounded_memory():
 def test_the_stores_of_killed_owners_are_removed_and_live_ones_kept(tmp_path):
     """A SIGKILLed agent or supervisor leaves its host store (in RAM, /dev/shm, until the
     machine restarts); the next one of the same kind on the host removes the stores whose
-    owner is gone (`hoststore_files.remove_orphans`), and only those: a live owner's store,
-    another rank's, and anything not named like a store stay."""
+    owner is gone (`hoststore_files.remove_orphans`; an agent: any job's and rank's, as
+    tests leave them), and only those: a live owner's store and anything not named like a
+    store stay; a supervisor's heartbeat directories in RAM go the same way."""
     import os
     import subprocess
     import sys
@@ -428,13 +429,17 @@ def test_the_stores_of_killed_owners_are_removed_and_live_ones_kept(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # (reaped: its pid names no process now)
     mine = os.getpid()
+    from resilax.tools import agent, launch
+
     names = [f"resilax-store-0123456789ab-node1-{dead.pid}", f"resilax-store-0123456789ab-node1-{mine}",
-             f"resilax-store-0123456789ab-node2-{dead.pid}", f"resilax-store-{dead.pid}-17", f"resilax-store-{mine}-18",
-             "something-else"]
+             f"resilax-store-fedcba987654-node2-{dead.pid}", f"resilax-store-{dead.pid}-17", f"resilax-store-{mine}-18",
+             "something-else", f"resilax-hb-{dead.pid}-19", f"resilax-hb-{mine}-20"]
     for n in names:
         (tmp_path / n / "host0").mkdir(parents=True)
-    gone = hsf.remove_orphans(tmp_path, r"resilax-store-0123456789ab-node1-(?P<pid>\d+)")  # an agent of rank 1
-    assert gone == [names[0]]
-    gone = hsf.remove_orphans(tmp_path, r"resilax-store-(?P<pid>\d+)-\d+")  # a single-host supervisor
+    gone = hsf.remove_orphans(tmp_path, agent.ORPHAN_STORES)  # an agent: any job's, any rank's
+    assert gone == [names[0], names[2]]
+    gone = hsf.remove_orphans(tmp_path, launch.ORPHAN_STORES)  # a single-host supervisor
     assert gone == [names[3]]
-    assert sorted(os.listdir(tmp_path)) == sorted(names[1:3] + names[4:])
+    gone = hsf.remove_orphans(tmp_path, launch.ORPHAN_HEARTBEATS, glob="resilax-hb-*")  # its heartbeats in RAM
+    assert gone == [names[6]]
+    assert sorted(os.listdir(tmp_path)) == sorted([names[1], names[4], names[5], names[7]])

@@ -857,3 +857,28 @@ def test_detaching_waits_for_a_running_worker_with_a_stale_heartbeat_but_not_for
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_heartbeats_live_in_ram_during_the_job_and_on_disk_after_it(tmp_path):
+    """`resilax launch` keeps ``D/heartbeats`` in RAM (/dev/shm) while the job runs: a
+    heartbeat's rename on a disk busy with checkpoint writes can wait for the journal, and
+    a stale heartbeat reads as a hung worker. A former launch's heartbeats are gone at the
+    start; at the end the last ones are back on disk in ``D/heartbeats`` and the RAM
+    directory is removed."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here: the heartbeats stay in the run directory")
+    code = ("import os, json, time; from resilax._src.runtime import worker; e = worker.LaunchEnv.from_env(os.environ); "
+            "hb = worker._Heartbeat(e); hb.beat(); hb.stop(); "
+            "open(os.path.join(e.run_dir, f'where{e.process_id}'), 'w').write(os.path.realpath(e.heartbeat_file))")
+    old = tmp_path / "run" / "heartbeats"
+    old.mkdir(parents=True)
+    (old / "g0.p7.json").write_text("{}")  # a former launch's
+    assert _sup(tmp_path, code).run() == 0
+    run = tmp_path / "run"
+    where = [(run / f"where{i}").read_text() for i in range(2)]
+    assert all(w.startswith(f"/dev/shm/resilax-hb-{os.getpid()}-") for w in where), where
+    hb = run / "heartbeats"
+    assert hb.is_dir() and not hb.is_symlink()
+    assert sorted(p.name for p in hb.iterdir()) == ["g0.p0.json", "g0.p1.json"]
+    assert json.loads((hb / "g0.p1.json").read_text())["process_id"] == 1
+    assert not any(n.startswith(f"resilax-hb-{os.getpid()}-") for n in os.listdir("/dev/shm"))

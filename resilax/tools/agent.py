@@ -96,6 +96,9 @@ PROCESSES_JSON = "processes.json"
 NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
 
 
+# the default host stores of agents (the pid last), of any job and rank: `hoststore_files.remove_orphans`
+ORPHAN_STORES = r"resilax-store-[0-9a-f]{12}-node\d+-(?P<pid>\d+)"
+
 class Agent:
     """The agent of node ``node_rank`` of ``nodes``: runs its ``n`` workers of ``cmd`` in the
     generations the agents agree on (see the module docstring for recovery).
@@ -154,8 +157,10 @@ class Agent:
         # this host's store (RAM where there is /dev/shm; never under the shared run dir, which
         # is a network file system on a cluster): made by `run`, removed when the agent ends
         tag = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
-        # the default stores of this rank's agents (the pid last): a killed one's is removed (`run`)
-        self._orphans = None if host_store_dir else rf"resilax-store-{tag}-node{node_rank}-(?P<pid>\d+)"
+        # the default stores of agents (the pid last) of any job and rank on this host: a killed
+        # one's is removed (`run`; a live agent's is kept), else its RAM stays taken until the
+        # host restarts (a suite run here had left 48 of another run dir's tests)
+        self._orphans = None if host_store_dir else ORPHAN_STORES
         self.store_root = (pathlib.Path(host_store_dir).absolute() if host_store_dir else
                            hoststore_files.ram_root() / f"resilax-store-{tag}-node{node_rank}-{os.getpid()}"
                            ) if host_store_every else None

@@ -9,7 +9,9 @@ them inside `Topology`/`wrap`), keeps ``D/processes.json`` current and watches t
 
 - a worker that exits non-zero or by a signal is dead;
 - a worker whose heartbeat file is older than ``--heartbeat-timeout`` (SIGSTOPped, or the
-  whole process wedged) is hung: it is SIGKILLed, so a hang becomes a death;
+  whole process wedged) is hung: it is SIGKILLed, so a hang becomes a death (the
+  heartbeats, ``D/heartbeats``, are kept in RAM while the job runs: a busy disk's journal
+  does not delay them; they are copied back at the end);
 - a worker in its step loop that completes no step within the step deadline
   (``max(--min-step-deadline, --step-deadline-factor x measured step time)``; stuck in a
   collective whose peer is gone) is hung too.
@@ -90,6 +92,10 @@ _STOPPED = "another worker of its generation died"
 SHRINK_MODES = ("reform", "backend")
 
 
+# a supervisor's host stores and heartbeat directory in RAM (its pid first): `hoststore_files.remove_orphans`
+ORPHAN_STORES = r"resilax-store-(?P<pid>\d+)-\d+"
+ORPHAN_HEARTBEATS = r"resilax-hb-(?P<pid>\d+)-\d+"
+
 class Supervisor:
     """Runs generations of workers until one ends cleanly or the restart budget is spent.
 
@@ -147,6 +153,7 @@ class Supervisor:
         self.grace_s = grace_s
         self.host_store_every = host_store_every
         self.store_root: pathlib.Path | None = None
+        self._hb_ram: pathlib.Path | None = None  # D/heartbeats' directory in RAM (`_heartbeats_in_ram`)
         self.store_step: int | None = None
         self.generation = -1
         self.workers: list[WorkerProcess] = []
@@ -479,6 +486,7 @@ class Supervisor:
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._heartbeats_in_ram()
         if self.num_spares or self.in_place:  # (re-forming workers read their assignment there too)
             shutil.rmtree(self.run_dir / SPARES, ignore_errors=True)  # a former launch's assignments
             (self.run_dir / SPARES).mkdir(parents=True)
@@ -563,13 +571,57 @@ class Supervisor:
                 signal.signal(s, h)
             if self.store_root is not None:
                 shutil.rmtree(self.store_root, ignore_errors=True)
+            self._heartbeats_to_disk()
             write_json(self.run_dir / "launch_history.json", {"generations": self.history})
+
+    # ------------------------------------------------------------------ heartbeats
+    def _heartbeats_in_ram(self):
+        """``D/heartbeats`` becomes a link to a directory in RAM (/dev/shm) where there is one,
+        for this launch (a former launch's heartbeats are removed). A heartbeat is a small file
+        written and renamed every ``--heartbeat`` s; on a disk busy with checkpoint writes a
+        rename waits for the file system's journal (measured here: up to 0.5 s under two
+        writers), and a stale heartbeat makes a healthy worker look hung. At the end the
+        files are copied back into ``D/heartbeats`` (`_heartbeats_to_disk`)."""
+        link = self.run_dir / HEARTBEATS
+        self._hb_ram = None
+        root = pathlib.Path("/dev/shm")
+        if not root.is_dir():
+            return  # (the heartbeats stay in the run directory)
+        gone = hoststore_files.remove_orphans(root, ORPHAN_HEARTBEATS, glob="resilax-hb-*")
+        if gone:
+            say(f"removed the heartbeat directories of killed supervisor(s): {gone}")
+        if link.is_symlink():
+            link.unlink()
+        elif link.exists():
+            shutil.rmtree(link)
+        ram = root / f"resilax-hb-{os.getpid()}-{time.time_ns()}"
+        ram.mkdir()
+        link.symlink_to(ram, target_is_directory=True)
+        self._hb_ram = ram
+
+    def _heartbeats_to_disk(self):
+        """The last heartbeats, from RAM back into ``D/heartbeats`` (for reading after the job)."""
+        ram, self._hb_ram = self._hb_ram, None
+        if ram is None:
+            return
+        link = self.run_dir / HEARTBEATS
+        tmp = self.run_dir / f".{HEARTBEATS}.{os.getpid()}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(ram, tmp)
+            if link.is_symlink():
+                link.unlink()
+            os.replace(tmp, link)
+        except OSError as e:
+            say(f"could not copy the heartbeats back into {link}: {e}")
+        finally:
+            shutil.rmtree(ram, ignore_errors=True)
 
     # ------------------------------------------------------------------ host state store
     def _make_store(self):
         """One directory per host, in RAM (/dev/shm) where there is one; the supervisor owns them."""
         root = hoststore_files.ram_root(self.run_dir)
-        gone = hoststore_files.remove_orphans(root, r"resilax-store-(?P<pid>\d+)-\d+")
+        gone = hoststore_files.remove_orphans(root, ORPHAN_STORES)
         if gone:
             say(f"removed the host stores of killed supervisor(s): {gone}")
         self.store_root = root / f"resilax-store-{os.getpid()}-{time.time_ns()}"
