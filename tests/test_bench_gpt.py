@@ -209,3 +209,25 @@ def test_a_stalled_round_prints_every_threads_stack_and_the_watchdog_ends_with_t
     assert "Timeout (0:00:00" in err and "in __call__" in err and "_interleave" in err, err[-2000:]
     time.sleep(0.7)  # past the watchdog's period: it was cancelled with the rounds
     assert "Timeout" not in capfd.readouterr().err
+
+
+def test_ratio_intervals_cover_the_true_ratio_and_tell_a_real_cost_from_noise():
+    """`bench_gpt._ratio_ci`: resampling the rounds, a variant 10% slower than plain jit gets
+    an interval around 1.10 that excludes 1.0; one that costs nothing gets an interval
+    around 1.0; too few rounds give no interval."""
+    import numpy as np
+
+    from resilax.tools.bench_gpt import _ratio_ci
+
+    rng = np.random.default_rng(1)
+    block, rounds = 5, 40
+    samples = {"plain": [], "slow": [], "same": []}
+    for k, f in (("plain", 1.0), ("slow", 1.10), ("same", 1.0)):
+        for c in range(1, rounds * block + 1):
+            drift = 1.0 + 0.05 * np.sin(c / 37.0)  # the machine's speed wanders, as here
+            samples[k].append((c, 0.001, 0.014 * f * drift * rng.lognormal(0.0, 0.03)))
+    ci = _ratio_ci(samples, block)
+    assert set(ci) == {"slow", "same"}
+    assert ci["slow"][0] < 1.10 < ci["slow"][1] and ci["slow"][0] > 1.05, ci
+    assert ci["same"][0] < 1.0 < ci["same"][1] and ci["same"][1] - ci["same"][0] < 0.05, ci
+    assert _ratio_ci({k: v[:3 * block] for k, v in samples.items()}, block) == {}

@@ -218,3 +218,46 @@ def test_demo_plot_stacks_the_labels_of_events_at_or_near_one_step():
     assert label_levels([10, 11], list(range(1, 41))) == [0, 1]
     assert label_levels([5, 50, 6], axis) == [0, 0, 1]  # a level freed by distance is reused
     assert label_levels([], axis) == []
+
+
+def test_a_long_run_keeps_a_bounded_timeline_with_exact_totals(tmp_path):
+    """Two pieces a step (the loop and its protection work) grew the timeline without bound:
+    memory, and the goodput.json written at every save (at 1M steps, ~2M pieces). The
+    recorder keeps at most `MAX_SEGMENTS`, coarsening older unlabelled pieces; totals stay
+    exact, labelled pieces (saves) all stay, pieces never overlap, and per bucket the pieces
+    still sum to the totals."""
+    from resilax._src.runtime import goodput
+    from resilax.tools.report import _cumulative_goodput
+
+    rec, clock = _recorder()
+    steps, want = 20_000, {"productive": 0.0, "protection": 0.0, "checkpoint_save": 0.0}
+    with rec.span("productive"):
+        for k in range(steps):
+            dt = 0.01 + 0.001 * (k % 7)
+            clock.tick(dt)
+            want["productive"] += dt
+            with rec.span("protection"):
+                clock.tick(0.002)
+                want["protection"] += 0.002
+            if k % 100 == 99:
+                with rec.span("checkpoint_save", step=k + 1):
+                    clock.tick(0.05)
+                    want["checkpoint_save"] += 0.05
+    segs = rec.segments()
+    assert len(segs) <= goodput.MAX_SEGMENTS
+    tot = rec.totals()
+    for b, v in want.items():
+        assert tot[b] == pytest.approx(v, rel=1e-9), b
+        assert sum(s["end"] - s["start"] for s in segs if s["bucket"] == b) == pytest.approx(v, rel=1e-9), b
+    assert sum(tot.values()) == pytest.approx(rec.wall())
+    saves = [s for s in segs if s["bucket"] == "checkpoint_save"]
+    assert [s["labels"]["step"] for s in saves] == list(range(100, steps + 1, 100))
+    for a, b in zip(segs, segs[1:]):
+        assert a["start"] < a["end"] <= b["start"] + 1e-9
+    ts, gp = _cumulative_goodput(segs, rec.wall())
+    assert gp[-1] == pytest.approx(want["productive"] / rec.wall(), rel=1e-6)
+    rec.save(tmp_path)
+    back = load_goodput(tmp_path)
+    assert back.totals() == pytest.approx(rec.totals())
+    assert len(back.segments()) == len(segs)
+    assert os.path.getsize(tmp_path / "goodput.json") < 1_000_000

@@ -362,6 +362,29 @@ def _interleave(runs, states, batches, steps, block, warm, quiet, every):
     return out, spans
 
 
+def _ratio_ci(samples, block: int, base: str = "plain", n: int = 2000, seed: int = 0) -> dict:
+    """``{variant: [low, high]}``: a 95% interval of each variant's ratio of means to
+    ``base``, by resampling the rounds (each variant's block of a round, paired by block
+    index) with replacement: how far run-to-run noise moves the ratios of one run. Saves
+    stay in (a resampled round keeps its save span's steps with their block)."""
+    rng = np.random.default_rng(seed)
+    blocks = {}
+    for k, rows in samples.items():
+        per: dict[int, list] = {}
+        for c, _, t in rows:
+            per.setdefault((c - 1) // block, []).append(t)
+        blocks[k] = per
+    ids = sorted(set.intersection(*(set(b) for b in blocks.values()))) if blocks else []
+    if len(ids) < 4 or base not in blocks:
+        return {}
+    sums = {k: np.array([sum(blocks[k][i]) for i in ids]) for k in blocks}
+    cnts = {k: np.array([len(blocks[k][i]) for i in ids]) for k in blocks}
+    draw = rng.integers(0, len(ids), size=(n, len(ids)))
+    mean = {k: sums[k][draw].sum(1) / cnts[k][draw].sum(1) for k in blocks}
+    return {k: [float(np.percentile(mean[k] / mean[base], 2.5)), float(np.percentile(mean[k] / mean[base], 97.5))]
+            for k in blocks if k != base}
+
+
 def _save_blocking(samples, spans):
     """``[seconds]`` per save: the steps' time above the variant's median step, summed over
     the save's span (its block and the blocks run while it was written, `_interleave`)."""
@@ -568,6 +591,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         "off_ratio": mean["off"] / mean["plain"],
         "default_ratio": mean["default"] / mean["plain"],
         "default_ckpt_ratio": mean["default_ckpt"] / mean["plain"],
+        "ratio_ci95": _ratio_ci(samples, block),
         "median_ms": {k: statistics.median(t for _, _, t in samples[k]) * 1e3 for k in samples},
         "mean_ms": {k: mean[k] * 1e3 for k in mean},
         "return_ms": {k: ret[k] * 1e3 for k in ret},
@@ -597,10 +621,14 @@ def print_gpt(r: dict) -> None:
     print(f"\nresilax bench gpt --size {r['size']}: {r['platform']} ({r['device_kind']}) x{r['devices']}, "
           f"{r['params'] / 1e6:.2f} M params, state {r['state_bytes'] / 1e6:.1f} MB, {r['steps']} timed steps per "
           f"variant, checkpoints every {r['every']}")
-    print(f"{'variant':<14}{'mean ms':>10}{'median ms':>11}{'call returns ms':>17}{'ratio (means)':>15}")
+    print(f"{'variant':<14}{'mean ms':>10}{'median ms':>11}{'call returns ms':>17}{'ratio (means)':>15}"
+          f"{'95% interval':>16}")
+    ci = r.get("ratio_ci95") or {}
     for v in (v for v in VARIANTS if v in r["mean_ms"]):
         ratio = 1.0 if v == "plain" else r[f"{v}_ratio"]
-        print(f"{v:<14}{r['mean_ms'][v]:>10.2f}{r['median_ms'][v]:>11.2f}{r['return_ms'][v]:>17.2f}{ratio:>15.3f}")
+        lo_hi = f"{ci[v][0]:.3f}-{ci[v][1]:.3f}" if v in ci else ""
+        print(f"{v:<14}{r['mean_ms'][v]:>10.2f}{r['median_ms'][v]:>11.2f}{r['return_ms'][v]:>17.2f}{ratio:>15.3f}"
+              f"{lo_hi:>16}")
     if r["split_ratio"]:
         print(f"two programs a step, no resilax (split): {r['split_ratio']:.3f}; resilax against it: every "
               f"protection off {r['off_ratio'] / r['split_ratio']:.3f}, Config() {r['default_ratio'] / r['split_ratio']:.3f}")

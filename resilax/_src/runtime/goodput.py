@@ -85,6 +85,10 @@ def _check_bucket(api: str, bucket: str) -> None:
             f"{api} expects a bucket in {BUCKETS}, but got {bucket!r}")
 
 
+MAX_SEGMENTS = 4096  # timeline pieces kept (`GoodputRecorder._compact`)
+_MERGE = 8  # unlabelled pieces merged into one per bucket when the timeline is compacted
+
+
 def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"),
                       allow_nan=False).encode("utf-8")
@@ -111,6 +115,9 @@ class GoodputRecorder:
         # Closed, non-overlapping pieces of spans: (bucket, start, end, labels),
         # times relative to start. ``add`` pieces carry ``"added": True``.
         self._segments: list[tuple[str, float, float, dict]] = []
+        # Seconds of the closed, not-added pieces per bucket, exact however the timeline
+        # was coarsened (`_compact`).
+        self._closed: dict[str, float] = {b: 0.0 for b in BUCKETS}
         # Seconds moved between buckets by ``add``: bucket -> +/- seconds.
         self._moved: dict[str, float] = {b: 0.0 for b in BUCKETS}
         # Open spans, innermost last: [bucket, labels, piece_start].
@@ -157,7 +164,45 @@ class GoodputRecorder:
     def _close_piece(self, entry: list, now: float) -> None:
         bucket, labels, start = entry
         if now > start:
-            self._segments.append((bucket, start, now, labels))
+            self._closed[bucket] += now - start
+            self._append((bucket, start, now, labels))
+
+    def _append(self, seg: tuple) -> None:
+        self._segments.append(seg)
+        if len(self._segments) > MAX_SEGMENTS:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Coarsens the older half of the timeline: runs of unlabelled pieces (the loop's
+        steps and their protection work, ~2 a step) are merged ``_MERGE`` at a time into one
+        piece per bucket, laid end to end in the merged pieces' time in proportion to their
+        seconds. Labelled pieces (saves, compiles, recoveries, `add`) stay as they are.
+        Totals are kept exactly apart (`_closed`); the timeline keeps at most
+        `MAX_SEGMENTS` pieces, older times at a coarser resolution, so a long run's memory
+        and the goodput.json written at every save stay bounded."""
+        half = len(self._segments) // 2
+        old, out, run = self._segments[:half], [], []
+
+        def flush():
+            for i in range(0, len(run), _MERGE):
+                group = run[i:i + _MERGE]
+                secs: dict[str, float] = {}
+                for b, st, en, _ in group:
+                    secs[b] = secs.get(b, 0.0) + (en - st)
+                t = group[0][1]
+                for b in sorted(secs, key=BUCKETS.index):
+                    out.append((b, t, t + secs[b], {}))
+                    t += secs[b]
+            run.clear()
+
+        for seg in old:
+            if seg[3]:
+                flush()
+                out.append(seg)
+            else:
+                run.append(seg)
+        flush()
+        self._segments = out + self._segments[half:]
 
     def add(self, bucket: str, seconds: float, **labels: Any) -> None:
         """Attribute ``seconds`` that have already elapsed to ``bucket``.
@@ -178,8 +223,7 @@ class GoodputRecorder:
             source = self._stack[-1][0] if self._stack else "other"
             self._moved[bucket] += seconds
             self._moved[source] -= seconds
-            self._segments.append(
-                (bucket, max(0.0, now - seconds), now, {**labels, "added": True}))
+            self._append((bucket, max(0.0, now - seconds), now, {**labels, "added": True}))
 
     def event(self, kind: str, **fields: Any) -> dict:
         """Record a point event (failure, recovery, rejoin...) at the current time."""
@@ -202,10 +246,7 @@ class GoodputRecorder:
         """
         with self._lock:
             now = self._now()
-            out = {b: 0.0 for b in BUCKETS}
-            for bucket, start, end, labels in self._segments:
-                if not labels.get("added"):
-                    out[bucket] += end - start
+            out = dict(self._closed)
             if self._stack:
                 bucket, _, start = self._stack[-1]
                 out[bucket] += max(0.0, now - start)
@@ -271,6 +312,8 @@ class GoodputRecorder:
                 labels.pop("open", None)
                 rec._segments.append(
                     (seg["bucket"], float(seg["start"]), float(seg["end"]), labels))
+                if not labels.get("added"):
+                    rec._closed[seg["bucket"]] += float(seg["end"]) - float(seg["start"])
             for b, s in data.get("moved", {}).items():
                 if b not in BUCKETS:
                     raise ValueError(f"unknown bucket {b!r}")
@@ -285,16 +328,17 @@ class GoodputRecorder:
     def save(self, run_dir: str | os.PathLike) -> str:
         """Write ``run_dir/goodput.json`` atomically; returns its path.
 
-        Costs one JSON dump of all segments (O(number of spans)).
+        Costs one JSON encoding of the timeline (at most `MAX_SEGMENTS` pieces): the body
+        is written as the canonical bytes its checksum is taken over.
         """
-        body = self.to_json()
-        doc = {"format": _FORMAT, "version": _VERSION,
-               "sha256": hashlib.sha256(_canonical(body)).hexdigest(), "body": body}
+        canon = _canonical(self.to_json())
+        head = json.dumps({"format": _FORMAT, "sha256": hashlib.sha256(canon).hexdigest(), "version": _VERSION},
+                          sort_keys=True)
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(os.fspath(run_dir), GOODPUT_FILE)
         tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, sort_keys=True, allow_nan=False)
+        with open(tmp, "wb") as f:
+            f.write(b'{"body":' + canon + b"," + head[1:].encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
