@@ -882,3 +882,21 @@ def test_heartbeats_live_in_ram_during_the_job_and_on_disk_after_it(tmp_path):
     assert sorted(p.name for p in hb.iterdir()) == ["g0.p0.json", "g0.p1.json"]
     assert json.loads((hb / "g0.p1.json").read_text())["process_id"] == 1
     assert not any(n.startswith(f"resilax-hb-{os.getpid()}-") for n in os.listdir("/dev/shm"))
+
+
+def test_heartbeats_stay_on_disk_when_ram_cannot_hold_them(tmp_path, monkeypatch):
+    """Where the link into RAM cannot be made (a run dir on a file system without links, a
+    read-only /dev/shm), the heartbeats stay in ``D/heartbeats`` and the job runs as before."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here: the heartbeats stay in the run directory anyway")
+
+    def refuse(self, *a, **k):
+        raise OSError(1, "Operation not permitted (test)")
+
+    monkeypatch.setattr(pathlib.Path, "symlink_to", refuse)
+    code = ("import os; from resilax._src.runtime import worker; e = worker.LaunchEnv.from_env(os.environ); "
+            "hb = worker._Heartbeat(e); hb.beat(); hb.stop()")
+    assert _sup(tmp_path, code).run() == 0
+    hb = tmp_path / "run" / "heartbeats"
+    assert hb.is_dir() and not hb.is_symlink() and (hb / "g0.p1.json").exists()
+    assert not any(n.startswith(f"resilax-hb-{os.getpid()}-") for n in os.listdir("/dev/shm"))

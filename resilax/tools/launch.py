@@ -595,8 +595,13 @@ class Supervisor:
         elif link.exists():
             shutil.rmtree(link)
         ram = root / f"resilax-hb-{os.getpid()}-{time.time_ns()}"
-        ram.mkdir()
-        link.symlink_to(ram, target_is_directory=True)
+        try:
+            ram.mkdir()
+            link.symlink_to(ram, target_is_directory=True)
+        except OSError as e:  # /dev/shm not writable (or the run dir cannot hold a link): on disk
+            say(f"heartbeats stay in {link} (could not keep them in RAM at {ram}: {e})")
+            shutil.rmtree(ram, ignore_errors=True)
+            return
         self._hb_ram = ram
 
     def _heartbeats_to_disk(self):
