@@ -33,10 +33,12 @@ from resilax._src.runtime import jaxdist
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools.launch import PROCESSES_JSON, Supervisor, heartbeats, spare_heartbeats
 
-# 64 steps: the in-place test lets its held spare go once the smaller generation is past a
+# 96 steps: the in-place test lets its held spare go once the smaller generation is past a
 # checkpoint, and the job must still be running when the spare is warm (under the suite's
-# load, 48 steps once ended 0.3 s before the spare was ready: nothing left to grow back into)
-STEPS, EVERY = 64, 5
+# load, 48 steps once ended 0.3 s before the spare was ready: nothing left to grow back into;
+# with 3 copies of the test beside a CPU hog, 64 steps once ended 22 s after the spare was
+# let go, before it was warm, and a passing run grew back at step 59)
+STEPS, EVERY = 96, 5
 TRAIN = ["resilax", "train", "--topology", "cpu-4x2", "--layout", "sharded", "--steps", str(STEPS),
          "--checkpoint-every", str(EVERY), "--log-every", "10"]
 
