@@ -15,12 +15,13 @@ number of saves. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+
+from resilax._src.io import write_json
 
 VARIANTS = ("plain", "orbax", "default", "default_ckpt", "default_ckpt_packed")
 BASE = {"orbax": "plain", "default_ckpt": "default", "default_ckpt_packed": "default"}
@@ -66,28 +67,12 @@ def main(argv=None) -> int:
     import resilax
 
     resilax.request_cpu_devices(8)
-    from resilax.tools import bench_gpt
-
     tmp = tempfile.mkdtemp(prefix="resilax-save-cpu-")
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    saved = bench_gpt.OVERRIDES[bench_gpt.PACKED]
     try:
         for r in range(args.rounds):
-            for v in VARIANTS:
-                d = os.path.join(tmp, f"{v}-{r}")
-                if v == "default_ckpt_packed":
-                    from resilax._src.protect.checkpoints import CheckpointStore
-
-                    old = {a: getattr(CheckpointStore, a) for a in saved}
-                    for a, x in saved.items():
-                        setattr(CheckpointStore, a, x)
-                    try:
-                        runs[v].append(_one("default_ckpt", args.steps, args.every, d))
-                    finally:
-                        for a, x in old.items():
-                            setattr(CheckpointStore, a, x)
-                else:
-                    runs[v].append(_one(v, args.steps, args.every, d))
+            for v in VARIANTS:  # (packed: `bench_gpt._wrapped` switches the store's PACK on for it)
+                runs[v].append(_one(v, args.steps, args.every, os.path.join(tmp, f"{v}-{r}")))
                 print(f"  round {r + 1}/{args.rounds} {v}: {runs[v][-1]['cpu_s']:.2f} CPU-s", file=sys.stderr,
                       flush=True)
     finally:
@@ -105,8 +90,7 @@ def main(argv=None) -> int:
            "rounds": runs, "cpu_s": cpu, "cpu_per_save_s": per_save}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.json, res, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -440,6 +440,6 @@ def test_the_stores_of_killed_owners_are_removed_and_live_ones_kept(tmp_path):
     assert gone == [names[0], names[2]]
     gone = hsf.remove_orphans(tmp_path, launch.ORPHAN_STORES)  # a single-host supervisor
     assert gone == [names[3]]
-    gone = hsf.remove_orphans(tmp_path, launch.ORPHAN_HEARTBEATS, glob="resilax-hb-*")  # its heartbeats in RAM
+    gone = hsf.remove_orphans(tmp_path, launch.ORPHAN_HEARTBEATS)  # its heartbeats in RAM
     assert gone == [names[6]]
     assert sorted(os.listdir(tmp_path)) == sorted([names[1], names[4], names[5], names[7]])

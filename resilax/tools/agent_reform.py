@@ -73,8 +73,8 @@ def await_detached(workers, timeout_s: float, heartbeat_timeout_s: float) -> dic
             if hb.get("phase") == "detached" and w.proc.poll() is None:
                 done[w.slot] = w
                 pending.remove(w)
-            elif w.proc.poll() is not None or (now - hb.get("t", now) > heartbeat_timeout_s
-                                               and processes.stopped(w.proc.pid) is not False):
+            elif w.proc.poll() is not None or processes.stale_and_stopped(w.proc.pid, now - hb.get("t", now),
+                                                                           heartbeat_timeout_s):
                 pending.remove(w)  # (a stale heartbeat of a running worker: waited for, as `resilax launch` does)
                 stop_all([w], "did not re-form in place (exited, or stopped with a stale heartbeat)")
         time.sleep(0.05)

@@ -463,8 +463,7 @@ class Supervisor:
             for w in self.workers:
                 hb = w.heartbeat() or {}
                 age = now - hb.get("t", 0)
-                if w.proc.poll() is not None or (age > self.heartbeat_timeout_s
-                                                and processes.stopped(w.proc.pid) is not False):
+                if w.proc.poll() is not None or processes.stale_and_stopped(w.proc.pid, age, self.heartbeat_timeout_s):
                     how = (exit_reason(w.proc.returncode) if w.proc.poll() is not None
                            else f"stopped (SIGSTOP?) or unknown, heartbeat {age:.1f} s old in phase {hb.get('phase')}")
                     say(f"process {w.process_id} did not re-form ({how})")
@@ -587,7 +586,7 @@ class Supervisor:
         root = pathlib.Path("/dev/shm")
         if not root.is_dir():
             return  # (the heartbeats stay in the run directory)
-        gone = hoststore_files.remove_orphans(root, ORPHAN_HEARTBEATS, glob="resilax-hb-*")
+        gone = hoststore_files.remove_orphans(root, ORPHAN_HEARTBEATS)
         if gone:
             say(f"removed the heartbeat directories of killed supervisor(s): {gone}")
         if link.is_symlink():

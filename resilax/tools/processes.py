@@ -76,6 +76,14 @@ def stopped(pid: int) -> bool | None:
         return None
 
 
+def stale_and_stopped(pid: int, age_s: float, timeout_s: float) -> bool:
+    """A heartbeat ``age_s`` old, past ``timeout_s``, from a process that is stopped (SIGSTOP)
+    or whose state cannot be read: it is not coming back. A running process's stale heartbeat
+    is not enough (re-forming waits for it: `launch.Supervisor._detach_live_workers`,
+    `agent_reform.await_detached`)."""
+    return age_s > timeout_s and stopped(pid) is not False
+
+
 def exit_reason(rc: int) -> str:
     return f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
 

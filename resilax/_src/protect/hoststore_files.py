@@ -187,18 +187,18 @@ def decode(raw: bytes) -> dict:
         return {k: z[k] for k in z.files}
 
 
-def remove_orphans(root: pathlib.Path, pattern: str, glob: str = "resilax-store-*") -> list[str]:
+def remove_orphans(root: pathlib.Path, pattern: str) -> list[str]:
     """Removes the host stores in ``root`` whose names match ``pattern`` (a regular
     expression with a group ``pid``: the agent or supervisor that owns the store) and whose
     owner is gone. A SIGKILLed agent or supervisor cannot remove its store, and one in RAM
     (/dev/shm) would hold that memory until the machine restarts; no later process can use
     it (a new owner starts with an empty store). A live owner's store, or one whose pid now
-    names another live process, is kept (``glob``: the names looked at; `resilax launch`'s
-    heartbeat directories in RAM are removed the same way). Returns the names removed."""
+    names another live process, is kept (`resilax launch`'s heartbeat directories in RAM are
+    removed the same way, by their own pattern). Returns the names removed."""
     import shutil
 
     gone = []
-    for d in sorted(root.glob(glob)):
+    for d in sorted(root.glob("resilax-*")):  # (``pattern`` decides)
         m = re.fullmatch(pattern, d.name)
         if m is None or not d.is_dir():
             continue

@@ -115,9 +115,6 @@ class GoodputRecorder:
         # Closed, non-overlapping pieces of spans: (bucket, start, end, labels),
         # times relative to start. ``add`` pieces carry ``"added": True``.
         self._segments: list[tuple[str, float, float, dict]] = []
-        # Seconds of the closed, not-added pieces per bucket, exact however the timeline
-        # was coarsened (`_compact`).
-        self._closed: dict[str, float] = {b: 0.0 for b in BUCKETS}
         # Seconds moved between buckets by ``add``: bucket -> +/- seconds.
         self._moved: dict[str, float] = {b: 0.0 for b in BUCKETS}
         # Open spans, innermost last: [bucket, labels, piece_start].
@@ -164,7 +161,6 @@ class GoodputRecorder:
     def _close_piece(self, entry: list, now: float) -> None:
         bucket, labels, start = entry
         if now > start:
-            self._closed[bucket] += now - start
             self._append((bucket, start, now, labels))
 
     def _append(self, seg: tuple) -> None:
@@ -176,8 +172,8 @@ class GoodputRecorder:
         """Coarsens the older half of the timeline: runs of unlabelled pieces (the loop's
         steps and their protection work, ~2 a step) are merged ``_MERGE`` at a time into one
         piece per bucket, laid end to end in the merged pieces' time in proportion to their
-        seconds. Labelled pieces (saves, compiles, recoveries, `add`) stay as they are.
-        Totals are kept exactly apart (`_closed`); the timeline keeps at most
+        seconds, so each bucket's seconds (the totals) stay. Labelled pieces (saves,
+        compiles, recoveries, `add`) stay as they are. The timeline keeps at most
         `MAX_SEGMENTS` pieces, older times at a coarser resolution, so a long run's memory
         and the goodput.json written at every save stay bounded."""
         half = len(self._segments) // 2
@@ -246,7 +242,10 @@ class GoodputRecorder:
         """
         with self._lock:
             now = self._now()
-            out = dict(self._closed)
+            out = {b: 0.0 for b in BUCKETS}
+            for bucket, start, end, labels in self._segments:
+                if not labels.get("added"):
+                    out[bucket] += end - start
             if self._stack:
                 bucket, _, start = self._stack[-1]
                 out[bucket] += max(0.0, now - start)
@@ -312,8 +311,6 @@ class GoodputRecorder:
                 labels.pop("open", None)
                 rec._segments.append(
                     (seg["bucket"], float(seg["start"]), float(seg["end"]), labels))
-                if not labels.get("added"):
-                    rec._closed[seg["bucket"]] += float(seg["end"]) - float(seg["start"])
             for b, s in data.get("moved", {}).items():
                 if b not in BUCKETS:
                     raise ValueError(f"unknown bucket {b!r}")
