@@ -99,6 +99,7 @@ NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
 # the default host stores of agents (the pid last), of any job and rank: `hoststore_files.remove_orphans`
 ORPHAN_STORES = r"resilax-store-[0-9a-f]{12}-node\d+-(?P<pid>\d+)"
 
+
 class Agent:
     """The agent of node ``node_rank`` of ``nodes``: runs its ``n`` workers of ``cmd`` in the
     generations the agents agree on (see the module docstring for recovery).

@@ -96,6 +96,7 @@ SHRINK_MODES = ("reform", "backend")
 ORPHAN_STORES = r"resilax-store-(?P<pid>\d+)-\d+"
 ORPHAN_HEARTBEATS = r"resilax-hb-(?P<pid>\d+)-\d+"
 
+
 class Supervisor:
     """Runs generations of workers until one ends cleanly or the restart budget is spent.
 
