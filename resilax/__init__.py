@@ -18,7 +18,7 @@ _WHERE = {
     **dict.fromkeys(("AnomalyConfig", "CheckpointConfig", "Config", "LogConfig", "PeersConfig", "VerifyConfig",
                      "DeterministicConfig", "HealthConfig"), "resilax._src.config"),
     **dict.fromkeys(("CheckpointError", "ConfigError", "CorruptCheckpointError", "ReplayLogError",
-                     "ProgramMismatchError", "Preempted", "ResilaxError", "StateLostError",
+                     "PipelineError", "ProgramMismatchError", "Preempted", "ResilaxError", "StateLostError",
                      "SilentDataCorruptionError", "StorageError", "TopologyError", "WrapError"), "resilax._src.errors"),
     "Event": "resilax._src.events",
     "exclusive_orbax_save": "resilax._src.protect.checkpoints",
@@ -26,6 +26,8 @@ _WHERE = {
     "Fault": "resilax._src.runtime.faults",
     "FaultPlan": "resilax._src.runtime.faults",
     "record": "resilax._src.step.record",
+    "pipeline": "resilax._src.pipeline.spmd",
+    "pipeline_sharding": "resilax._src.pipeline.spmd",
     "request_cpu_devices": "resilax._src.runtime.cpu_devices",
     "Topology": "resilax._src.runtime.topology",
     "ResilientStep": "resilax._src.step.driver",
@@ -54,7 +56,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
                                      HealthConfig as HealthConfig, LogConfig as LogConfig, PeersConfig as PeersConfig,
                                      VerifyConfig as VerifyConfig)
     from resilax._src.errors import (CheckpointError as CheckpointError, ConfigError as ConfigError,  # noqa: F401
-                                     CorruptCheckpointError as CorruptCheckpointError, Preempted as Preempted,
+                                     CorruptCheckpointError as CorruptCheckpointError, PipelineError as PipelineError,
+                                     Preempted as Preempted,
                                      ProgramMismatchError as ProgramMismatchError, ReplayLogError as ReplayLogError,
                                      ResilaxError as ResilaxError, SilentDataCorruptionError as SilentDataCorruptionError,
                                      StateLostError as StateLostError, StorageError as StorageError,
@@ -63,6 +66,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from resilax._src.protect.checkpoints import (exclusive_orbax_save as exclusive_orbax_save,  # noqa: F401
                                                   orbax_lock as orbax_lock)
     from resilax._src.runtime.faults import Fault as Fault, FaultPlan as FaultPlan  # noqa: F401
+    from resilax._src.pipeline.spmd import pipeline as pipeline, pipeline_sharding as pipeline_sharding  # noqa: F401
     from resilax._src.step.record import record as record  # noqa: F401
     from resilax._src.runtime.cpu_devices import request_cpu_devices as request_cpu_devices  # noqa: F401
     from resilax._src.runtime.topology import Topology as Topology  # noqa: F401
@@ -77,6 +81,7 @@ __all__ = [
     "CheckpointConfig",
     "LogConfig",
     "PeersConfig",
+    "PipelineError",
     "Preempted",
     "ProgramMismatchError",
     "VerifyConfig",
@@ -101,6 +106,8 @@ __all__ = [
     "exclusive_orbax_save",
     "launched",
     "orbax_lock",
+    "pipeline",
+    "pipeline_sharding",
     "record",
     "request_cpu_devices",
     "wrap",

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import resilax  # noqa: E402
 from resilax.tools import example as ex  # noqa: E402
+from resilax.tools import pipeline_models  # noqa: E402
 from resilax.tools.models import CASES  # noqa: E402
 
 OFF = dict(checkpoint=None, log=None, peers=None, anomaly=None, verify=None)
@@ -27,10 +28,13 @@ OFF = dict(checkpoint=None, log=None, peers=None, anomaly=None, verify=None)
 def run(name, case, cfg, layout, steps=5):
     t0 = time.perf_counter()
     state = case.make_state(0)
-    specs = ex.fsdp_specs(state) if layout == "fsdp" else P()
-    step = resilax.wrap(case.train_step, topology=resilax.Topology.load("cpu-2x4"), state_sharding=specs,
-                        batch_sharding=P(("data", "fsdp")) if layout == "fsdp" else P("data"), config=cfg, rng=True,
-                        metric_reductions=case.metric_reductions)
+    if layout == "pipeline":  # data x pipeline: stacked blocks over the stage axis
+        specs, topo, bsh = case.state_sharding(state), "cpu-2x4-pp", P("data")
+    else:
+        specs = ex.fsdp_specs(state) if layout == "fsdp" else P()
+        topo, bsh = "cpu-2x4", P(("data", "fsdp")) if layout == "fsdp" else P("data")
+    step = resilax.wrap(case.train_step, topology=resilax.Topology.load(topo), state_sharding=specs,
+                        batch_sharding=bsh, config=cfg, rng=True, metric_reductions=case.metric_reductions)
     s = step.init(state)
     for b in case.make_batches(steps):
         s, m = step(s, b)
@@ -52,6 +56,9 @@ def main(run_dir):
     run("bit_exact", bn, resilax.Config(deterministic=resilax.DeterministicConfig(), peers=resilax.PeersConfig(compile_ahead=False),
                                         checkpoint=resilax.CheckpointConfig(os.path.join(run_dir, "c"), every=2)),
         "replicated")
+    # a pipelined transformer (resilax.pipeline inside the loss): every default protection, saves
+    run("pipeline", pipeline_models.linen_case(layers=4, microbatches=2),
+        resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(run_dir, "p"), every=2)), "pipeline", steps=3)
     # the user's own step under plain jit: the baseline the programs above are compared with
     for case in (dm, bn):
         st = case.make_state(0)

@@ -34,7 +34,7 @@ def test_host_sync_pattern_finds_what_it_looks_for():
 def test_no_program_of_a_failure_free_run_waits_on_the_host(tmp_path):
     """Every program compiled in failure-free runs (every protection on with saves, peer
     copies and log entries, every protection off, the bit-exact mode, the degraded meshes
-    compiled ahead; an MLP with dropout and one with BatchNorm), dumped by XLA after
+    compiled ahead; an MLP with dropout and one with BatchNorm; a pipelined transformer), dumped by XLA after
     optimisation, has no conditional, loop or host callback."""
     dump = tmp_path / "hlo"
     # XLA:CPU's default code generation: the suite's test-speed emitters (conftest) lower some
@@ -47,6 +47,7 @@ def test_no_program_of_a_failure_free_run_waits_on_the_host(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("all_on_fsdp", "all_off", "bit_exact"):
         assert f"{name} ok 5" in proc.stdout, proc.stdout
+    assert "pipeline ok 3" in proc.stdout, proc.stdout
     files, bad = scan_dump(str(dump), skip=(".jit_create.",))  # the test's own flax init is not a step
     names = " ".join(os.path.basename(f) for f in files)
     # the programs it must have seen: grad and update parts, a ring copy, checksums, the user's plain step

@@ -22,6 +22,10 @@ class WrapError(ResilaxError, TypeError):
     """Bad arguments to `resilax.wrap` or to a `ResilientStep` call."""
 
 
+class PipelineError(ResilaxError, ValueError):
+    """Bad arguments to `resilax.pipeline`, or a pipeline that does not fit the mesh."""
+
+
 class CheckpointError(ResilaxError):
     """A checkpoint could not be saved or restored."""
 

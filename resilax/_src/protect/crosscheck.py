@@ -103,6 +103,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from resilax._src.errors import ProgramMismatchError
 from resilax._src.protect.base import Protection
@@ -166,17 +167,23 @@ class CrossCheck(Protection):
         def rec(s, b, n, k):  # called as the programs call it (no key argument without one): one trace
             return (split.grad(s, b, n) if k is None else split.grad(s, b, n, k))[0]
 
+        dev = prog.mesh.devices.flat[0]
+        # a step that reads the mesh in context (a pipeline) runs on one device as on a mesh
+        # of one device with the same axes (a pipeline of one stage: the same maths)
+        one_mesh = Mesh(np.array([dev]).reshape((1,) * len(prog.mesh.axis_names)), prog.mesh.axis_names)
         if self._single is None:
             self._single = jax.jit(rec)
         if self._tol is None:
-            self._tol = tolerance(rec, self.cfg.rtol, state, batch, jax.ShapeDtypeStruct((), np.uint32), key)
+            with split.on(one_mesh):
+                self._tol = tolerance(rec, self.cfg.rtol, state, batch, jax.ShapeDtypeStruct((), np.uint32), key)
         tol, dtype, length = self._tol
         names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(prog.abstract_rec)[0]]
-        dev = prog.mesh.devices.flat[0]
 
         def single(s):
             one = jax.device_put((s, batch, key), dev)
-            return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(self._single(one[0], one[1], jnp.uint32(step_no), one[2])))]
+            with split.on(one_mesh):
+                out = self._single(one[0], one[1], jnp.uint32(step_no), one[2])
+            return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(out))]
 
         bad = _differing(got, single(state), tol, names)
         self._done.add(prog)

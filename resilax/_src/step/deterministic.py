@@ -229,8 +229,10 @@ class DeterministicProgram(Program):
             out_sh = (self._xfer_abstract(dom)[1] if packed else dom.rec_sh, dom.rep if self.has_weight else None,
                       jax.tree.map(lambda _: dom.rep, self.abstract_metrics))
             j = jax.jit(fn, in_shardings=(dom.state_sh, dom.batch_sh, dom.rep, dom.rep), out_shardings=out_sh)
-            return j.lower(_sh.abstract(self.spec.abstract_state, dom.state_sh),
-                           _sh.abstract(self.replica_batch, dom.batch_sh), self._u32, self._u32).compile()
+            with split.on(dom.mesh):
+                lowered = j.lower(_sh.abstract(self.spec.abstract_state, dom.state_sh),
+                                  _sh.abstract(self.replica_batch, dom.batch_sh), self._u32, self._u32)
+            return lowered.compile()
 
         return self._exe(("grad_packed" if packed else "grad", dom.key), build)
 
@@ -293,9 +295,11 @@ class DeterministicProgram(Program):
         def build():
             j = jax.jit(fn, in_shardings=(dom.state_sh, dom.rec_sh, dom.rep, dom.rep), out_shardings=dom.state_sh,
                         donate_argnums=(0,) if donate else ())
-            return j.lower(_sh.abstract(self.spec.abstract_state, dom.state_sh),
-                           _sh.abstract(self.abstract_rec, dom.rec_sh), jax.ShapeDtypeStruct((), jnp.int32),
-                           self._u32).compile()
+            with split.on(dom.mesh):
+                lowered = j.lower(_sh.abstract(self.spec.abstract_state, dom.state_sh),
+                                  _sh.abstract(self.abstract_rec, dom.rec_sh), jax.ShapeDtypeStruct((), jnp.int32),
+                                  self._u32)
+            return lowered.compile()
 
         return self._exe(("update", dom.key, donate), build)
 

@@ -296,7 +296,7 @@ class ResilientStep:
         """The full mesh's program; validates the step against the state and batch."""
         spec = program_spec(self.config, self.topology, self._split, self._state_spec, self._batch_spec,
                             self._abstract_state, abstract_batch, self._reductions)
-        check_step(self._split, self._abstract_state, abstract_batch)
+        check_step(self._split, self._abstract_state, abstract_batch, self.mesh)
         with self.goodput_recorder.span("compile"):
             prog = make(spec, self.mesh, full_mesh=len(self._alive) == len(self._domains))
             prog.grad(False)

@@ -177,7 +177,8 @@ class Program:
         self.batch_specs = bspecs
         u32 = jax.ShapeDtypeStruct((), np.uint32)
         self._u32 = u32
-        rec, weight, metrics = jax.eval_shape(spec.split.grad, spec.abstract_state, spec.abstract_batch, u32)
+        with spec.split.on(mesh):
+            rec, weight, metrics = jax.eval_shape(spec.split.grad, spec.abstract_state, spec.abstract_batch, u32)
         self.abstract_rec = rec
         self.has_weight = weight is not None
         self.abstract_metrics = metrics
@@ -303,8 +304,10 @@ class Program:
                              in_shardings=(self.state_sh, jax.tree.map(lambda _: self.rep, self.spec.abstract_guard),
                                            self.batch_sh, self.rep),
                              out_shardings=out_sh)
-            self._grad[key] = jitted.lower(self.abstract_state(), self.spec.abstract_guard,
-                                           _sh.abstract(self._host_batch_abstract(), self.batch_sh), self._u32).compile()
+            with self.spec.split.on(self.mesh):
+                lowered = jitted.lower(self.abstract_state(), self.spec.abstract_guard,
+                                       _sh.abstract(self._host_batch_abstract(), self.batch_sh), self._u32)
+            self._grad[key] = lowered.compile()
         return self._grad[key]
 
     def fits_global_batch(self) -> bool:
@@ -360,9 +363,10 @@ class Program:
                              in_shardings=(self.state_sh, self.rec_in_sh, self.rep, self.rep),
                              out_shardings=(self.state_sh, None, None),
                              donate_argnums=(0,) if donate else ())
-            self._update[key] = jitted.lower(self.abstract_state(), self.abstract_rec_in,
-                                             jax.ShapeDtypeStruct((), jnp.int32),
-                                             self._u32).compile()
+            with self.spec.split.on(self.mesh):
+                lowered = jitted.lower(self.abstract_state(), self.abstract_rec_in, jax.ShapeDtypeStruct((), jnp.int32),
+                                       self._u32)
+            self._update[key] = lowered.compile()
         return self._update[key]
 
     def has_update(self, copy: str | None = None, keep_input: bool = False) -> bool:

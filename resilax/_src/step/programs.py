@@ -46,8 +46,10 @@ def program_spec(cfg, topology, split, state_specs, batch_specs, abstract_state,
         replicas=None if cfg.deterministic is None else (cfg.deterministic.replicas or topology.num_domains))
 
 
-def check_step(split, abstract_state, abstract_batch) -> None:
-    """Validates the user's step against the state and the first batch (shapes only).
+def check_step(split, abstract_state, abstract_batch, mesh=None) -> None:
+    """Validates the user's step against the state and the first batch (shapes only). A step
+    that reads the mesh in context (`resilax.pipeline`) is found here and checked under
+    ``mesh`` (the full mesh).
 
     Raises:
       WrapError: the step changes the state's structure, shapes or dtypes, or its update
@@ -56,6 +58,22 @@ def check_step(split, abstract_state, abstract_batch) -> None:
     key = split.shapes_key(abstract_state, abstract_batch)
     if key is not None and key in split.checked:  # another wrap of this step checked these shapes
         return
+    from resilax._src.pipeline import spmd
+
+    if not split.reads_mesh:
+        try:
+            with spmd.detecting():
+                _check_step(split, abstract_state, abstract_batch)
+        except spmd.NeedsMesh:
+            split.mark_reads_mesh()
+    if split.reads_mesh:
+        with split.on(mesh):
+            _check_step(split, abstract_state, abstract_batch)
+    if key is not None:
+        split.checked.add(key)
+
+
+def _check_step(split, abstract_state, abstract_batch) -> None:
     u32 = jax.ShapeDtypeStruct((), np.uint32)
     try:
         rec, _, _ = jax.eval_shape(split.grad, abstract_state, abstract_batch, u32)
@@ -71,8 +89,6 @@ def check_step(split, abstract_state, abstract_batch) -> None:
             f"resilax.wrap: the update part of train_step (after resilax.record) still reads batch"
             f"{', batch'.join(reads)}; replay and recovery redo the update from the recorded values only. Record "
             f"everything the update needs, e.g. resilax.record((grads, new_batch_stats))")
-    if key is not None:
-        split.checked.add(key)
 
 
 def _check_state(new_state, abstract_state) -> None:

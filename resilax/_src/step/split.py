@@ -20,6 +20,7 @@ signature: a third parameter with a default must not silently receive one.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -43,6 +44,25 @@ class Split:
         self.update = _TracedOnce(self._update, traces.setdefault("update", {}))
         # the argument shapes `programs.check_step` has validated the step on (shared like the traces)
         self.checked: set = traces.setdefault("checked", set())
+        self._shared = traces
+
+    @property
+    def reads_mesh(self) -> bool:
+        """Whether the step reads the mesh in context (it calls `resilax.pipeline`): found by
+        `programs.check_step` on the first trace."""
+        return self._shared.get("reads_mesh", False)
+
+    def mark_reads_mesh(self) -> None:
+        self._shared["reads_mesh"] = True
+
+    def on(self, mesh):
+        """The context to trace the step in for a program on ``mesh``: that mesh (abstract)
+        for a step that reads it, so its shard_maps place work on the program's devices and
+        the trace caches (JAX's and `_TracedOnce`'s, keyed by the trace context) keep one
+        trace per mesh shape; nothing for other steps (one trace for every mesh)."""
+        if not self.reads_mesh or mesh is None:
+            return contextlib.nullcontext()
+        return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
     @staticmethod
     def shapes_key(*args):
