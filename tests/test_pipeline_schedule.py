@@ -200,3 +200,39 @@ def test_bench_pipeline_cli(tmp_path, capsys):
     assert zb["healthy_ticks"] == 28 and zb["dispatches"] == 2 * 4 * 8 * 3 + 8
     assert zb["activation_bytes"] == 4 * r["activation_bytes_per_microbatch"]
     assert (tmp_path / "pipe.png").stat().st_size > 10_000
+
+
+def test_simulate_pipeline_cli(tmp_path, capsys):
+    import itertools
+
+    from resilax.tools.cli import main
+    from resilax.tools.simulate_pipeline import PipelineJob, Rates
+
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--pipeline", "--jobs", "16x4x16", "--days", "60", "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "16x4" in printed and "checkpoint-restart" in printed
+    r = json.loads(out.read_text())
+    job = r["jobs"][0]
+    assert job["chips"] == 1024 and sum(job["failures"].values()) > 0
+    g = {k: v["goodput"] for k, v in job["strategies"].items()}
+    assert set(g) == {"reroute", "drop", "repartition", "checkpoint-restart"}
+    assert all(0 < x <= 1 for x in g.values())
+    # the same trace for all: rerouting keeps more throughput than dropping at the same pauses, and
+    # re-partitioning pays a reconfiguration on each failure and rejoin
+    assert g["reroute"] > g["drop"] > g["repartition"] and g["reroute"] > g["checkpoint-restart"]
+    assert job["strategies"]["reroute"]["degraded_hours"] > 0
+    # the reduced tables the simulator plans give the full mesh's ratios
+    one = job["single_loss_ratio"]
+    assert one["reroute_by_stage"] == pytest.approx(
+        [ps.throughput_ratio(ps.rerouted("zb-h1", 16, 4, 8, {(1, s)})) for s in range(4)])
+    assert one["drop"] == pytest.approx(28 / 31)
+    # losses in several stages: the least per-stage ratio is within 0.01 of the exact table
+    rates = Rates(PipelineJob(16, 4, 16))
+    for s1, s2 in itertools.combinations(range(4), 2):
+        exact = ps.throughput_ratio(ps.rerouted("zb-h1", 16, 4, 8, {(0, s1), (1, s2)}))
+        assert rates.reroute({(0, s1), (1, s2)}) == pytest.approx(exact, abs=0.011)
+    assert rates.reroute({(r, 2) for r in range(16)}) is None  # stage 2 gone everywhere: fall back
+    assert rates.drop({(r, 0) for r in range(16)}) is None
+    assert main(argv) == 0 and json.loads(out.read_text()) == r  # same seed, same result

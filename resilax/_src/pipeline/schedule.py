@@ -104,6 +104,26 @@ class Table:
         rows.sort(key=lambda x: (x[0], x[1], x[2]))
         return tuple((d, op) for _, d, _, op in rows)
 
+    @functools.cached_property
+    def _replay_plan(self) -> tuple:
+        """Per op in dispatch order: (domain index, kind index in F/B/W/BW, ((dep index,
+        cross-domain), ...)), so a replay is list indexing."""
+        doms = {d: i for i, d in enumerate(self.order)}
+        kind = {"F": 0, "B": 1, "W": 2, "BW": 3}
+        S = self.stages
+        pos, rows = {}, []  # keyed by plain tuples: hashing Op dataclasses costs several times more
+        for i, (d, op) in enumerate(self._dispatch):
+            k, v, m, s = key = (op.kind, op.replica, op.microbatch, op.stage)
+            pos[key] = (i, d)
+            if k == "F":
+                deps = (("F", v, m, s - 1),) if s > 0 else ()
+            elif k == "W":
+                deps = (("B", v, m, s),)
+            else:
+                deps = (("F", v, m, s),) + (((k, v, m, s + 1),) if s < S - 1 else ())
+            rows.append((doms[d], kind[k], deps, d))
+        return tuple((di, ki, tuple((pos[x][0], pos[x][1] != d) for x in deps)) for di, ki, deps, d in rows)
+
     def ops_per_domain(self) -> dict:
         """``{(r, s): {"F": n, "B": n, "W": n, "BW": n}}`` for every live domain."""
         out = {}
@@ -175,24 +195,24 @@ def _plan(schedule, S, place, caps, costs, comm):
     total = len(place) * len(_kinds(schedule))
 
     def push_ready(op, t):
-        d = place[(op.replica, op.microbatch, op.stage)]
-        heapq.heappush(queues[d][op.kind], (t, op.microbatch, op.replica, op))
+        d = place[op[1:]]
+        heapq.heappush(queues[d][op[0]], (t, op[2], op[1], op))
         dirty.add(d)
 
     def dependents(op):
-        v, m, s = op.replica, op.microbatch, op.stage
-        if op.kind == "F":
-            out = [Op(bk, v, m, s)]
-            return out + [Op("F", v, m, s + 1)] if s < S - 1 else out
-        if op.kind == "W":
+        k, v, m, s = op
+        if k == "F":
+            out = [(bk, v, m, s)]
+            return out + [("F", v, m, s + 1)] if s < S - 1 else out
+        if k == "W":
             return []
-        out = [Op("W", v, m, s)] if op.kind == "B" else []
-        return out + [Op(op.kind, v, m, s - 1)] if s > 0 else out
+        out = [("W", v, m, s)] if k == "B" else []
+        return out + [(k, v, m, s - 1)] if s > 0 else out
 
     dirty = set()
     for (v, m, s) in place:
         if s == 0:
-            push_ready(Op("F", v, m, 0), 0.0)
+            push_ready(("F", v, m, 0), 0.0)
     started = 0
     t = 0.0
     while True:
@@ -229,15 +249,14 @@ def _plan(schedule, S, place, caps, costs, comm):
                 continue
             busy[d] = False
             dirty.add(d)
-            if op.kind in ("B", "BW"):
+            if op[0] in ("B", "BW"):
                 inflight[d] -= 1
             for nxt in dependents(op):
-                key = (nxt.replica, nxt.microbatch, nxt.stage)
-                nd = place[key]
+                nd = place[nxt[1:]]
                 arrive = t + (comm if nd != d else 0.0)
                 need = pending.get(nxt)
                 if need is None:
-                    need = len(_deps(nxt, S))
+                    need = 1 if nxt[0] in ("W", "F") or nxt[3] == S - 1 else 2  # len(_deps(nxt))
                 need -= 1
                 pending[nxt] = need
                 ready_at[nxt] = max(ready_at.get(nxt, 0.0), arrive)
@@ -249,7 +268,7 @@ def _plan(schedule, S, place, caps, costs, comm):
                         push_ready(nxt, t)
     if started != total:  # the caps below cannot deadlock (the last stage always drains); a guard
         raise RuntimeError(f"pipeline planner stalled after {started} of {total} ops ({schedule}, caps {caps})")
-    return ({d: tuple(o) for d, o in order.items()}, {d: tuple(x) for d, x in start.items()})
+    return ({d: tuple(Op(*op) for op in o) for d, o in order.items()}, {d: tuple(x) for d, x in start.items()})
 
 
 def _default_caps(schedule, S, place, replicas_of_domain):
@@ -396,37 +415,40 @@ def simulate(table: Table, costs=None, comm: float = 0.0, *, steps: int = 3, opt
         raise ValueError(f"pipeline simulate expects steps >= 1, but got {steps!r}")
     cost = dict(_norm_costs(costs))
     S = table.stages
-    dispatch = table._dispatch
-    where = table._placement
-    free = dict.fromkeys(table.order, 0.0)
-    busy = dict.fromkeys(table.order, 0.0)
-    first_start: dict = {d: [] for d in table.order}
+    doms = list(table.order)
+    plan = table._replay_plan
+    kinds = [cost[k] for k in ("F", "B", "W", "BW")]
+    free = [0.0] * len(doms)
+    busy = [0.0] * len(doms)
+    first_start: list = [[] for _ in doms]
+    finish = [0.0] * len(plan)
     makespan = 0.0
     for step in range(steps):
-        finish = {}
-        for d, op in dispatch:
-            t = free[d]
-            for dep in _deps(op, S):
-                hop = comm if where[(dep.replica, dep.microbatch, dep.stage)] != d else 0.0
-                t = max(t, finish[dep] + hop)
-            finish[op] = t + cost[op.kind]
-            free[d] = finish[op]
+        for i, (di, ki, deps) in enumerate(plan):
+            t = free[di]
+            for j, cross in deps:
+                x = finish[j] + (comm if cross else 0.0)
+                if x > t:
+                    t = x
+            f = finish[i] = t + kinds[ki]
+            free[di] = f
             if step == 0:
-                first_start[d].append(t)
-                busy[d] += cost[op.kind]
+                first_start[di].append(t)
+                busy[di] += kinds[ki]
         if step == 0:
-            makespan = max(finish.values(), default=0.0)
+            makespan = max(finish, default=0.0)
         if optimizer == "global":
-            done = max(free.values(), default=0.0)
-            for d in free:
-                free[d] = done + cost["U"]
+            done = max(free, default=0.0)
+            free = [done + cost["U"]] * len(doms)
         elif optimizer == "staggered":
-            last = {}
-            for op, f in finish.items():
-                if op.kind in ("W", "BW"):
-                    last[op.stage] = max(last.get(op.stage, 0.0), f)
-            for d in free:
-                free[d] = max(free[d], last.get(d[1], 0.0)) + cost["U"]
+            last = [0.0] * S
+            for i, (di, ki, _) in enumerate(plan):
+                if ki >= 2 and finish[i] > last[doms[di][1]]:  # W or BW: the stage's gradient is done
+                    last[doms[di][1]] = finish[i]
+            free = [max(f, last[d[1]]) + cost["U"] for f, d in zip(free, doms)]
+    free = dict(zip(doms, free))
+    busy = dict(zip(doms, busy))
+    first_start = dict(zip(doms, first_start))
     end = max(free.values(), default=0.0)
     peak = {}
     for d, ops in table.order.items():
