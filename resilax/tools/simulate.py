@@ -585,6 +585,10 @@ def _cli_main(args: argparse.Namespace) -> int:
 
         return cli_main(args)
     strategies = args.strategy or ["all"]
+    if set(strategies) - set(STRATEGIES) - {"all"}:
+        print(f"resilax simulate: --strategy {sorted(set(strategies) - set(STRATEGIES) - {'all'})} needs --pipeline",
+              file=sys.stderr)
+        return 2
     strategies = list(STRATEGIES) if "all" in strategies else strategies
     cost = CostModel.from_bench_json(*args.cost_json) if args.cost_json else CostModel()
     kw = dict(model_params=args.model_params, profile=args.failures,

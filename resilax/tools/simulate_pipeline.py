@@ -330,11 +330,33 @@ def parse_jobs(text: str, microbatches: int | None, schedule: str) -> list[Pipel
     return jobs
 
 
+def _jobs(args) -> list[PipelineJob]:
+    if args.jobs:
+        jobs = parse_jobs(args.jobs, args.microbatches, args.schedule)
+    else:
+        jobs = [dataclasses.replace(j, microbatches=args.microbatches, schedule=args.schedule) for j in JOBS]
+    for j in jobs:
+        ps.healthy(j.schedule, j.replicas, j.stages, j.m)  # a bad shape raises ValueError naming it
+        if j.chips_per_domain < 1:
+            raise ValueError(f"--jobs expects chips per domain >= 1, but got {j.chips_per_domain}")
+    return jobs
+
+
 def cli_main(args) -> int:
     """``resilax simulate --pipeline`` (options registered by simulate.register_cli)."""
-    jobs = parse_jobs(args.jobs, args.microbatches, args.schedule) if args.jobs else [
-        dataclasses.replace(j, microbatches=args.microbatches, schedule=args.schedule) for j in JOBS]
-    strategies = [s for s in (args.strategy or []) if s in PIPELINE_STRATEGIES] or list(PIPELINE_STRATEGIES)
+    try:
+        jobs = _jobs(args)
+    except ValueError as e:
+        print(f"resilax simulate --pipeline: {e}", file=sys.stderr)
+        return 2
+    wrong = [s for s in (args.strategy or []) if s not in PIPELINE_STRATEGIES + ("all",)]
+    if wrong:
+        print(f"resilax simulate --pipeline: --strategy expects {PIPELINE_STRATEGIES} or all, but got {wrong}",
+              file=sys.stderr)
+        return 2
+    strategies = [s for s in (args.strategy or []) if s != "all"] or list(PIPELINE_STRATEGIES)
+    if "all" in (args.strategy or []):
+        strategies = list(PIPELINE_STRATEGIES)
     result = simulate_pipeline(jobs, model_params=args.model_params, profile=args.failures,
                                mtbf_hours=args.mtbf_hours, days=args.days, seed=args.seed,
                                cost=CostModel.from_bench_json(*args.cost_json) if args.cost_json else None,

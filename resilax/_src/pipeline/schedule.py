@@ -73,6 +73,15 @@ class Table:
 
     ``order[(r, s)]`` lists domain (r, s)'s ops; ``start[(r, s)]`` their start times (planner
     units), strictly increasing. Lost domains and the domains of dropped replicas have no key.
+
+    For an executor: an op with ``op.replica != r`` is a micro-batch of another replica
+    (rerouted or of a dropped replica), run with this domain's stage-s weights. F(v, m, s)
+    takes its input from ``domain_of(v, m, s - 1)`` (s = 0: micro-batch m of replica v's data)
+    and sends its output to ``domain_of(v, m, s + 1)``; B/BW(v, m, s) takes its cotangent from
+    ``domain_of(v, m, s + 1)`` (s = S-1: the loss) and sends dx to ``domain_of(v, m, s - 1)``.
+    Weight gradients go to an accumulator keyed (v, s) on the running domain, so the stage-s
+    gradient can be summed over v in a fixed order wherever micro-batches ran. The optimizer
+    update is not in ``order``: it follows the step's last stage-s W/BW on every domain.
     """
     schedule: str
     replicas: int
