@@ -292,7 +292,7 @@ def _default_caps(schedule, S, place, replicas_of_domain):
     return caps
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=32)  # a 64x16 M=32 table holds ~10^5 ops
 def _build(schedule, D, S, M, lost, mode, cap, costs, comm) -> Table:
     place = {(v, m, s): (v, s) for v in range(D) for m in range(M) for s in range(S)}
     drop = frozenset()
