@@ -181,6 +181,8 @@ def test_errors_name_the_problem():
         ps.rerouted("1f1b", 2, 4, 8, {(2, 0)})
     with pytest.raises(ValueError, match="microbatches"):
         ps.healthy("1f1b", 2, 4, 0)
+    with pytest.raises(ValueError, match="comm"):
+        ps.simulate(ps.healthy("1f1b", 2, 4, 8), comm=-1)
 
 
 def test_bench_pipeline_cli(tmp_path, capsys):

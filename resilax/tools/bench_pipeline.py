@@ -105,6 +105,7 @@ def bench_pipeline(configs: Sequence[tuple[int, int, int]] = CONFIGS, *, lost=((
         "activation_bytes_per_microbatch": activation_bytes,
         "activation_note": "peak in-flight micro-batches (F started, backward not finished) on the busiest domain "
                            "x activation_bytes_per_microbatch",
+        "dispatches_note": "F/B/W/BW ops of one step plus one optimizer update per live domain",
         "configs": rows,
         "bitwise": bitwise,
         "bitwise_note": None if measured else BITWISE_NOTE,

@@ -184,6 +184,12 @@ def _norm_costs(costs) -> tuple:
     return tuple(sorted(c.items()))
 
 
+def _norm_comm(comm) -> float:
+    if not isinstance(comm, (int, float)) or isinstance(comm, bool) or not comm >= 0:
+        raise ValueError(f"pipeline schedule expects comm (time per cross-domain hop) >= 0, but got {comm!r}")
+    return float(comm)
+
+
 def _plan(schedule, S, place, caps, costs, comm):
     """Greedy list schedule of every op in ``place`` ((v, m, s) -> domain); returns
     (order, start) dicts per domain. O(ops log ops)."""
@@ -359,7 +365,7 @@ def healthy(schedule: str, replicas: int, stages: int, microbatches: int, *, cos
     an unknown schedule or a size < 1."""
     _check_shape(schedule, replicas, stages, microbatches)
     return _build(schedule, replicas, stages, microbatches, frozenset(), "healthy", None, _norm_costs(costs),
-                  float(comm))
+                  _norm_comm(comm))
 
 
 def rerouted(schedule: str, replicas: int, stages: int, microbatches: int, lost, *, activation_cap=None,
@@ -373,7 +379,7 @@ def rerouted(schedule: str, replicas: int, stages: int, microbatches: int, lost,
     _check_shape(schedule, replicas, stages, microbatches)
     lost = _norm_lost(lost, replicas, stages)
     return _build(schedule, replicas, stages, microbatches, lost, "rerouted", _cap_key(activation_cap),
-                  _norm_costs(costs), float(comm))
+                  _norm_costs(costs), _norm_comm(comm))
 
 
 def dropped(schedule: str, replicas: int, stages: int, microbatches: int, lost, *, costs=None,
@@ -384,7 +390,7 @@ def dropped(schedule: str, replicas: int, stages: int, microbatches: int, lost, 
     _check_shape(schedule, replicas, stages, microbatches)
     lost = _norm_lost(lost, replicas, stages)
     return _build(schedule, replicas, stages, microbatches, lost, "dropped", None, _norm_costs(costs),
-                  float(comm))
+                  _norm_comm(comm))
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -423,6 +429,7 @@ def simulate(table: Table, costs=None, comm: float = 0.0, *, steps: int = 3, opt
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"pipeline simulate expects steps >= 1, but got {steps!r}")
     cost = dict(_norm_costs(costs))
+    comm = _norm_comm(comm)
     S = table.stages
     doms = list(table.order)
     plan = table._replay_plan
