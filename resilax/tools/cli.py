@@ -82,6 +82,8 @@ _BENCHES = (
                          "resilax off / defaults / defaults + checkpoints; save blocking, bitwise runs and resume"),
     ("protection", "bench_protection", "each protection's cost per step (>= 40 MB state, two layouts, A/A), "
                                        "checkpoint blocking vs Orbax and the host copy, recovery in step-times"),
+    ("pipeline", "bench_pipeline", "pipeline schedule tables (GPipe, 1F1B, ZB-H1): healthy ticks, bubbles, drop the "
+                                   "replica vs ReCycle reroute after a domain loss; pure Python, no devices"),
 )
 _TOOLS = ("simulate", "report", "validate", "campaign", "launch")  # each registers its own subcommand
 

@@ -558,19 +558,37 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--failures", default="llama3", choices=sorted(PROFILES) + ["custom"])
     p.add_argument("--mtbf-hours", type=float, default=None, help="job MTBF for --failures custom")
     p.add_argument("--strategy", action="append", default=None,
-                   choices=("all",) + STRATEGIES, help="repeatable; default all")
+                   choices=("all",) + STRATEGIES + ("reroute", "drop", "repartition", "checkpoint-restart"),
+                   help="repeatable; default all (the last four with --pipeline)")
     p.add_argument("--days", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost-json", action="append", default=[], help="bench --json output; repeatable")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--png", default=None, help="write goodput vs chips plot here (runs the sweep)")
     p.add_argument("--sweep", action="store_true", help="goodput vs chips, 1k to 100k")
+    p.add_argument("--pipeline", action="store_true",
+                   help="data x pipeline jobs: ReCycle reroute vs drop the replica vs Oobleck-style re-partition vs "
+                        "checkpoint-restart (resilax.tools.simulate_pipeline; --chips is ignored)")
+    p.add_argument("--jobs", default=None, metavar="DxSxN,...",
+                   help="--pipeline jobs: replicas x stages x chips per domain (default 16x4x16, 32x8x32, 64x8x64, "
+                        "64x16x96: 1,024 to 98,304 chips)")
+    p.add_argument("--schedule", default="zb-h1", choices=("gpipe", "1f1b", "zb-h1"), help="--pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=None, help="--pipeline micro-batches per replica (default 2S)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (--pipeline)")
     p.set_defaults(func=_cli_main)
     return p
 
 
 def _cli_main(args: argparse.Namespace) -> int:
+    if args.pipeline:
+        from resilax.tools.simulate_pipeline import cli_main
+
+        return cli_main(args)
     strategies = args.strategy or ["all"]
+    if set(strategies) - set(STRATEGIES) - {"all"}:
+        print(f"resilax simulate: --strategy {sorted(set(strategies) - set(STRATEGIES) - {'all'})} needs --pipeline",
+              file=sys.stderr)
+        return 2
     strategies = list(STRATEGIES) if "all" in strategies else strategies
     cost = CostModel.from_bench_json(*args.cost_json) if args.cost_json else CostModel()
     kw = dict(model_params=args.model_params, profile=args.failures,
