@@ -18,7 +18,9 @@ _WHERE = {
     **dict.fromkeys(("AnomalyConfig", "CheckpointConfig", "Config", "LogConfig", "PeersConfig", "VerifyConfig",
                      "DeterministicConfig", "HealthConfig"), "resilax._src.config"),
     **dict.fromkeys(("CheckpointError", "ConfigError", "CorruptCheckpointError", "ReplayLogError",
-                     "PipelineError", "ProgramMismatchError", "Preempted", "ResilaxError", "StateLostError",
+                     "PipelineError",
+    "PipelineExecutor",
+    "PipelineModel", "ProgramMismatchError", "Preempted", "ResilaxError", "StateLostError",
                      "SilentDataCorruptionError", "StorageError", "TopologyError", "WrapError"), "resilax._src.errors"),
     "Event": "resilax._src.events",
     "exclusive_orbax_save": "resilax._src.protect.checkpoints",
@@ -27,6 +29,8 @@ _WHERE = {
     "FaultPlan": "resilax._src.runtime.faults",
     "record": "resilax._src.step.record",
     "pipeline": "resilax._src.pipeline.spmd",
+    "PipelineExecutor": "resilax._src.pipeline.executor",
+    "PipelineModel": "resilax._src.pipeline.executor",
     "pipeline_sharding": "resilax._src.pipeline.spmd",
     "request_cpu_devices": "resilax._src.runtime.cpu_devices",
     "Topology": "resilax._src.runtime.topology",
@@ -67,6 +71,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
                                                   orbax_lock as orbax_lock)
     from resilax._src.runtime.faults import Fault as Fault, FaultPlan as FaultPlan  # noqa: F401
     from resilax._src.pipeline.spmd import pipeline as pipeline, pipeline_sharding as pipeline_sharding  # noqa: F401
+    from resilax._src.pipeline.executor import (PipelineExecutor as PipelineExecutor,  # noqa: F401
+                                                PipelineModel as PipelineModel)
     from resilax._src.step.record import record as record  # noqa: F401
     from resilax._src.runtime.cpu_devices import request_cpu_devices as request_cpu_devices  # noqa: F401
     from resilax._src.runtime.topology import Topology as Topology  # noqa: F401
@@ -82,6 +88,8 @@ __all__ = [
     "LogConfig",
     "PeersConfig",
     "PipelineError",
+    "PipelineExecutor",
+    "PipelineModel",
     "Preempted",
     "ProgramMismatchError",
     "VerifyConfig",

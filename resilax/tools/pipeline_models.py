@@ -9,6 +9,8 @@ with ``weight=``.
 - `nnx_case(...)`: the same architecture as flax NNX modules, split into a graph and a
   state whose leaves are stacked; ``nnx.merge`` rebuilds one layer inside the pipeline.
 
+`executor_case(...)`: a small model in the three pieces `resilax.PipelineExecutor` takes.
+
 Each case has ``make_state(seed)``, ``train_step(state, batch, rng)``, ``loss(params,
 batch, rng, pipelined)`` (``pipelined=False``: the same layers applied one after another
 on the whole batch, the reference) and ``make_batches(n, seed)``.
@@ -103,7 +105,7 @@ def linen_case(layers: int = 8, microbatches: int = 4, repeats: int = 1, rate: f
                 h = block.apply({"params": jax.tree.map(lambda a: a[i], params["blocks"])}, h, train=False)
         return _token_loss(h.astype(jnp.float32) @ params["head"], batch)
 
-    return _case(f"linen_pipeline_lm_{layers}x{microbatches}x{repeats}", init, loss, lambda p: p)
+    return _case(f"linen_pipeline_lm_{layers}x{microbatches}x{repeats}", init, loss)
 
 
 # ---------------------------------------------------------------- NNX
@@ -149,14 +151,14 @@ def nnx_case(layers: int = 8, microbatches: int = 4, repeats: int = 1, rate: flo
                 h = nnx.merge(graph, jax.tree.map(lambda a: a[i], params["blocks"]))(h)
         return _token_loss(h @ params["head"], batch)
 
-    return _case(f"nnx_pipeline_lm_{layers}x{microbatches}x{repeats}", init, loss, lambda p: p)
+    return _case(f"nnx_pipeline_lm_{layers}x{microbatches}x{repeats}", init, loss)
 
 
 # ---------------------------------------------------------------- shared
 _ADAMW = optax.adamw(3e-3)
 
 
-def _case(name, init, loss, _) -> PipelineCase:
+def _case(name, init, loss) -> PipelineCase:
     def make_state(seed=0):
         return train_state.TrainState.create(apply_fn=None, params=init(seed), tx=_ADAMW)
 
@@ -187,3 +189,42 @@ def _stage_like(state, specs, blocks):
         return block_spec if any(getattr(k, "key", None) == "blocks" for k in path) else leaf_spec
 
     return jax.tree_util.tree_map_with_path(spec, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+# ---------------------------------------------------------------- the per-stage executor's model
+def executor_case(width: int = 8, layers: int = 8, vocab: int = 16, rate: float = 0.1, seed: int = 0):
+    """``(PipelineModel, params, make_batches)`` for `resilax.PipelineExecutor`: an embedding,
+    ``layers`` residual tanh layers with dropout (rate ``rate``) and a softmax head whose
+    cross-entropy is weighted per example (some examples weigh 0: a padding-style
+    normalisation, recorded as the loss's weight)."""
+    from resilax._src.pipeline.executor import PipelineModel
+
+    def first(p, b, key):
+        return p["emb"][b["x"]]
+
+    def layer(w, h, key):
+        y = jnp.tanh(h @ w["w"] + w["b"])
+        if rate:
+            y = jnp.where(jax.random.bernoulli(key, 1 - rate, y.shape), y / (1 - rate), 0)
+        return h + y
+
+    def last(p, h, b, key):
+        ce = optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], b["y"])
+        return (ce * b["w"]).sum(), b["w"].sum()
+
+    rng = np.random.default_rng(seed)
+    params = {"first": {"emb": (rng.normal(size=(vocab, width)) / 2).astype(np.float32)},
+              "blocks": {"w": (rng.normal(size=(layers, width, width)) / 3).astype(np.float32),
+                         "b": np.zeros((layers, width), np.float32)},
+              "last": {"out": (rng.normal(size=(width, vocab)) / 3).astype(np.float32)}}
+
+    def make_batches(n, batch=16, seed=1):
+        r = np.random.default_rng(seed)
+        out = []
+        for _ in range(n):
+            x = r.integers(0, vocab, size=(batch,)).astype(np.int32)
+            out.append({"x": x, "y": ((x * 3 + 1) % vocab).astype(np.int32),
+                        "w": (r.random(batch) < 0.7).astype(np.float32)})
+        return out
+
+    return PipelineModel(first, layer, last), params, make_batches

@@ -37,6 +37,10 @@ class Topology:
         multiply to ``devices_per_domain``.
       bandwidth: link bandwidths in GB/s (``ici``, ``dcn``, ``host``, ``storage``) used by
         the cost model; ``bandwidth_sources`` says where each figure comes from.
+      pipeline: for a job whose failure domain is one pipeline stage of one data replica
+        (the spec's ``[pipeline]`` table): ``{"replicas": D, "stages": S}`` with ``D * S``
+        domains, domain ``r * S + s`` holding stage ``s`` of replica ``r``
+        (`resilax.PipelineExecutor` runs such jobs). Empty otherwise.
     """
 
     name: str
@@ -49,6 +53,7 @@ class Topology:
     bandwidth: Mapping[str, float] = dataclasses.field(default_factory=dict)
     bandwidth_sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
     is_emulated: bool = False
+    pipeline: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         where = f"resilax.Topology {self.name!r}"
@@ -69,6 +74,15 @@ class Topology:
                 f"{where}: the elastic axis {self.axis_names[0]!r} (first mesh axis) must have one entry per failure "
                 f"domain ({self.num_domains}), but has size {self.axis_sizes[0]}"
             )
+        if self.pipeline:
+            if set(self.pipeline) != {"replicas", "stages"} or not all(
+                    isinstance(v, int) and v >= 1 for v in self.pipeline.values()):
+                raise TopologyError(f"{where}: [pipeline] needs positive ints replicas and stages, but got "
+                                    f"{dict(self.pipeline)}")
+            if self.pipeline["replicas"] * self.pipeline["stages"] != self.num_domains:
+                raise TopologyError(
+                    f"{where}: [pipeline] {self.pipeline['replicas']} replicas x {self.pipeline['stages']} stages "
+                    f"need one failure domain each, but the spec has {self.num_domains} domains")
         inner = math.prod(self.axis_sizes[1:])
         if inner != self.devices_per_domain:
             raise TopologyError(
@@ -128,6 +142,7 @@ class Topology:
                 bandwidth={k: float(v) for k, v in bw.items()},
                 bandwidth_sources=sources,
                 is_emulated=bool(raw.get("emulated", False)),
+                pipeline={k: int(v) for k, v in raw.get("pipeline", {}).items()},
             )
         except KeyError as e:
             raise TopologyError(f"{where}: missing required field {e.args[0]!r}") from None

@@ -1,0 +1,499 @@
+"""The per-stage pipeline executor: a data x pipeline job whose failure domain is one stage of
+one replica, ``(r, s)``, that keeps training when a domain is lost by sending its work to
+the same stage of the other replicas (ReCycle), with the same bits as a failure-free run.
+
+A mesh cannot have a hole, so this does not run one SPMD program: every domain runs small
+per-stage programs dispatched from a schedule table (`schedule`), single-controller (one
+process sees every device: CPU emulation, one GPU host, Pathways).
+
+- **Per-stage programs.** Stage ``s``'s forward ``F`` returns its output and its VJP
+  residuals (``jax.vjp``: first-class); ``B`` takes the residuals and the output's
+  cotangent and returns the input's (what the previous stage waits for); ``W`` returns the
+  weights' gradient (zb-h1 splits them; gpipe and 1f1b run ``BW``, both at once). Each is
+  one function for every stage of a shape (the first stage holds the embedding, the last
+  the loss, the middle ones only layers), called on the device of the domain that runs it;
+  a rerouted op runs the same function on a peer's device, whose same-shaped program
+  computes the same bits.
+- **Canonical accumulation.** The gradient of stage ``s`` is
+  ``(sum_v (sum_m dW[v, m, s])) / sum_{v, m} weight[v, m]``, each sum in index order, keyed
+  by the micro-batch's *origin* replica ``v`` wherever it ran. So a healthy, a rerouted, a
+  replica-dropped and a rejoined step add the same numbers in the same order.
+- **Randomness** of micro-batch ``m`` of replica ``v`` is ``fold_in(fold_in(key(step), v),
+  m)``, then folded with the layer index: never keyed by a device.
+- **Update.** Each stage's optimizer update runs on every live domain of the stage (its
+  replicas hold the same state, bitwise), as soon as that stage's gradient is complete
+  (staggered), and is committed by a select on the step's verdict (every stage's gradient
+  finite): a NaN or inf step changes nothing, with no conditional and no host read. The
+  optimizer must be separable by stage (elementwise: sgd, adam, adamw); one that reduces
+  over every parameter (``clip_by_global_norm``) is refused at construction, by comparing a
+  whole-tree update with per-stage ones.
+- **A lost domain** ``(r, s)`` (`fail_domain`; also in the middle of a step) loses nothing:
+  stage ``s`` lives on the other replicas. Its buffers are deleted, the step in flight is
+  abandoned (nothing was committed: the live state is replaced only after a step's last
+  commit) and redone on the rerouted table, computed ahead. When every replica of a stage
+  is gone, rerouting cannot help and `StateLostError` says so (restore a checkpoint). A
+  domain that comes back (`rejoin`) gets its stage's state copied from a peer.
+- **Checkpoints** (`save` / `restore`): one Orbax checkpoint of every stage's state, taken
+  from any live replica of each stage, with on-device checksums verified at restore.
+
+Costs: ``D * M * S * (2 or 3)`` op dispatches per step plus the accumulation adds and one
+update per live domain; activations and residuals are kept as the table's in-flight count
+says; every domain holds its stage's parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from resilax._src.errors import CorruptCheckpointError, PipelineError, StateLostError
+from resilax._src.pipeline import schedule as _schedule
+from resilax._src.protect.checksum import tree_checksums
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineModel:
+    """A pipelined model in three pieces, with parameters ``{"first", "blocks", "last"}``
+    (``blocks``: leaves stacked with a leading layer dimension ``L``):
+
+    - ``first(p_first, batch, key) -> h``: stage 0, before its layers (an embedding);
+    - ``layer(w, h, key) -> h``: one layer (``w``: one layer's slice of ``blocks``);
+    - ``last(p_last, h, batch, key) -> (loss_sum, weight)``: the last stage, after its layers:
+      the loss *summed* over the micro-batch and what it is normalised by (examples, or
+      tokens that are not padding). The step's loss is ``sum(loss_sum) / sum(weight)``.
+    """
+    first: Callable
+    layer: Callable
+    last: Callable
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One try at a step: the values in flight (dropped when a failure abandons it)."""
+    acts: dict = dataclasses.field(default_factory=dict)   # (v, m, s) -> F's output
+    vjps: dict = dataclasses.field(default_factory=dict)   # (v, m, s) -> F's residuals
+    cts: dict = dataclasses.field(default_factory=dict)    # (v, m, s) -> cotangent of F(v, m, s)'s output
+    acc: dict = dataclasses.field(default_factory=dict)    # (v, s) -> (next m, running sum)
+    pending: dict = dataclasses.field(default_factory=dict)  # (v, s) -> {m: dW} that arrived early
+    loss: dict = dataclasses.field(default_factory=dict)   # (v, m) -> loss_sum
+    weight: dict = dataclasses.field(default_factory=dict)  # (v, m) -> weight
+    dispatches: int = 0
+
+    def arrays(self):
+        return jax.tree.leaves((self.acts, self.vjps, self.cts, self.acc, self.pending, self.loss, self.weight))
+
+
+class _Abandon(Exception):
+    pass
+
+
+class PipelineExecutor:
+    """Trains ``model`` with ``tx`` on ``replicas x stages`` failure domains of one device
+    each (domain ``(r, s)`` on ``devices[r * stages + s]``).
+
+    Args:
+      model: the `PipelineModel`.
+      topology: a `resilax.Topology` with a ``[pipeline]`` table (``cpu-2x4-stages``): gives
+        ``replicas``, ``stages`` and the devices of each domain (one device per domain).
+      tx: an optax optimizer, separable by stage (see the module docstring).
+      params: ``{"first", "blocks", "last"}``; ``L`` divisible by ``stages``.
+      replicas, stages, microbatches: ``D``, ``S`` and ``M`` (micro-batches per replica); a
+        step's batch has ``D * M`` micro-batches.
+      schedule: ``"zb-h1"`` (B and W split), ``"1f1b"`` or ``"gpipe"``.
+      on_failure: ``"reroute"`` (ReCycle) or ``"drop"`` (drop the replica, its micro-batches
+        run on the others: the same maths).
+      seed: the run's randomness, ``fold_in(key(seed), step)``.
+      devices: default ``jax.devices()[:replicas * stages]``.
+      lost: domains already lost when the job starts (a restart on the hardware that is
+        left): the job starts on their degraded table; `restore` fills the live ones.
+
+    Raises:
+      PipelineError: shapes that do not divide, too few devices, an optimizer that is not
+        separable by stage.
+    """
+
+    def __init__(self, model: PipelineModel, tx, params, *, microbatches: int, topology=None,
+                 replicas: int | None = None, stages: int | None = None, schedule: str = "zb-h1",
+                 on_failure: str = "reroute", seed: int = 0, devices=None, lost=()):
+        where = "resilax.PipelineExecutor"
+        if topology is not None:
+            if not topology.pipeline or topology.devices_per_domain != 1:
+                raise PipelineError(f"{where}: topology {topology.name!r} must have a [pipeline] table and one device "
+                                    f"per failure domain (e.g. cpu-2x4-stages)")
+            replicas, stages = topology.pipeline["replicas"], topology.pipeline["stages"]
+            devices = [d for dom in topology.domains(devices) for d in dom]
+        if replicas is None or stages is None:
+            raise PipelineError(f"{where}: give a topology with a [pipeline] table, or replicas and stages")
+        if on_failure not in ("reroute", "drop"):
+            raise PipelineError(f"{where}: on_failure must be 'reroute' or 'drop', but got {on_failure!r}")
+        if schedule not in _schedule.SCHEDULES:
+            raise PipelineError(f"{where}: schedule must be one of {_schedule.SCHEDULES}, but got {schedule!r}")
+        if set(params) != {"first", "blocks", "last"}:
+            raise PipelineError(f"{where}: params must be a dict with keys first, blocks, last, but has {sorted(params)}")
+        devices = list(jax.devices() if devices is None else devices)
+        if len(devices) < replicas * stages:
+            raise PipelineError(f"{where}: {replicas} replicas x {stages} stages need {replicas * stages} devices, "
+                                f"but {len(devices)} are given")
+        L = {np.shape(x)[0] for x in jax.tree.leaves(params["blocks"])}
+        if len(L) != 1 or next(iter(L)) % stages:
+            raise PipelineError(f"{where}: the stacked blocks' leading dimensions {sorted(L)} must be one L "
+                                f"divisible by {stages} stages")
+        self.model, self.tx = model, tx
+        self.D, self.S, self.M = replicas, stages, microbatches
+        self.L = next(iter(L))
+        self.k = self.L // stages
+        self.schedule, self.on_failure, self.seed = schedule, on_failure, seed
+        self.devices = {(r, s): devices[r * stages + s] for r in range(replicas) for s in range(stages)}
+        self.lost: set = set()
+        self.step_no = 0
+        self.events: list[dict] = []
+        self.last_dispatches = 0
+        host = [self._stage_params(params, s) for s in range(stages)]
+        _check_separable(tx, params, host, self.k)
+        states = [(p, tx.init(p)) for p in host]
+        self.state = {d: jax.device_put(states[d[1]], dev) for d, dev in self.devices.items()}
+        self.table = _schedule.healthy(schedule, replicas, stages, microbatches)
+        self._exe = _programs(model, tx, self.L, self.k, stages)
+        self._ckpt = None  # (directory, orbax CheckpointManager) of the save in flight
+        for d in lost:
+            self.fail_domain(d)
+
+    # ------------------------------------------------------------------ public
+    def __call__(self, batch, *, fail_at: tuple[int, tuple[int, int]] | None = None):
+        """One step on ``batch`` (a pytree of host arrays with leading dimension divisible by
+        ``D * M``). ``fail_at=(i, (r, s))``: domain ``(r, s)`` is lost before the step's
+        ``i``-th dispatch (chaos testing); the step is then redone on the degraded table.
+        Returns ``{"loss": device scalar}`` (not read on the host)."""
+        key = jax.random.fold_in(jax.random.key(self.seed), self.step_no)
+        mbs = self._microbatches(batch)
+        while True:
+            try:
+                metrics = self._step(key, mbs, fail_at)
+                break
+            except _Abandon:
+                fail_at = None  # the failure happened; redo the step on the new table
+        self.step_no += 1
+        return metrics
+
+    def fail_domain(self, domain, *, attempt: _Attempt | None = None) -> None:
+        """Domain ``(r, s)`` is lost: its buffers are deleted (nothing reads them after) and
+        the next step runs on the degraded table. Raises StateLostError when no replica of
+        a stage is left."""
+        d = tuple(domain)
+        if d not in self.devices or d in self.lost:
+            raise PipelineError(f"resilax.PipelineExecutor.fail_domain: {d} is not a live domain")
+        jax.block_until_ready((self.state, attempt.arrays() if attempt else []))  # work in flight ends first
+        dev = self.devices[d]
+        for x in jax.tree.leaves(self.state.pop(d)) + (attempt.arrays() if attempt else []):
+            if isinstance(x, jax.Array) and not x.is_deleted() and dev in x.devices():
+                x.delete()
+        self.lost.add(d)
+        self._replan(f"lost domain {d}")
+
+    def rejoin(self, domain) -> None:
+        """Domain ``(r, s)`` is back: its stage's state is copied from a live peer (bitwise)
+        and the healthy table (or the one for what is still lost) is used again."""
+        d = tuple(domain)
+        if d not in self.lost:
+            raise PipelineError(f"resilax.PipelineExecutor.rejoin: {d} is not a lost domain")
+        peer = next(p for p in sorted(self.state) if p[1] == d[1])
+        self.state[d] = jax.device_put(self.state[peer], self.devices[d])
+        self.lost.discard(d)
+        self._replan(f"domain {d} rejoined from {peer}")
+
+    def stage_state(self, s: int):
+        """Stage ``s``'s ``(params, optimizer state)`` from a live replica."""
+        return self.state[next(d for d in sorted(self.state) if d[1] == s)]
+
+    def params(self):
+        """The whole model's parameters ``{"first", "blocks", "last"}`` (host arrays)."""
+        stages = [jax.device_get(self.stage_state(s)[0]) for s in range(self.S)]
+        blocks = jax.tree.map(lambda *a: np.concatenate(a), *[p["blocks"] for p in stages])
+        return {"first": stages[0]["first"], "blocks": blocks, "last": stages[-1]["last"]}
+
+    def save(self, directory: str, *, wait: bool = True) -> None:
+        """A checkpoint of every stage (from any live replica) at ``directory/<step>``, with
+        on-device checksums. The call returns once the state is copied to the host (Orbax's
+        async save); ``wait``: also until it is written. A domain lost after the call loses
+        nothing of the checkpoint."""
+        import orbax.checkpoint as ocp
+
+        directory = os.path.abspath(directory)
+        if self._ckpt is not None and self._ckpt[0] != directory:
+            self.close()
+        if self._ckpt is None:
+            self._ckpt = (directory, ocp.CheckpointManager(directory))
+        mgr = self._ckpt[1]
+        tree = {f"stage_{s:03d}": self.stage_state(s) for s in range(self.S)}
+        sums = np.concatenate(jax.device_get([_sums(t) for t in tree.values()]))
+        mgr.save(self.step_no, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                                       meta=ocp.args.JsonSave({"step": self.step_no,
+                                                                               "sums": sums.tolist()})))
+        self.events.append({"kind": "save", "step": self.step_no})
+        if wait:
+            mgr.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for a save in flight and closes its checkpoint manager."""
+        if self._ckpt is not None:
+            self._ckpt[1].wait_until_finished()
+            self._ckpt[1].close()
+            self._ckpt = None
+
+    def restore(self, directory: str) -> int:
+        """Restores the newest checkpoint under ``directory`` whose checksums match onto
+        every live domain; returns its step. Raises CorruptCheckpointError when none does."""
+        import orbax.checkpoint as ocp
+
+        self.close()
+        with ocp.CheckpointManager(os.path.abspath(directory)) as mgr:
+            steps = sorted(mgr.all_steps(), reverse=True)
+            abstract = {f"stage_{s:03d}": jax.tree.map(_abstract, self.stage_state(s)) for s in range(self.S)}
+            for step in steps:
+                got = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                meta=ocp.args.JsonRestore()))
+                sums = np.concatenate(jax.device_get([_sums(t) for t in got["state"].values()]))
+                if sums.tolist() != got["meta"]["sums"]:
+                    self.events.append({"kind": "corrupt_checkpoint", "step": step})
+                    continue
+                for d in self.state:
+                    self.state[d] = jax.device_put(got["state"][f"stage_{d[1]:03d}"], self.devices[d])
+                self.step_no = step
+                return step
+        raise CorruptCheckpointError(f"resilax.PipelineExecutor.restore: no checkpoint under {directory!r} matches "
+                                     f"its checksums (steps tried: {steps})")
+
+    # ------------------------------------------------------------------ the step
+    def _replan(self, why: str) -> None:
+        lost = frozenset(self.lost)
+        if not lost:
+            self.table = _schedule.healthy(self.schedule, self.D, self.S, self.M)
+        elif self.on_failure == "drop":
+            try:
+                self.table = _schedule.dropped(self.schedule, self.D, self.S, self.M, lost)
+            except ValueError as e:
+                raise StateLostError(f"resilax.PipelineExecutor: {why}: no whole replica is left ({e}); restore "
+                                     f"a checkpoint") from None
+        else:
+            gone = [s for s in range(self.S) if all((r, s) in lost for r in range(self.D))]
+            if gone:
+                self.events.append({"kind": "reroute_impossible", "step": self.step_no, "stages": gone})
+                raise StateLostError(f"resilax.PipelineExecutor: {why}: every replica of stage(s) {gone} is lost, "
+                                     f"so rerouting cannot help and their state is gone; restore a checkpoint")
+            self.table = _schedule.rerouted(self.schedule, self.D, self.S, self.M, lost)
+        self.events.append({"kind": "replan", "step": self.step_no, "why": why, "lost": sorted(lost),
+                            "table": "healthy" if not lost else ("dropped" if self.on_failure == "drop" else
+                                                                 "rerouted")})
+
+    def _microbatches(self, batch):
+        n = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+        if len(n) != 1 or next(iter(n)) % (self.D * self.M):
+            raise PipelineError(f"resilax.PipelineExecutor: a batch needs one leading dimension divisible by "
+                                f"{self.D} replicas x {self.M} micro-batches, but has {sorted(n)}")
+        mb = next(iter(n)) // (self.D * self.M)
+        return {(v, m): jax.tree.map(lambda x: np.asarray(x)[(v * self.M + m) * mb:(v * self.M + m + 1) * mb], batch)
+                for v in range(self.D) for m in range(self.M)}
+
+    def _step(self, key, mbs, fail_at):
+        S, ex, at = self.S, self._exe, _Attempt()
+        put = jax.device_put
+        keys = {}
+        for i, (d, op) in enumerate(self.table.dispatch_order()):
+            if fail_at is not None and fail_at[0] == i:
+                self.events.append({"kind": "fail", "step": self.step_no, "domain": tuple(fail_at[1]), "op": i})
+                self.fail_domain(fail_at[1], attempt=at)
+                raise _Abandon()
+            dev, (p, _) = self.devices[d], self.state[d]
+            v, m, s = op.replica, op.microbatch, op.stage
+            if op.kind == "F":
+                if (v, m) not in keys:
+                    keys[(v, m)] = jax.random.fold_in(jax.random.fold_in(key, v), m)
+                x = put(at.acts.pop((v, m, s - 1)), dev) if s > 0 else None
+                b = put(mbs[(v, m)], dev) if s in (0, S - 1) else None
+                out, at.vjps[(v, m, s)] = ex.fwd(s)(p, x, b, put(keys[(v, m)], dev), np.int32(s * self.k))
+                if s == S - 1:
+                    at.loss[(v, m)], at.weight[(v, m)] = out
+                    at.cts[(v, m, s)] = put(jnp.ones((), out[0].dtype), dev)
+                else:
+                    at.acts[(v, m, s)] = out
+            elif op.kind == "B":
+                if s == 0:
+                    continue  # stage 0's input is the data: no input gradient to make
+                at.cts[(v, m, s - 1)] = ex.bwd_x(at.vjps[(v, m, s)], put(at.cts[(v, m, s)], dev))
+            else:  # W, or BW: the last use of this stage's residuals and output cotangent
+                vjp, ct = at.vjps.pop((v, m, s)), put(at.cts.pop((v, m, s)), dev)
+                if op.kind == "W":
+                    dw = ex.bwd_w(vjp, ct)
+                else:
+                    dw, dx = ex.bwd(vjp, ct)
+                    if s > 0:
+                        at.cts[(v, m, s - 1)] = dx
+                self._accumulate(at, v, m, s, dw)
+            at.dispatches += 1
+        return self._update(at)
+
+    def _accumulate(self, at, v, m, s, dw):
+        """``acc[v, s] = ((dW_0 + dW_1) + dW_2) + ...`` in micro-batch order, whichever domain
+        computed each and in whichever order they arrive."""
+        at.pending.setdefault((v, s), {})[m] = dw
+        nxt, acc = at.acc.get((v, s), (0, None))
+        while nxt in at.pending[(v, s)]:
+            x = at.pending[(v, s)].pop(nxt)
+            if acc is None:
+                acc = x
+            else:
+                acc = self._exe.add(acc, jax.device_put(x, _device_of(acc)))
+                at.dispatches += 1
+            nxt += 1
+        at.acc[(v, s)] = (nxt, acc)
+
+    def _update(self, at):
+        """Every stage's gradient combined in a fixed order on each of its live domains, the
+        verdict (all finite), each stage's update and its commit by a select."""
+        put, ex = jax.device_put, self._exe
+        order = [(v, m) for v in range(self.D) for m in range(self.M)]
+        grads, flags = {}, {}
+        for d in sorted(self.state):
+            dev, s = self.devices[d], d[1]
+            accs = [put(at.acc[(v, s)][1], dev) for v in range(self.D)]
+            grads[d], flags[d] = ex.combine(accs, [put(at.weight[vm], dev) for vm in order])
+        first = {s: flags[next(d for d in sorted(flags) if d[1] == s)] for s in range(self.S)}
+        new_state = {}
+        for d in sorted(self.state):
+            dev = self.devices[d]
+            ok = ex.verdict([put(first[s], dev) for s in range(self.S)])
+            p, o = self.state[d]
+            new_state[d] = ex.commit(ok, ex.update(p, o, grads[d]), (p, o))
+        d0 = sorted(self.state)[0]
+        dev0 = self.devices[d0]
+        loss = ex.loss([put(at.loss[vm], dev0) for vm in order], [put(at.weight[vm], dev0) for vm in order])
+        self.last_dispatches = at.dispatches + 4 * len(self.state) + 1
+        self.state = new_state  # the commit point: a failure before this redoes the whole step
+        return {"loss": loss}
+
+    def _stage_params(self, params, s):
+        blocks = jax.tree.map(lambda a: np.asarray(a)[s * self.k:(s + 1) * self.k], params["blocks"])
+        return {"first": params["first"] if s == 0 else None, "blocks": blocks,
+                "last": params["last"] if s == self.S - 1 else None}
+
+
+def _device_of(tree):
+    return next(iter(jax.tree.leaves(tree)[0].devices()))
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+@jax.jit
+def _sums(tree):
+    return tree_checksums(tree)
+
+
+_PROGRAMS: dict = {}
+
+
+def _programs(model, tx, L, k, S) -> "_Programs":
+    """One set of programs per (model, optimizer, layer layout) in this process: a second
+    executor of the same job (a reference run, a restart in place) compiles nothing."""
+    key = (model, tx, L, k, S)
+    try:
+        if key not in _PROGRAMS:
+            if len(_PROGRAMS) >= 8:
+                _PROGRAMS.pop(next(iter(_PROGRAMS)))
+            _PROGRAMS[key] = _Programs(model, tx, L, k, S)
+        return _PROGRAMS[key]
+    except TypeError:  # an unhashable optimizer or model
+        return _Programs(model, tx, L, k, S)
+
+
+class _Programs:
+    """The per-stage programs, jitted once per stage shape (JAX compiles each for the device
+    it is called on; a compilation cache that leaves out the device, as the test suite's,
+    shares one binary)."""
+
+    def __init__(self, model, tx, L, k, S):
+        self.model, self.tx, self.L, self.k, self.S = model, tx, L, k, S
+        self._fwd = {}
+        self.bwd_x = jax.jit(lambda vjp, ct: vjp(ct)[1])
+        self.bwd_w = jax.jit(lambda vjp, ct: vjp(ct)[0])
+        self.bwd = jax.jit(lambda vjp, ct: vjp(ct))
+        self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+        self.combine = jax.jit(_combine)
+        self.verdict = jax.jit(lambda flags: jnp.all(jnp.stack(flags)))
+        self.update = jax.jit(self._update)
+        self.commit = jax.jit(lambda ok, new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old))
+        self.loss = jax.jit(lambda ls, ws: _ordered_sum(ls) / _ordered_sum(ws))
+
+    def fwd(self, s):
+        kind = (s == 0, s == self.S - 1)
+        if kind not in self._fwd:
+            self._fwd[kind] = jax.jit(self._make_fwd(*kind))
+        return self._fwd[kind]
+
+    def _make_fwd(self, first, last):
+        model, L, k = self.model, self.L, self.k
+
+        def fwd(p, x, batch, key, layer0):
+            def f(p, x):
+                h = model.first(p["first"], batch, jax.random.fold_in(key, L)) if first else x
+                for j in range(k):
+                    h = model.layer(jax.tree.map(lambda a: a[j], p["blocks"]), h, jax.random.fold_in(key, layer0 + j))
+                if last:
+                    loss_sum, weight = model.last(p["last"], h, batch, jax.random.fold_in(key, L + 1))
+                    return loss_sum, weight
+                return h
+
+            if last:
+                loss_sum, vjp, weight = jax.vjp(f, p, x, has_aux=True)
+                return (loss_sum, jnp.asarray(weight, jnp.float32)), vjp
+            return jax.vjp(f, p, x)
+
+        return fwd
+
+    def _update(self, p, o, g):
+        updates, o2 = self.tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o2
+
+
+def _ordered_sum(xs):
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = acc + x
+    return acc
+
+
+def _combine(accs, weights):
+    """``(sum_v acc_v / sum w, all finite)``, each sum in index order."""
+    total = _ordered_sum([w.astype(jnp.float32) for w in weights])
+    g = jax.tree.map(lambda *a: _ordered_sum(list(a)) / total.astype(a[0].dtype), *accs)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)]))
+    return g, finite
+
+
+def _check_separable(tx, params, stages, k) -> None:
+    """Refuses an optimizer whose update of a stage depends on another stage's gradients
+    (``clip_by_global_norm``, a global learning-rate scale): applied per stage it would
+    silently be another optimizer. One update of random gradients, whole vs per stage."""
+    rng = np.random.default_rng(0)
+    grads = jax.tree.map(lambda x: (rng.standard_normal(np.shape(x)) * 10).astype(np.asarray(x).dtype), params)
+    upd_whole, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    for s, p in enumerate(stages):
+        g = {"first": grads["first"] if p["first"] is not None else None,
+             "blocks": jax.tree.map(lambda a: a[s * k:(s + 1) * k], grads["blocks"]),
+             "last": grads["last"] if p["last"] is not None else None}
+        upd, _ = jax.jit(tx.update)(g, tx.init(p), p)
+        want = jax.tree.map(lambda a: a[s * k:(s + 1) * k], upd_whole["blocks"])
+        for a, b in zip(jax.tree.leaves(upd["blocks"]), jax.tree.leaves(want)):
+            if not np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6):
+                raise PipelineError(
+                    "resilax.PipelineExecutor: the optimizer is not separable by stage: stage "
+                    f"{s}'s update from its own gradients differs from the whole model's (an optimizer that reduces "
+                    "over every parameter, e.g. optax.clip_by_global_norm, would silently become another one); use "
+                    "an elementwise optimizer (sgd, adam, adamw)")
