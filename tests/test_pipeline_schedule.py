@@ -186,21 +186,27 @@ def test_errors_name_the_problem():
 
 
 def test_bench_pipeline_cli(tmp_path, capsys):
+    """The bench's tables, and its executor check on the 2x4 config (8 CPU devices): rerouted,
+    dropped, rejoined and resumed runs bitwise the healthy one, per-op times measured."""
     from resilax.tools.cli import main
 
     out = tmp_path / "pipe.json"
-    assert main(["bench", "pipeline", "--configs", "2x4x8,4x2x4", "--json", str(out)]) == 0
+    assert main(["bench", "pipeline", "--configs", "2x4x2,16x4x8", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "bitwise: null" in printed and "not part of this command" in printed
+    assert "bitwise vs the healthy run" in printed and "measured 2x4 M=2 zb-h1" in printed
     r = json.loads(out.read_text())
-    assert r["bitwise"] is None
+    assert r["bitwise"] == {"rerouted": True, "dropped": True, "rejoined": True, "resumed": True}
+    assert len(r["bitwise_runs"]) == 3  # the 2x4 config, each schedule; 16x4 has more domains than devices
     assert len(r["configs"]) == 6
     keys = {"replicas", "stages", "microbatches", "schedule", "healthy_ticks", "bubble_fraction", "drop_ratio",
             "reroute_ratio", "activation_bytes", "dispatches"}
     assert all(keys <= set(c) for c in r["configs"])
-    zb = next(c for c in r["configs"] if c["schedule"] == "zb-h1" and c["replicas"] == 2)
-    assert zb["healthy_ticks"] == 28 and zb["dispatches"] == 2 * 4 * 8 * 3 + 8
-    assert zb["activation_bytes"] == 4 * r["activation_bytes_per_microbatch"]
+    small = next(c for c in r["configs"] if c["schedule"] == "zb-h1" and c["replicas"] == 2)
+    assert small["dispatches"] == 2 * 4 * 2 * 3 + 8 and set(small["op_seconds"]) == {"F", "B", "W", "BW"}
+    assert 0 < small["measured_reroute_ratio"] <= 1.5
+    big = next(c for c in r["configs"] if c["schedule"] == "zb-h1" and c["replicas"] == 16)
+    assert big["reroute_ratio"] >= 0.95 > big["drop_ratio"] and "op_seconds" not in big
+    assert big["activation_bytes"] == 4 * r["activation_bytes_per_microbatch"]
     assert (tmp_path / "pipe.png").stat().st_size > 10_000
 
 

@@ -9,9 +9,13 @@ Pure Python: no JAX, no devices. Results: a table on stdout, JSON (``--json``) a
 next to it (ratios per config; per-domain Gantt charts of the 2x4 zb-h1 healthy and
 rerouted tables).
 
-``bitwise`` is for the executor: :func:`bench_pipeline` takes ``measured(healthy, rerouted,
-dropped) -> dict``, called for each config with at most ``measured_max_domains`` domains,
-whose results go under ``bitwise``. This command passes none, so ``bitwise`` is null.
+``bitwise`` comes from the executor: :func:`bench_pipeline` takes ``measured(healthy,
+rerouted, dropped) -> dict``, called for each config with at most ``measured_max_domains``
+domains; the command passes `bench_pipeline_measure.executor_check` (JAX on emulated CPU
+devices, one per domain) unless ``--no-measure``. Each such config's row gains the measured
+per-op times and the ratios the tables give with them; ``bitwise`` holds, for each of
+``rerouted``, ``dropped``, ``rejoined`` and ``resumed``, whether every measured config ended
+bitwise the healthy run (``bitwise_runs``: per config).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ CONFIGS = ((2, 4, 8), (4, 2, 16), (8, 4, 8), (16, 4, 8), (32, 4, 8))
 # input is what the planned executor keeps per in-flight micro-batch with stage-input remat
 # (PIPELINE.md §6.2); residuals a stage saves beyond it scale this number.
 ACTIVATION_BYTES = 4 * 512 * 768 * 2
-BITWISE_NOTE = ("bitwise: null -- the JAX executor's healthy == rerouted == dropped check is not part of this "
-                "command yet (bench_pipeline(measured=...) takes it)")
+BITWISE_NOTE = "bitwise: null -- not measured (--no-measure)"
+BITWISE_KEYS = ("rerouted", "dropped", "rejoined", "resumed")
 
 
 def add_arguments(parser) -> None:
@@ -45,6 +49,8 @@ def add_arguments(parser) -> None:
     opt("--activation-bytes", type=int, default=ACTIVATION_BYTES,
         help="bytes per in-flight micro-batch (default: the small GPT's stage input, 4x512x768 bf16)")
     opt("--png", default=None, help="plot path (default: the --json path with .png)")
+    opt("--no-measure", action="store_true",
+        help="tables only: skip running the executor on emulated CPU devices (bitwise checks, per-op times)")
 
 
 def parse_configs(text: str) -> list[tuple[int, int, int]]:
@@ -94,8 +100,10 @@ def bench_pipeline(configs: Sequence[tuple[int, int, int]] = CONFIGS, *, lost=((
             row, tables = _row(D, S, M, schedule, lost, activation_bytes)
             rows.append(row)
             if measured is not None and D * S <= measured_max_domains:
+                got = measured(*tables)
                 bitwise.append({"replicas": D, "stages": S, "microbatches": M, "schedule": schedule,
-                                **measured(*tables)})
+                                **{k: got[k] for k in BITWISE_KEYS}})
+                row.update({k: got[k] for k in ("op_seconds", "measured_reroute_ratio", "measured_drop_ratio")})
     return {
         "benchmark": "pipeline",
         "lost": sorted(lost),
@@ -107,7 +115,9 @@ def bench_pipeline(configs: Sequence[tuple[int, int, int]] = CONFIGS, *, lost=((
                            "x activation_bytes_per_microbatch",
         "dispatches_note": "F/B/W/BW ops of one step plus one optimizer update per live domain",
         "configs": rows,
-        "bitwise": bitwise,
+        "bitwise": None if bitwise is None else {k: bool(bitwise) and all(b[k] for b in bitwise)
+                                                 for k in BITWISE_KEYS},
+        "bitwise_runs": bitwise,
         "bitwise_note": None if measured else BITWISE_NOTE,
     }
 
@@ -123,7 +133,12 @@ def print_table(r: dict) -> None:
               f"{x['healthy_ticks']:>9.2f} {x['bubble_fraction']:>7.3f} {x['drop_ratio']:>6.3f} "
               f"{x['reroute_ratio']:>7.3f} {x['activation_bytes'] / 1e6:>7.1f} "
               f"{x['reroute_activation_bytes'] / 1e6:>9.1f} {x['dispatches']:>10d}")
-    print(r["bitwise_note"] or f"bitwise: {r['bitwise']}")
+    for x in r["configs"]:
+        if "op_seconds" in x:
+            ops = " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in x["op_seconds"].items())
+            print(f"measured {x['replicas']}x{x['stages']} M={x['microbatches']} {x['schedule']}: {ops}; with these "
+                  f"costs drop {x['measured_drop_ratio']:.3f}, reroute {x['measured_reroute_ratio']:.3f}")
+    print(r["bitwise_note"] or f"bitwise vs the healthy run (every measured config): {r['bitwise']}")
 
 
 def _gantt(ax, table: ps.Table, title: str) -> None:
@@ -177,8 +192,16 @@ def run(args) -> int:
         lost = [tuple(int(x) for x in args.lost.split(","))]
     except ValueError:
         raise SystemExit(f"resilax bench pipeline: --lost expects r,s, but got {args.lost!r}")
+    measured = None
+    if not args.no_measure:
+        from resilax.tools.bench_pipeline_measure import executor_check
+        from resilax.tools.runner import configure_cpu_devices
+
+        configure_cpu_devices(8)
+        measured = executor_check
     try:
-        r = bench_pipeline(parse_configs(args.configs), lost=lost, activation_bytes=args.activation_bytes)
+        r = bench_pipeline(parse_configs(args.configs), lost=lost, activation_bytes=args.activation_bytes,
+                           measured=measured)
     except ValueError as e:
         print(f"resilax bench pipeline: {e}", file=sys.stderr)
         return 2
