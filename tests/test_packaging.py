@@ -35,3 +35,10 @@ def test_wheel_has_py_typed_license_and_specs(tmp_path):
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert f"Version: {resilax.__version__}" in meta and "LICENSE" in meta
+
+
+def test_no_module_over_700_lines():
+    """One module, one responsibility (docs/architecture.md): none grows past 700 lines."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "resilax").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 700}
+    assert not long, long

@@ -83,7 +83,9 @@ _BENCHES = (
     ("protection", "bench_protection", "each protection's cost per step (>= 40 MB state, two layouts, A/A), "
                                        "checkpoint blocking vs Orbax and the host copy, recovery in step-times"),
 )
-_TOOLS = ("simulate", "report", "validate", "campaign", "launch")  # each registers its own subcommand
+# each registers its own subcommand: command -> module of resilax.tools
+_TOOLS = {"simulate": "simulate", "report": "report", "validate": "validate", "campaign": "campaign",
+          "launch": "launch_cli"}
 
 
 def _wanted(argv) -> tuple | None:
@@ -210,8 +212,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
             m.add_arguments(sp)
             sp.set_defaults(func=m.run)
 
-    for mod in _TOOLS:
-        if wanted is None or wanted[0] == mod:
+    for name, mod in _TOOLS.items():
+        if wanted is None or wanted[0] == name:
             __import__(f"resilax.tools.{mod}", fromlist=["register_cli"]).register_cli(sub)
     return p
 
