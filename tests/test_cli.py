@@ -118,3 +118,22 @@ def test_a_command_imports_only_its_own_tool():
     r = subprocess.run([sys.executable, "-m", "resilax", "--help"], env=_env(), capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and all(n in r.stdout for n in ("train", "launch", "campaign", "validate")), r.stdout
+
+
+def test_help_lists_the_user_commands_apart_from_the_developer_tools():
+    """`resilax --help` leads with what a user runs; `resilax train --help` says which settings
+    it adds to `resilax.Config()`'s defaults."""
+    import argparse
+
+    from resilax.tools import cli
+
+    p = cli.build_parser()
+    user, dev = p.format_help().split("developer tools:")
+    assert all(f"\n  {n} " in user for n in ("demo", "train", "launch", "report", "simulate")), user
+    assert all(f"\n  {n} " in dev for n in ("bench", "campaign", "validate")), dev
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    listed = {n for n, _ in cli._USER_COMMANDS + cli._DEV_COMMANDS}
+    assert listed == set(sub.choices), "every command is listed in --help once"
+    train = sub.choices["train"].format_help()
+    assert "DeterministicConfig()" in train and "HealthConfig()" in train and "every 10 steps" in train
+    assert "developer tools:" not in train

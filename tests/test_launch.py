@@ -462,12 +462,11 @@ def test_jax_assumptions_hold_and_a_broken_one_is_named(monkeypatch):
     jaxdist.check()  # the installed JAX (0.10.2) satisfies every assumption
     import jax
 
+    # a version number alone refuses nothing: the names are checked, the behaviour probed
     monkeypatch.setattr(jaxdist, "_checked", False)
     monkeypatch.setattr(jax, "__version__", "0.0.1")
-    monkeypatch.delenv("RESILAX_ALLOW_UNTESTED_JAX", raising=False)
-    with pytest.raises(jaxdist.JaxAssumptionError, match=r"jax 0\.0\.1 is not one of the versions"):
-        jaxdist.check()
-    monkeypatch.setattr(jax, "__version__", jaxdist.TESTED_VERSIONS[0])
+    jaxdist.check()
+    monkeypatch.setattr(jaxdist, "_checked", False)
     from jax._src import distributed
 
     monkeypatch.delattr(type(distributed.global_state), "preemption_sync_manager")

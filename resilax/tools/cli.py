@@ -78,14 +78,16 @@ _BENCHES = (
                                      "to back-at-the-step by phase, vs relaunching the job; a second host during "
                                      "the recovery (--cases double); --soak N"),
     ("health", "bench_health", "bit-exact mode and health-check cost (interleaved), bit-flip detection, rejoin"),
-    ("gpt", "bench_gpt", "issue 26's GPT (bf16, AdamW, dropout) on the devices present: plain jit, jit + Orbax, "
+    ("gpt", "bench_gpt", "a GPT (bf16, AdamW, dropout) on the devices present: plain jit, jit + Orbax, "
                          "resilax off / defaults / defaults + checkpoints; save blocking, bitwise runs and resume"),
     ("protection", "bench_protection", "each protection's cost per step (>= 40 MB state, two layouts, A/A), "
                                        "checkpoint blocking vs Orbax and the host copy, recovery in step-times"),
     ("pipeline", "bench_pipeline", "pipeline schedule tables (GPipe, 1F1B, ZB-H1): healthy ticks, bubbles, drop the "
                                    "replica vs ReCycle reroute after a domain loss; pure Python, no devices"),
 )
-_TOOLS = ("simulate", "report", "validate", "campaign", "launch")  # each registers its own subcommand
+# each registers its own subcommand: command -> module of resilax.tools
+_TOOLS = {"simulate": "simulate", "report": "report", "validate": "validate", "campaign": "campaign",
+          "launch": "launch_cli"}
 
 
 def _wanted(argv) -> tuple | None:
@@ -102,14 +104,57 @@ def _wanted(argv) -> tuple | None:
     return "bench", argv[1] if len(argv) > 1 and argv[1] in names else None
 
 
+# What ``resilax --help`` lists: the commands a user runs, apart from the tools that measure
+# and test resilax itself.
+_USER_COMMANDS = (
+    ("demo", "train, crash (SIGKILL), resume and compare bitwise with an uninterrupted run; lose a slice"),
+    ("train", "train the example model with every protection on; run it again to resume"),
+    ("launch", "run a training command as supervised worker processes, one agent per host with --nodes"),
+    ("report", "a run's goodput table and timeline (RUN_DIR/goodput.json)"),
+    ("simulate", "goodput of checkpointing strategies under failures, at scale"),
+)
+_DEV_COMMANDS = (
+    ("bench", "benchmarks: overhead, replay, recovery, gpt, protection, health, multiprocess, multihost"),
+    ("campaign", "random seeded fault schedules, each checked against a failure-free run"),
+    ("validate", "a real CPU job with SIGKILLs against the goodput simulator"),
+)
+_TRAIN_DESCRIPTION = """\
+Trains resilax's example model (a flax MLP on generated data, grain input) on a topology,
+resuming from --checkpoint-dir when it holds checkpoints.
+
+On top of resilax.Config()'s defaults (record log, peer copies, NaN/spike skipping, the
+first-step cross-check) it adds:
+  - the bit-exact mode, DeterministicConfig()          (--no-deterministic: the default mode)
+  - HealthConfig(): replica checks and the liveness watchdog        (--no-health)
+  - checkpoints every 10 steps (the library's default is 100) when --checkpoint-dir is given
+  - XLA_FLAGS=--xla_gpu_deterministic_ops=true for bitwise results on GPU
+Under `resilax launch` it turns peer copies and HealthConfig off (single-process only) and
+checkpoints to RUN_DIR/checkpoints by default."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: its help lists the user commands apart from the developer tools."""
+
+    def format_help(self) -> str:
+        width = max(len(n) for n, _ in _USER_COMMANDS + _DEV_COMMANDS) + 2
+
+        def rows(cmds):
+            return "".join(f"  {n:<{width}}{h}\n" for n, h in cmds)
+
+        return (f"{self.format_usage()}\n{self.description}\n\ncommands:\n{rows(_USER_COMMANDS)}"
+                f"\ndeveloper tools:\n{rows(_DEV_COMMANDS)}\n"
+                f"`resilax COMMAND --help` shows a command's options.\n")
+
+
 def build_parser(argv=None) -> argparse.ArgumentParser:
     """The ``resilax`` parser (every command); given ``argv``, only the command it names has
     its tool imported."""
     wanted = None if argv is None else _wanted(argv)
-    p = argparse.ArgumentParser(prog="resilax", description="Failure-resilient JAX training.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="resilax", description="Failure-resilient JAX training.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=argparse.ArgumentParser)
 
-    t = sub.add_parser("train", help="train the example model (resumes from checkpoints)")
+    t = sub.add_parser("train", help="train the example model (resumes from checkpoints)",
+                       description=_TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--topology", default="cpu-2x4", help="spec name in slices/ or a .toml path")
     t.add_argument("--checkpoint-dir", default=None)
@@ -169,8 +214,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
             m.add_arguments(sp)
             sp.set_defaults(func=m.run)
 
-    for mod in _TOOLS:
-        if wanted is None or wanted[0] == mod:
+    for name, mod in _TOOLS.items():
+        if wanted is None or wanted[0] == name:
             __import__(f"resilax.tools.{mod}", fromlist=["register_cli"]).register_cli(sub)
     return p
 

@@ -18,22 +18,21 @@ worker 0, because a service hosted by a worker dies with it and aborts every oth
 
 `check()` verifies the installed JAX against these assumptions once and raises
 `JaxAssumptionError` naming the one that broke. Behaviour that cannot be checked by
-looking (a service in another process survives worker 0's death; gloo refuses a
-replacement under the same process id in the same service, so every restart is a new
-generation on a fresh service) was measured on the versions in ``TESTED_VERSIONS``;
-another version is refused unless ``RESILAX_ALLOW_UNTESTED_JAX=1``.
+looking (a service in another process survives a worker's death and reports it; XLA:CPU
+takes the collective timeout flag) is probed once per jax/jaxlib before the first service
+starts (`jaxprobe.ensure`), whatever the version: an error names the behaviour. (Every
+restart is a new generation on a fresh service, because gloo refuses a replacement under
+the same process id in the same service: measured on jax/jaxlib 0.10.2.)
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-import warnings
 
 from resilax._src.errors import ResilaxError
 
-TESTED_VERSIONS = ("0.10.2",)
-_ALLOW_ENV = "RESILAX_ALLOW_UNTESTED_JAX"
+MEASURED_ON = "0.10.2"  # the jax/jaxlib the assumptions were first measured on (for messages)
 _TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 
 _checked = False
@@ -48,8 +47,8 @@ def _fail(what: str, expected: str, got: str) -> JaxAssumptionError:
 
     return JaxAssumptionError(
         f"resilax multi-process runtime: {what}: expected {expected}, but jax {jax.__version__} has {got}. "
-        f"resilax was checked against jax {', '.join(TESTED_VERSIONS)} (resilax/_src/runtime/jaxdist.py); "
-        f"pin one of those, or adapt that module")
+        f"resilax's multi-process runtime uses this private name of JAX (resilax/_src/runtime/jaxdist.py; "
+        f"first measured on jax {MEASURED_ON})")
 
 
 def check() -> None:
@@ -57,18 +56,10 @@ def check() -> None:
     global _checked
     if _checked:
         return
-    import jax
     from jax._src import config as jcfg
     from jax._src import distributed, xla_bridge
     from jax._src.lib import _jax
 
-    if jax.__version__ not in TESTED_VERSIONS:
-        msg = (f"resilax multi-process runtime: jax {jax.__version__} is not one of the versions its runtime "
-               f"assumptions were measured on ({', '.join(TESTED_VERSIONS)}): whether the coordination service "
-               f"survives a worker's death and how gloo treats a rejoining process are behaviour, not names")
-        if os.environ.get(_ALLOW_ENV) != "1":
-            raise JaxAssumptionError(msg + f"; set {_ALLOW_ENV}=1 to try anyway")
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
     for name in ("get_distributed_runtime_service", "get_distributed_runtime_client",
                  "create_preemption_sync_manager"):
         if not callable(getattr(_jax, name, None)):
@@ -109,8 +100,16 @@ def start_service(port: int, num_processes: int, *, heartbeat_timeout_s: int, sh
     The caller must do no JAX compute in this process: the service only relays
     coordination traffic. ``recoverable=True`` keeps it serving the others after a worker
     dies (the supervisor decides what a death means, not the service).
+
+    Raises:
+      JaxAssumptionError: a private name resilax uses is missing (`check`).
+      JaxBehaviourError: the installed JAX lacks a behaviour resilax relies on
+        (`jaxprobe.ensure`: probed once per jax/jaxlib, a few seconds, then cached).
     """
     check()
+    from resilax._src.runtime import jaxprobe
+
+    jaxprobe.ensure()
     from jax._src.lib import _jax
 
     return _jax.get_distributed_runtime_service(

@@ -97,7 +97,10 @@ def wrap(
         sum for integers.
 
     Returns:
-      A `ResilientStep`. Without ``train_step``, a decorator.
+      A `ResilientStep`. Without ``train_step``, a decorator. Each call of it donates the
+      state it is given (``Config.donate_state``, default True), as ``jax.jit(...,
+      donate_argnums=0)`` does: the input's buffers are reused for the new state and the
+      input's arrays are deleted, so continue with the state the call returns.
 
     Raises:
       WrapError, ConfigError: an argument has the wrong type, names a mesh axis the
