@@ -107,7 +107,9 @@ def test_linen_example_killed_and_resumed_bitwise(tmp_path):
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-4000:])
     resumed = _run([sys.executable, ex, "--steps", "20", "--checkpoint-dir", str(tmp_path / "ck")], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed at step 13" in resumed.stdout, resumed.stdout
+    # the record log's disk entries may trail the step by LogConfig.max_lag (2) when the kill lands
+    at = re.search(r"resumed at step (\d+)", resumed.stdout)
+    assert at and 13 - 2 <= int(at.group(1)) <= 13, resumed.stdout
     assert _digest(resumed.stdout) == _digest(ref.stdout)
 
 

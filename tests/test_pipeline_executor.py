@@ -191,3 +191,11 @@ def test_sigkill_in_a_rerouted_run_then_resume_ends_bitwise(reference, tmp_path)
     with np.load(tmp_path / "final.npz") as f:
         got = [f[f"arr_{i}"] for i in range(len(f.files))]
     assert all(np.array_equal(a, b) for a, b in zip(got, jax.tree.leaves(ref)))
+
+
+def test_the_pipeline_example_loses_a_stage_rejoins_and_ends_bitwise():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pipeline_gpt.py"), "--steps", "7"],
+                         env=child_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "bitwise equal to the failure-free run: True" in res.stdout
+    assert "'table': 'rerouted'" in res.stdout and "'table': 'healthy'" in res.stdout
