@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -592,6 +593,18 @@ def test_bit_exact_mode_with_4_device_domains_keeps_its_bits_when_processes_go(t
     train = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", "8", "--quiet"]
     text, _ = _re_form_2x4_alone(tmp_path, train, "hang@4:after_step/1")
     assert "[g1 p0] resumed at step 4 (host store" in text, text[-3000:]
+    _launched_ref_bitwise(tmp_path, train)
+
+
+def test_a_pipeline_job_loses_a_whole_replica_process_and_keeps_its_bits(tmp_path):
+    """Data x pipeline under ``launch``: ``cpu-2x4-pp`` as 2 processes x 4 devices, each process
+    one pipeline replica of 4 stages (`resilax.pipeline` inside the loss). Process 1 is
+    SIGKILLed after step 4; process 0 re-forms alone in place from its host store and trains
+    on to step 8 in the bit-exact mode; its final state is bitwise that of a failure-free
+    ``launch -n 1`` run."""
+    train = ["resilax", "train", "--topology", "cpu-2x4-pp", "--steps", "8", "--quiet"]
+    text, _ = _re_form_2x4_alone(tmp_path, train, "kill_process@4:after_step/1")
+    assert re.search(r"\[g1 p0\] resumed at step [34] \(host store", text), text[-3000:]  # its store may trail a step
     _launched_ref_bitwise(tmp_path, train)
 
 

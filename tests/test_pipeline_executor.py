@@ -199,3 +199,19 @@ def test_the_pipeline_example_loses_a_stage_rejoins_and_ends_bitwise():
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "bitwise equal to the failure-free run: True" in res.stdout
     assert "'table': 'rerouted'" in res.stdout and "'table': 'healthy'" in res.stdout
+
+
+def test_a_nan_step_is_skipped_on_every_stage_by_the_commit_select(reference):
+    """A NaN in one micro-batch's loss weight makes every stage's gradient NaN: the verdict
+    keeps every stage's state as it was (also rerouted), and the next step trains on."""
+    bad = jax.tree.map(np.copy, BATCHES[1])
+    bad["w"][0] = np.nan
+    for lost in ((), ((1, 2),)):
+        ex = resilax.PipelineExecutor(MODEL, TX, PARAMS, replicas=2, stages=4, microbatches=2, lost=lost)
+        ex(BATCHES[0])
+        before = jax.tree.map(np.asarray, {d: ex.state[d] for d in ex.state})
+        loss = ex(bad)["loss"]
+        assert not np.isfinite(float(loss))
+        assert all(_equal(jax.device_get(ex.state[d]), before[d]) for d in ex.state)
+        ex(BATCHES[2])
+        assert not _equal(jax.device_get(ex.state[(0, 0)]), before[(0, 0)])

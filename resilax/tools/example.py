@@ -80,6 +80,46 @@ class MLP(nn.Module):
         return nn.Dense(self.classes)(x)
 
 
+class PipelinedMLP(nn.Module):
+    """The MLP with its hidden layers (``layers`` of them, stacked) run by `resilax.pipeline`
+    over the ``stage`` mesh axis in ``microbatches`` micro-batches (`resilax train` on a
+    topology with a ``stage`` axis, such as ``cpu-2x4-pp``)."""
+    hidden: int
+    layers: int
+    classes: int
+    microbatches: int
+
+    @nn.compact
+    def __call__(self, x):
+        import resilax
+
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        init = nn.initializers.lecun_normal()
+        blocks = {"kernel": self.param("blocks_kernel", lambda k: jax.vmap(lambda k: init(k, (self.hidden, self.hidden)))(
+                      jax.random.split(k, self.layers))),
+                  "bias": self.param("blocks_bias", nn.initializers.zeros, (self.layers, self.hidden))}
+        if not self.is_initializing():  # (init makes the parameters only: no mesh, a batch of 1)
+            x = resilax.pipeline(lambda w, h: nn.relu(h @ w["kernel"] + w["bias"]), blocks, x,
+                                 microbatches=self.microbatches)
+        return nn.Dense(self.classes)(x)
+
+
+def make_pipeline_state(spec: ExampleSpec, stages: int, microbatches: int = 4):
+    """The example as a pipeline: one hidden layer per stage (``stages`` of them), the rest as
+    `make_state`."""
+    return _creator(spec.hidden, stages, spec.classes, spec.features, _adamw(spec.learning_rate),
+                    microbatches)(jax.random.key(spec.seed))
+
+
+def pipeline_specs(state, axis: str = "stage"):
+    """The stacked hidden layers (and their optimizer moments) over ``axis``; the rest
+    replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: P(axis) if any(str(getattr(k, "key", "")).startswith("blocks_") for k in path) else P(), state)
+
+
 @functools.lru_cache(maxsize=None)
 def _adamw(learning_rate: float) -> optax.GradientTransformation:
     """One optimizer object per learning rate: states made alike are then the same tree (it
@@ -89,10 +129,11 @@ def _adamw(learning_rate: float) -> optax.GradientTransformation:
 
 
 @functools.lru_cache(maxsize=None)
-def _mlp(hidden: int, depth: int, classes: int) -> MLP:
+def _mlp(hidden: int, depth: int, classes: int, microbatches: int | None = None) -> nn.Module:
     """One model object per shape: a state's tree holds ``model.apply``, and two bound
-    methods are equal only on the same object (see `_adamw`)."""
-    return MLP(hidden, depth, classes)
+    methods are equal only on the same object (see `_adamw`). ``microbatches``: the
+    pipelined MLP (``depth`` stacked layers)."""
+    return MLP(hidden, depth, classes) if microbatches is None else PipelinedMLP(hidden, depth, classes, microbatches)
 
 
 def make_state(spec: ExampleSpec, optimizer: optax.GradientTransformation | None = None):
@@ -102,11 +143,11 @@ def make_state(spec: ExampleSpec, optimizer: optax.GradientTransformation | None
 
 
 @functools.lru_cache(maxsize=64)
-def _creator(hidden: int, depth: int, classes: int, features: int, tx):
+def _creator(hidden: int, depth: int, classes: int, features: int, tx, microbatches: int | None = None):
     """The state's initialiser, traced and compiled once per shape and optimizer in a
     process (one compiled program instead of dozens of eager initializer ops, seconds on
     CPU; a test module or a campaign builds the same state many times)."""
-    model = _mlp(hidden, depth, classes)
+    model = _mlp(hidden, depth, classes, microbatches)
 
     def create(key):
         params = model.init(key, jnp.zeros((1, features)))["params"]

@@ -168,13 +168,18 @@ def train(
               "slice's devices; --no-deterministic shards it over every device", flush=True)
     spec = spec or ex.ExampleSpec()
     data = ex.make_iterator(spec)
-    state = ex.make_state(spec)
-    inner = topo.axis_names[1]
+    inner = topo.axis_names[1] if len(topo.axis_names) > 1 else None
+    if inner == "stage":  # data x pipeline (cpu-2x4-pp): the hidden layers as a pipeline, one per stage
+        state = ex.make_pipeline_state(spec, stages=topo.axis_sizes[1])
+        specs = ex.pipeline_specs(state)
+    else:
+        state = ex.make_state(spec)
+        specs = (ex.fsdp_specs(state, inner, topo.axis_sizes[1]) if layout == "fsdp" and inner
+                 else ex.fsdp_specs(state, tuple(topo.axis_names), topo.num_devices))
     step = resilax.wrap(
         ex.train_step,
         topology=topo,
-        state_sharding=(ex.fsdp_specs(state, inner, topo.axis_sizes[1]) if layout == "fsdp"
-                        else ex.fsdp_specs(state, tuple(topo.axis_names), topo.num_devices)),
+        state_sharding=specs,
         batch_sharding=jax.sharding.PartitionSpec(topo.elastic_axis),
         config=make_config(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, log=log,
                            log_mode=log_mode, peers=peers, peers_every=peers_every, anomaly=anomaly,

@@ -363,13 +363,14 @@ class PipelineExecutor:
             dev, s = self.devices[d], d[1]
             accs = [put(at.acc[(v, s)][1], dev) for v in range(self.D)]
             grads[d], flags[d] = ex.combine(accs, [put(at.weight[vm], dev) for vm in order])
+        # each stage's update is dispatched as soon as its gradient is (staggered: it waits for
+        # its own stage only); only the commit, a select, waits for every stage's verdict
+        updated = {d: ex.update(*self.state[d], grads[d]) for d in sorted(self.state)}
         first = {s: flags[next(d for d in sorted(flags) if d[1] == s)] for s in range(self.S)}
         new_state = {}
         for d in sorted(self.state):
-            dev = self.devices[d]
-            ok = ex.verdict([put(first[s], dev) for s in range(self.S)])
-            p, o = self.state[d]
-            new_state[d] = ex.commit(ok, ex.update(p, o, grads[d]), (p, o))
+            ok = ex.verdict([put(first[s], self.devices[d]) for s in range(self.S)])
+            new_state[d] = ex.commit(ok, updated[d], self.state[d])
         d0 = sorted(self.state)[0]
         dev0 = self.devices[d0]
         loss = ex.loss([put(at.loss[vm], dev0) for vm in order], [put(at.weight[vm], dev0) for vm in order])
