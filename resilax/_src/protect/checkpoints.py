@@ -36,6 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from resilax._src.protect.checksum import anchor_tree, tree_checksums
+from resilax._src import quiet
 from resilax._src.gil import shorter_switch_interval
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
 from resilax._src.protect import base, orbax_warm, packing
@@ -508,7 +509,7 @@ class CheckpointStore:
           CorruptCheckpointError: checkpoints exist but none is good (all were quarantined).
         """
         self.settle()
-        with self._lock:
+        with self._lock, quiet.draining_loops():  # a corrupt checkpoint's other reads end before Orbax's loop closes
             return self._restore_newest(abstract_state)
 
     def _restore_newest(self, abstract_state):
