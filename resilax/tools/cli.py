@@ -173,9 +173,34 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_warnings() -> None:
+    """resilax's own warnings print as their message alone, on one line (a failure handled is
+    one line a person reads: which file and source line raised the warning is noise to them);
+    every other warning prints as Python prints it."""
+    import warnings
+
+    shown = warnings.showwarning
+    if getattr(shown, "resilax_one_line", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if not text.startswith("resilax"):
+            return shown(message, category, filename, lineno, file, line)
+        out = sys.stderr if file is None else file
+        try:
+            out.write(" ".join(text.split()) + "\n")
+        except (OSError, ValueError):  # a closed stream, as Python's own showwarning tolerates
+            pass
+
+    show.resilax_one_line = True
+    warnings.showwarning = show
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    _one_line_warnings()
     from resilax._src.errors import ResilaxError
     from resilax.tools.runner import configure_compilation_cache
 

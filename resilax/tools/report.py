@@ -1,4 +1,5 @@
-"""``resilax report RUN_DIR``: goodput table and timeline PNG from goodput.json."""
+"""``resilax report RUN_DIR``: goodput table, the run's failures and recoveries, and a timeline PNG
+from goodput.json."""
 from __future__ import annotations
 
 import argparse
@@ -161,26 +162,47 @@ def plot_sweep(sw: dict, path: str, title: str = "") -> str:
     return path
 
 
-def report(run_dir: str | os.PathLike, *, png: bool = True, out=None) -> dict:
-    """Print the goodput table of ``run_dir/goodput.json``; write goodput.png.
+def format_events(events: list[dict]) -> list[str]:
+    """The run's failures, injected faults and recoveries, one line each, in the words
+    `resilax train` printed them (`messages.describe`), each after its time and step:
+    ``"  12.3 s  step 40: <line>"`` (``t``: seconds since the run's process started). Bookkeeping
+    events have no line."""
+    from resilax._src.messages import describe
 
-    Returns ``{"totals", "wall_s", "goodput", "table", "png"}`` (png is None
-    when not written). Raises GoodputFileError for a missing or bad file.
+    rows = []
+    for e in events:
+        line = describe(e)
+        if line is not None:
+            rows.append(f"{float(e.get('t', 0.0)):8.1f} s  step {e.get('step')}: {line}")
+    return rows
+
+
+def report(run_dir: str | os.PathLike, *, png: bool = True, out=None) -> dict:
+    """Print the goodput table of ``run_dir/goodput.json`` and the run's failures and
+    recoveries (`format_events`); write goodput.png.
+
+    Returns ``{"totals", "wall_s", "goodput", "table", "events", "png"}`` (events: the
+    lines printed; png is None when not written). Raises GoodputFileError for a missing or
+    bad file.
     """
     rec = load_goodput(run_dir)
     totals, wall = rec.totals(), rec.wall()
     table = format_report(totals, wall)
+    events = format_events(rec.events)
     print(table, file=out or sys.stdout)
+    print(f"failures and recoveries: {len(events) or 'none'}", file=out or sys.stdout)
+    for line in events:
+        print(line, file=out or sys.stdout)
     path = None
     if png:
         path = plot_timeline(rec, os.path.join(os.fspath(run_dir), "goodput.png"))
     return {"totals": totals, "wall_s": wall, "goodput": rec.goodput(),
-            "table": table, "png": path}
+            "table": table, "events": events, "png": path}
 
 
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``report RUN_DIR [--no-png]`` to an argparse subparsers object."""
-    p = subparsers.add_parser("report", help="goodput table and timeline of a run")
+    p = subparsers.add_parser("report", help="goodput table, failures and recoveries, and timeline of a run")
     p.add_argument("run_dir")
     p.add_argument("--no-png", dest="png", action="store_false", help="table only")
     p.set_defaults(func=_cli_main)

@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from resilax._src.protect.checksum import anchor_tree, tree_checksums
-from resilax._src import quiet
+from resilax._src import messages, quiet
 from resilax._src.gil import shorter_switch_interval
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
 from resilax._src.protect import base, orbax_warm, packing
@@ -81,6 +81,7 @@ class Restored:
     state: Any
     meta: dict
     skipped: tuple[tuple[int, str], ...]  # (step, reason) of newer checkpoints that failed
+    quarantined: tuple[str, ...] = ()  # where the failed ones were moved (never deleted)
 
 
 # Orbax saves one checkpoint at a time per process: its operation id, which names the keys a
@@ -543,21 +544,17 @@ class CheckpointStore:
             except Exception as e:
                 skipped.append((step, _reason(e)))
                 continue
+            moved = []
             if skipped:
                 moved = self._quarantine(skipped)
-                warnings.warn(
-                    f"resilax: checkpoint(s) {[s for s, _ in skipped]} in {str(self.directory)!r} failed verification "
-                    f"({'; '.join(f'{s}: {r}' for s, r in skipped)}); restored the previous good checkpoint {step} "
-                    f"instead. The bad ones were moved to {moved}, not deleted.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            return Restored(step, state, meta, tuple(skipped))
+                warnings.warn("resilax: " + messages.checkpoints_skipped(skipped, step, self.directory, moved),
+                              RuntimeWarning, stacklevel=3)
+            return Restored(step, state, meta, tuple(skipped), tuple(moved))
         if skipped:
             moved = self._quarantine(skipped)
             raise CorruptCheckpointError(
                 f"resilax: no good checkpoint in {str(self.directory)!r}: "
-                f"{'; '.join(f'{s}: {r}' for s, r in skipped)}. They were moved to {moved}, not deleted."
+                f"{'; '.join(f'{s}: {messages.short_reason(r)}' for s, r in skipped)}. They were moved to {moved}, not deleted."
             )
         return None
 
@@ -593,8 +590,10 @@ def _sums_sharding():
 
 
 def _reason(e: BaseException) -> str:
+    """Why a checkpoint failed, for its event (a warning shortens it: `messages.short_reason`):
+    the error's first line without tensorstore's spec dumps, up to 1000 characters."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {msg[:200]}"
+    return messages.short_reason(f"{type(e).__name__}: {msg}", 1000)
 
 
 def _signature_mismatch(directory, step, saved, want) -> str:

@@ -56,7 +56,8 @@ def newest_state(run, state, state_sh, job):
             if data is not None and restored.meta.get("data_state") is not None:
                 data.set_state(decode_data_state(restored.meta["data_state"]))
             run.event("restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
-                      skipped=[{"step": s, "reason": r} for s, r in restored.skipped])
+                      skipped=[{"step": s, "reason": r} for s, r in restored.skipped],
+                      directory=str(ckpt.store.directory), quarantined=list(restored.quarantined))
             state = restored.state["state"]
             run.guard = restored.state.get("guard")
             if run.record_log is not None:
