@@ -155,9 +155,9 @@ _LINES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "domain_answering": lambda e: (f"slice {e['domain']} answers again; not rejoined (HealthConfig.rejoin_answering "
                                    f"is off)"),
     "fault_ignored": lambda e: f"fault {e.get('fault')} on slice {e.get('domain')} not applied: {e.get('reason')}",
-    "preempted": lambda e: (f"preempted: every worker stops after step {e['step']}"
+    "preempted": lambda e: (f"preempted: every worker stopped after step {e['step']}"
                             + (", checkpoint saved; relaunch to resume" if e.get("checkpoint") else
-                               "; no checkpoint directory, so nothing was saved")),
+                               ", nothing saved (no checkpoint directory)")),
     "checkpoints_paused": lambda e: f"checkpoints paused at step {e['step']}: {e.get('why')}",
     "reform": lambda e: (f"left at step {e['step']} to re-form as generation {e.get('generation')}"
                          + (f" (processes {e['dead_processes']} died)" if e.get("dead_processes") else "")),

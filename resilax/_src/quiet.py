@@ -86,3 +86,84 @@ def draining_loops() -> Iterator[None]:
         yield
     finally:
         _scope.depth -= 1
+
+
+# ---------------------------------------------------------------- Orbax's logs about resilax's saves
+_DIRS: dict[str, int] = {}  # the open checkpoint stores' directories (with os.sep), counted
+_DIRS_LOCK = threading.Lock()
+_in_op = [0]  # resilax's own Orbax calls in flight (each under `ORBAX_LOCK`)
+
+
+class _OrbaxOnOwnDirectories(logging.Filter):
+    """Drops Orbax's ERROR records (through absl's logger) about resilax's own
+    checkpoints, after logging them to resilax's debug log: records that name the directory
+    of an open resilax checkpoint store, and any made while resilax's own Orbax call is in
+    flight (`reporting`: a save through its commit, a wait, a restore, a close; every Orbax
+    save in the process holds `ORBAX_LOCK` as they do, so the Orbax work then is theirs).
+
+    A save that fails there (a full disk) raises in resilax's own wait, as a `StorageError`
+    that says what happened and that the committed checkpoints are intact; a restore that
+    fails there is named in the corrupt-checkpoint warning or `CorruptCheckpointError`. Orbax
+    also logged each failure on each of its threads as an ERROR with a 30-80-line traceback
+    (4 of them for one full disk), before resilax's one line. Records about other directories
+    outside those calls (a user's own Orbax work in the process) pass as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f" {type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        if _in_op[0] <= 0:
+            with _DIRS_LOCK:
+                dirs = list(_DIRS)
+            if not any(d in text for d in dirs):
+                return True
+        log.debug("resilax: Orbax on a resilax checkpoint (resilax raises or reports it): %s", text[:4000])
+        return False
+
+
+_orbax_filter = _OrbaxOnOwnDirectories()
+
+
+def _install() -> None:
+    absl_log = logging.getLogger("absl")
+    if _orbax_filter not in absl_log.filters:
+        absl_log.addFilter(_orbax_filter)
+
+
+@contextlib.contextmanager
+def reporting() -> Iterator[None]:
+    """Around resilax's own Orbax calls (under `ORBAX_LOCK`), whose failures resilax raises or
+    reports itself: what Orbax logs meanwhile goes to the debug log (`_OrbaxOnOwnDirectories`)."""
+    _install()
+    with _DIRS_LOCK:
+        _in_op[0] += 1
+    try:
+        yield
+    finally:
+        with _DIRS_LOCK:
+            _in_op[0] -= 1
+
+
+def own_directory(directory) -> None:
+    """Orbax's errors about ``directory`` are resilax's to report (`_OrbaxOnOwnDirectories`)
+    until `release_directory`."""
+    import os
+
+    _install()
+    d = os.path.join(os.fspath(directory), "")
+    with _DIRS_LOCK:
+        _DIRS[d] = _DIRS.get(d, 0) + 1
+
+
+def release_directory(directory) -> None:
+    import os
+
+    d = os.path.join(os.fspath(directory), "")
+    with _DIRS_LOCK:
+        n = _DIRS.get(d, 0) - 1
+        if n > 0:
+            _DIRS[d] = n
+        else:
+            _DIRS.pop(d, None)

@@ -231,9 +231,6 @@ def train(
             step.step > start_step or step.step in (step.checkpoints.steps() if step.checkpoints else ()))
         if checkpoint_dir and not saved and not preempted and not step.checkpoints_paused:
             step.save(state)
-        if preempted:
-            print(f"preempted: every worker stopped after step {step.step}, checkpoint saved; relaunch to resume",
-                  flush=True)
     wall = time.perf_counter() - t_start
     if out and not preempted:
         write_state(out, state)

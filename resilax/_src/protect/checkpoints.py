@@ -21,6 +21,7 @@ buffer copy). The loop waits for a save only when it still writes as the next is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -177,6 +178,7 @@ class CheckpointStore:
         except OSError as e:
             raise StorageError(f"resilax checkpoints: cannot create checkpoint_dir {str(self.directory)!r}: {e}") from e
         self._mgr = self._open()
+        quiet.own_directory(self.directory)  # Orbax's errors here reach the caller as resilax's own, once
         self.blocking_s = Timings()  # seconds the caller blocked per save
         self.persist_s = Timings()  # seconds from handing a snapshot to Orbax to its commit (persister thread)
         self.handoff_s = Timings()  # of which Orbax's save call: its copy to host (persister thread)
@@ -193,6 +195,14 @@ class CheckpointStore:
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
         self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
         self.last_step: int | None = None  # the newest save handed to the persister
+
+    @contextlib.contextmanager
+    def _orbax_call(self):
+        """Around every Orbax call of the store: the process-wide lock, and Orbax's ERROR logs
+        meanwhile to the debug log (`quiet.reporting`: what fails here, the store raises or
+        reports itself, once)."""
+        with self._lock, quiet.reporting():
+            yield
 
     def _open(self):
         opts = ocp.CheckpointManagerOptions(
@@ -334,7 +344,7 @@ class CheckpointStore:
         self.settle()
         self._raise_error()
         meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
-        with self._lock:
+        with self._orbax_call():
             try:
                 # one save in flight, as on one process; under `launch --in-place` a dead process
                 # named meanwhile ends the wait (Orbax's commit barrier waits for it 20 min)
@@ -343,7 +353,7 @@ class CheckpointStore:
                 self._deferred = []
                 raise storage_error(f"finishing the checkpoint before {step}", self.directory, e) from e
         self._run_deferred()
-        with self._lock:
+        with self._orbax_call():
             try:
                 sums = self.checksums(state)
                 snap, meta, save_args = self._packed(state, meta)
@@ -386,7 +396,7 @@ class CheckpointStore:
                     self._handed.set()
                     continue  # a failed save stops the later ones: the caller is told at its next call
                 t0 = time.perf_counter()
-                with self._lock, shorter_switch_interval(self.SAVE_SWITCH_INTERVAL_S):
+                with self._orbax_call(), shorter_switch_interval(self.SAVE_SWITCH_INTERVAL_S):
                     try:
                         sums = self.checksums(snap)
                         snap, meta, save_args = self._packed(snap, meta)  # (the checksums: of the leaves)
@@ -448,7 +458,7 @@ class CheckpointStore:
         """
         self.settle()
         try:
-            with self._lock:  # (under `launch --in-place` a dead process named meanwhile ends the wait)
+            with self._orbax_call():  # (under `launch --in-place` a dead process named meanwhile ends the wait)
                 membership.wait_unless_a_verdict(self._mgr.wait_until_finished, "a checkpoint was committing")
         except Exception as e:
             self._error = None
@@ -485,11 +495,13 @@ class CheckpointStore:
                 self._thread = None
             self._join_warming(every=True)
             if not self._abandoned:
-                with self._lock:
+                with self._orbax_call():
                     try:
                         self._mgr.close()
                     except Exception as e:  # Orbax re-raises a failed background write here too (a full disk)
                         raise storage_error("closing the checkpoint manager", self.directory, e) from e
+                    finally:
+                        quiet.release_directory(self.directory)
 
     def steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
@@ -510,7 +522,7 @@ class CheckpointStore:
           CorruptCheckpointError: checkpoints exist but none is good (all were quarantined).
         """
         self.settle()
-        with self._lock, quiet.draining_loops():  # a corrupt checkpoint's other reads end before Orbax's loop closes
+        with self._orbax_call(), quiet.draining_loops():  # a corrupt checkpoint's other reads end before Orbax's loop closes
             return self._restore_newest(abstract_state)
 
     def _restore_newest(self, abstract_state):
