@@ -82,8 +82,10 @@ def _replay(e):
             else f"no record log entry replayed after step {start}")
     bad = e.get("unreplayable") or []
     if bad:
-        line += (f"; the entry of step {bad[0]['step']} is unusable ({short_reason(bad[0]['reason'])}): the steps "
-                 f"from {bad[0]['step']} on are trained again from their data, nothing is lost")
+        moved = e.get("quarantined")
+        aside = f" ({moved} entries from it on moved to record_log/quarantine, not deleted)" if moved else ""
+        line += (f"; the entry of step {bad[0]['step']} is unusable ({short_reason(bad[0]['reason'])}){aside}: the "
+                 f"steps from {bad[0]['step']} on are trained again from their data, nothing is lost")
     return line
 
 
