@@ -59,13 +59,32 @@ def _to_debug_log(loop, context):
     log.debug("resilax: background read after a failed restore: %s: %r", context.get("message"), exc)
 
 
-class _Policy(asyncio.DefaultEventLoopPolicy):
-    """The default policy, except that a loop made on a thread inside `draining_loops` drains."""
+_policy_class: list = []  # the draining policy's class, made on first use (`_draining_policy`)
 
-    def new_event_loop(self):
-        if getattr(_scope, "depth", 0):
-            return _DrainingLoop()
-        return super().new_event_loop()
+
+def _draining_policy(default):
+    """A policy that is ``default`` (the interpreter's default policy: its state, each thread's
+    current loop included, is shared), except that a loop made on a thread inside
+    `draining_loops` drains. None where this Python has no policies to extend (they are
+    deprecated from 3.14): restores then run on Orbax's plain loops."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        base = getattr(asyncio, "DefaultEventLoopPolicy", None)
+        if base is None or type(default) is not base:
+            return None
+        if not _policy_class:
+            class _Policy(base):
+                def new_event_loop(self):
+                    if getattr(_scope, "depth", 0):
+                        return _DrainingLoop()
+                    return super().new_event_loop()
+
+            _policy_class.append(_Policy)
+        ours = _policy_class[0]()
+    ours.__dict__.update(default.__dict__)  # each thread's current loop (and child watcher) stay as they were
+    return ours
 
 
 @contextlib.contextmanager
@@ -74,13 +93,18 @@ def draining_loops() -> Iterator[None]:
     pending tasks before they close (`_DrainingLoop`). Loops of other threads, and loops
     made outside it, are Python's own.
 
-    Installs `_Policy` over the default policy the first time (it only differs inside this
-    scope); a policy of the user's own is left alone (then nothing changes here)."""
-    policy = asyncio.get_event_loop_policy()
-    if type(policy) is asyncio.DefaultEventLoopPolicy:
-        ours = _Policy()
-        ours.__dict__.update(policy.__dict__)  # each thread's current loop (and child watcher) stay as they were
-        asyncio.set_event_loop_policy(ours)
+    Installs the draining policy over the interpreter's default one the first time (it only
+    differs inside this scope); a policy of the user's own is left alone (then nothing
+    changes here)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        policy = asyncio.get_event_loop_policy()
+        if not (_policy_class and type(policy) is _policy_class[0]):
+            ours = _draining_policy(policy)
+            if ours is not None:
+                asyncio.set_event_loop_policy(ours)
     _scope.depth = getattr(_scope, "depth", 0) + 1
     try:
         yield
