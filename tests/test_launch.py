@@ -928,3 +928,43 @@ def test_heartbeats_stay_on_disk_when_ram_cannot_hold_them(tmp_path, monkeypatch
     hb = tmp_path / "run" / "heartbeats"
     assert hb.is_dir() and not hb.is_symlink() and (hb / "g0.p1.json").exists()
     assert not any(n.startswith(f"resilax-hb-{os.getpid()}-") for n in os.listdir("/dev/shm"))
+
+
+def test_a_workers_broken_collective_is_one_line_and_its_traceback_a_file(tmp_path, monkeypatch, capsys):
+    """Under `resilax launch`, a worker whose collective broke because another process died or
+    hung (the survivor of a hang: 'Gloo AllGather failed: Timed out waiting 5000ms') exits 1
+    with one line that says so, and its traceback goes to the run directory's logs, not to
+    the job's output (it printed 40 lines there, above the supervisor's line naming the hung
+    process). Any other error, and any error outside `launch`, is printed as Python prints it."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from resilax._src.runtime import worker
+    from resilax.tools import cli, report
+
+    gloo = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [unbound_buffer.cc:81] Timed out waiting "
+                                      "5000ms for recv operation to complete")
+
+    def step_failed(args):
+        try:
+            raise gloo
+        except jax.errors.JaxRuntimeError as e:  # (as the step's error unwinds through close())
+            raise RuntimeError("the final wait failed too") from e
+
+    monkeypatch.setattr(worker, "env", lambda: SimpleNamespace(run_dir=str(tmp_path), generation=2, process_id=1))
+    monkeypatch.setattr(report, "_cli_main", step_failed)
+    assert cli.main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "collective with another process broke" in err and "Timed out waiting 5000ms" in err, err
+    saved = tmp_path / "logs" / "g2.p1.error.txt"
+    assert str(saved) in err and "Traceback" in saved.read_text() and "the final wait failed too" in saved.read_text()
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB")
+    monkeypatch.setattr(report, "_cli_main", lambda args: (_ for _ in ()).throw(oom))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Out of memory"):  # the user's to act on: as it is
+        cli.main(["report", str(tmp_path)])
+    monkeypatch.setattr(worker, "env", lambda: None)
+    monkeypatch.setattr(report, "_cli_main", step_failed)
+    with pytest.raises(RuntimeError, match="the final wait failed too"):  # no supervisor to act: as it is
+        cli.main(["report", str(tmp_path)])
