@@ -104,6 +104,10 @@ def _anomaly(e):
     return f"{cause}: its update was skipped inside the step (the state is as before it); the run goes on"
 
 
+_FAILED_BY = {"sdc": "failed (outvoted by the replica check)", "hang": "failed (hung)",
+              "straggler": "failed (a straggler)"}
+
+
 def _recovery(e):
     sec = dict(e.get("seconds") or {})
     if e.get("in_place"):
@@ -115,7 +119,9 @@ def _recovery(e):
     found = f" (found after {detect:.1f} s)" if detect > 0.05 else ""
     redo = f", {e['steps_replayed']} step(s) replayed from the log" if e.get("steps_replayed") else ""
     recomputed = f", {e['steps_recomputed']} recomputed from their batches" if e.get("steps_recomputed") else ""
-    return (f"slice(s) {e['failed_domains']} lost{found}; state from "
+    # a slice is lost (its memory deleted), or failed by resilax itself: outvoted, hung, too slow
+    how = ", ".join(sorted({_FAILED_BY.get(p, "lost") for p in e.get("phases_failed") or ("",)}))
+    return (f"slice(s) {e['failed_domains']} {how}{found}; state from "
             f"{e['source']} copies of step {e['restored_step']}{redo}{recomputed}, {sum(sec.values()) * 1e3:.0f} ms; "
             f"now mesh {e['mesh']}; nothing lost")
 

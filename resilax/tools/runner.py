@@ -301,18 +301,20 @@ def write_state(out: str, state) -> None:
 
 def _say(events, *, resuming: bool = False) -> None:
     """Prints one line per failure, injected fault or recovery among ``events``
-    (`messages.describe`: the words `resilax report` uses too). ``resuming``: the events of
-    `init`, where the "resumed at step" line already says what was restored and replayed
-    (and a warning which checkpoints failed): only what went wrong on the way is added."""
+    (`messages.describe`: the words `resilax report` uses too), after its step. ``resuming``:
+    the events of `init`, where the "resumed at step" line already says what was restored
+    and replayed, and a warning says which checkpoints failed and which collectives changed:
+    only what else went wrong on the way is added."""
     from resilax._src import messages
 
     for ev in events:
         e = ev.to_json()
-        if resuming and (ev.kind == "restore" or (ev.kind == "replay" and not e.get("unreplayable"))):
+        if resuming and (ev.kind in ("restore", "collectives_changed")
+                         or (ev.kind == "replay" and not e.get("unreplayable"))):
             continue
         line = messages.describe(e)
-        if line is not None:
-            print(line if resuming else f"step {ev.step}: {line}", flush=True)
+        if line is not None:  # (the host-store line names its step, and scripts read it from the line's start)
+            print(line if ev.kind == "host_store_skipped" else f"step {ev.step}: {line}", flush=True)
 
 
 def _whole_here(x) -> np.ndarray | None:
