@@ -303,3 +303,24 @@ def test_report_lists_failures_and_recoveries_in_the_words_train_prints(tmp_path
     assert "slice(s) [3] lost (found after 5.2 s); state from live copies" in out and "nothing lost" in out
     assert "sdc at step 16" in out  # the fallback line of a malformed event
     assert set(messages.FAILURE_KINDS) == set(messages._LINES)  # every failure kind has its line
+
+
+def test_report_of_a_launch_run_dir_lists_its_generations_in_the_supervisors_words(tmp_path, capsys):
+    """`resilax report RUN_DIR` of a `resilax launch` run directory: the goodput of its
+    workers (``checkpoints/``, `resilax train`'s default there) and, before the events, each
+    generation that did not simply end, as the supervisor said it."""
+    import json
+
+    from resilax.tools.report import report
+
+    rec, clock = _recorder()
+    clock.tick(1.0)
+    rec.event("restore", step=5, source="host_store", copy="host0/own")
+    rec.save(tmp_path / "checkpoints")
+    (tmp_path / "launch_history.json").write_text(json.dumps({"generations": [
+        {"generation": 0, "outcome": "failed", "why": "process 1 (pid 7) exited with signal SIGKILL", "processes": [0, 1]},
+        {"generation": 1, "outcome": "done", "why": "", "processes": [0, 1]}]}))
+    r = report(tmp_path, png=False)
+    assert r["events"][0] == "generation 0 failed: process 1 (pid 7) exited with signal SIGKILL", r["events"]
+    assert len(r["events"]) == 2 and "restored step 5 from the host store (host0/own)" in r["events"][1]
+    assert "failures and recoveries: 2" in capsys.readouterr().out
