@@ -14,7 +14,7 @@ import os
 import re
 from typing import Any, Callable, Mapping
 
-__all__ = ["describe", "checkpoints_skipped", "short_reason", "FAILURE_KINDS"]
+__all__ = ["describe", "checkpoints_skipped", "short_reason", "FAILURE_KINDS", "OWN_STEP_KINDS"]
 
 #: the event kinds that are a failure, a fault injected, or what resilax did about one (those
 #: `describe` has a line for); bookkeeping events (cadences, compiles ahead, checks that
@@ -22,6 +22,11 @@ __all__ = ["describe", "checkpoints_skipped", "short_reason", "FAILURE_KINDS"]
 FAILURE_KINDS = ("restore", "replay", "host_store_skipped", "anomaly", "recovery", "bitflip", "sdc", "rebuilt",
                  "hang_slice", "slow_slice", "repair_slice", "hang", "straggler", "rejoin", "domain_answering",
                  "fault_ignored", "preempted", "checkpoints_paused", "reform", "collectives_changed")
+
+#: kinds whose line names its step itself, and that scripts read from the line's start
+#: (``"preempted: every worker stopped after step N, ..."``): `resilax train` prints them
+#: without the ``"step N: "`` it puts before the others
+OWN_STEP_KINDS = ("host_store_skipped", "preempted")
 
 _SPEC = re.compile(r"\s*\[tensorstore_spec.*", re.S)  # tensorstore's spec payloads (JSON, at the end of its errors)
 

@@ -313,8 +313,8 @@ def _say(events, *, resuming: bool = False) -> None:
                          or (ev.kind == "replay" and not e.get("unreplayable"))):
             continue
         line = messages.describe(e)
-        if line is not None:  # (the host-store line names its step, and scripts read it from the line's start)
-            print(line if ev.kind == "host_store_skipped" else f"step {ev.step}: {line}", flush=True)
+        if line is not None:
+            print(line if ev.kind in messages.OWN_STEP_KINDS else f"step {ev.step}: {line}", flush=True)
 
 
 def _whole_here(x) -> np.ndarray | None:
