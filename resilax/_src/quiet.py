@@ -23,7 +23,8 @@ _scope = threading.local()
 
 
 class _DrainingLoop(asyncio.SelectorEventLoop):
-    """An event loop that, on `close`, first lets the tasks still pending on it finish.
+    """An event loop that, on `close`, first lets the tasks still pending on it finish (the
+    same holds for a save's writes: `reporting`).
 
     Orbax restores a checkpoint as one ``asyncio.gather`` of a tensorstore read per array, on
     an event loop it makes for the call and closes as soon as the gather returns. When one
@@ -77,7 +78,7 @@ def _draining_policy(default):
         if not _policy_class:
             class _Policy(base):
                 def new_event_loop(self):
-                    if getattr(_scope, "depth", 0):
+                    if getattr(_scope, "depth", 0) or (_in_op[0] > 0 and _orbax_thread()):
                         return _DrainingLoop()
                     return super().new_event_loop()
 
@@ -87,15 +88,18 @@ def _draining_policy(default):
     return ours
 
 
-@contextlib.contextmanager
-def draining_loops() -> Iterator[None]:
-    """Within it, event loops made on this thread (Orbax's, one per restore call) finish their
-    pending tasks before they close (`_DrainingLoop`). Loops of other threads, and loops
-    made outside it, are Python's own.
+def _orbax_thread() -> bool:
+    """Whether this thread is one of Orbax's (its class, or the function it runs, is Orbax's:
+    a save's `_SignalingThread`s, its background commit)."""
+    t = threading.current_thread()
+    target = getattr(t, "_target", None)  # (threading.Thread keeps it while the thread runs)
+    return type(t).__module__.startswith("orbax") or getattr(target, "__module__", "").startswith("orbax")
 
-    Installs the draining policy over the interpreter's default one the first time (it only
-    differs inside this scope); a policy of the user's own is left alone (then nothing
-    changes here)."""
+
+def _install_policy() -> None:
+    """Installs the draining policy over the interpreter's default one (it only differs inside
+    `draining_loops`, and on Orbax's threads while `reporting`); a policy of the user's own
+    is left alone (then nothing changes here)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -105,6 +109,14 @@ def draining_loops() -> Iterator[None]:
             ours = _draining_policy(policy)
             if ours is not None:
                 asyncio.set_event_loop_policy(ours)
+
+
+@contextlib.contextmanager
+def draining_loops() -> Iterator[None]:
+    """Within it, event loops made on this thread (Orbax's, one per restore call) finish their
+    pending tasks before they close (`_DrainingLoop`). Loops of other threads, and loops
+    made outside it, are Python's own (but Orbax's during `reporting`)."""
+    _install_policy()
     _scope.depth = getattr(_scope, "depth", 0) + 1
     try:
         yield
@@ -159,8 +171,12 @@ def _install() -> None:
 @contextlib.contextmanager
 def reporting() -> Iterator[None]:
     """Around resilax's own Orbax calls (under `ORBAX_LOCK`), whose failures resilax raises or
-    reports itself: what Orbax logs meanwhile goes to the debug log (`_OrbaxOnOwnDirectories`)."""
+    reports itself: what Orbax logs meanwhile goes to the debug log (`_OrbaxOnOwnDirectories`),
+    and the event loops Orbax's threads make meanwhile (a save runs one per thread, with the
+    restore's gather-then-close: a full disk left writes in flight into a closed loop) drain
+    before they close (`_DrainingLoop`)."""
     _install()
+    _install_policy()
     with _DIRS_LOCK:
         _in_op[0] += 1
     try:
