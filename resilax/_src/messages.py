@@ -162,7 +162,8 @@ _LINES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "hang": lambda e: (f"liveness watchdog: slice {e['domain']} silent for {float(e.get('detected_s') or 0.0):.1f} s "
                        f"(found by {str(e.get('reason', 'its deadline')).replace('_', ' ')}); it is failed"),
     "straggler": lambda e: (f"liveness watchdog: slice {e.get('domain')} is a straggler"
-                            + ("; it is failed" if e.get("removed") else "; kept (HealthConfig.remove_stragglers is off)")),
+                            + ("; it is failed" if e.get("removed") else
+                               "; kept (HealthConfig.remove_stragglers is off)")),
     "rejoin": lambda e: (f"slice {e['domain']} rejoined: mesh {e['mesh']}, {int(e.get('bytes_moved') or 0):,} bytes "
                          f"copied to it"),
     "domain_answering": lambda e: (f"slice {e['domain']} answers again; not rejoined (HealthConfig.rejoin_answering "
@@ -181,10 +182,11 @@ _LINES: dict[str, Callable[[Mapping[str, Any]], str]] = {
 
 
 def describe(event: Mapping[str, Any]) -> str | None:
-    """One line for ``event`` (its step not included: callers put ``"step N: "`` before it) (``{"kind", "step", **fields}``: `Event.to_json()` or a goodput
+    """One line for ``event`` (``{"kind", "step", **fields}``: `Event.to_json()` or a goodput
     file's event), or None for a kind that is not a failure, an injected fault or a recovery
-    (`FAILURE_KINDS`). An event whose fields lack what its line names (one written by another
-    version) gets its kind and fields, never an error."""
+    (`FAILURE_KINDS`). The line does not start with the event's step: callers put ``"step
+    N: "`` before it (but for `OWN_STEP_KINDS`). An event whose fields lack what its line
+    names (one written by another version) gets its kind and fields, never an error."""
     fn = _LINES.get(str(event.get("kind")))
     if fn is None:
         return None

@@ -217,8 +217,8 @@ def main(argv=None) -> int:
             raise
         from resilax._src.messages import short_reason
 
-        print(f"resilax: this worker's collective with another process broke ({short_reason(where)}); it exits for "
-              f"the supervisor to act (`resilax launch` names the process that failed; the traceback: "
+        print(f"resilax: this worker's collective with another process broke ({short_reason(where, 300)}); it "
+              f"exits for the supervisor to act (`resilax launch` names the process that failed; the traceback: "
               f"{_save_traceback(e)})", file=sys.stderr, flush=True)
         return 1
 
