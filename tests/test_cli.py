@@ -30,6 +30,16 @@ def test_demo_kills_resumes_and_matches_bitwise(tmp_path):
     assert "outvoted by [0, 3]" in timeline
     assert re.search(r"liveness watchdog: slice 3 silent for [5-9]\.\d s", timeline), timeline
     assert "final state vs the same run without the failures: BITWISE IDENTICAL" in r.stdout
+    # what a user reads while the runs recover (issue 53): no traceback, and each fault and
+    # what resilax did about it as one line from the child that met it
+    text = r.stdout + r.stderr
+    assert "Traceback" not in text, text[-4000:]
+    lines = text.splitlines()
+    for said in ("slice(s) [1] lost; state from peer copies",  # phase 4: sharded state from the peer copies
+                 "fault injected: a bit of", "replica checksums: slice(s) [2] outvoted by [0, 3]",
+                 "slice 1 rejoined: mesh", "NaN/Inf in the step's values: its update was skipped",
+                 "fault injected: slice 3 stops answering", "liveness watchdog: slice 3 silent for"):
+        assert [ln for ln in lines if ln.startswith("step ") and said in ln], (said, text[-4000:])
     png = tmp_path / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 

@@ -261,3 +261,66 @@ def test_a_long_run_keeps_a_bounded_timeline_with_exact_totals(tmp_path):
     assert back.totals() == pytest.approx(rec.totals())
     assert len(back.segments()) == len(segs)
     assert os.path.getsize(tmp_path / "goodput.json") < 1_000_000
+
+
+def test_report_lists_failures_and_recoveries_in_the_words_train_prints(tmp_path, capsys):
+    """`resilax report`'s failure list: one line per failure, injected fault or recovery, made
+    by `messages.describe` (the function `resilax train` prints with), after its time and
+    step; bookkeeping events have none; an event missing a field its line names (another
+    version's) still gets a line, never an error."""
+    from resilax._src import messages
+    from resilax.tools.report import report
+
+    rec, clock = _recorder()
+    events = [
+        dict(kind="restore", step=10, source="checkpoint", skipped=[{"step": 15, "reason": (
+            'ValueError: DATA_LOSS: Error opening "zarr" driver: Error reading "a/.zarray": Error decoding b-tree node: '
+            'CRC-32C checksum verification failed [tensorstore_spec=\'{"driver": "zarr", "kvstore": "x"}\']')}],
+             directory="/d", quarantined=["/d/quarantine/15.20260101T000000"]),
+        dict(kind="anomaly", step=12, cause="nonfinite", value=1.5, action="skip"),
+        dict(kind="peer_cadence", step=13, every=2),  # bookkeeping: no line
+        dict(kind="hang", step=14, domain=3, detected_s=5.25, reason="probe"),
+        dict(kind="recovery", step=14, failed_domains=[3], source="live", restored_step=14, mesh={"data": 3},
+             seconds={"detect": 5.2, "restore": 0.01}, steps_replayed=0, steps_recomputed=0),
+        dict(kind="sdc", step=16),  # malformed (no domains): still a line
+    ]
+    for e in events:
+        clock.tick(1.0)
+        rec.event(e["kind"], **{k: v for k, v in e.items() if k != "kind"})
+    rec.save(tmp_path)
+    r = report(tmp_path, png=False)
+    out = capsys.readouterr().out
+    assert "failures and recoveries: 5" in out and len(r["events"]) == 5, out
+    for e in events:
+        line = messages.describe(e)
+        assert (line is None) == (e["kind"] == "peer_cadence"), e
+        if line is not None:
+            assert f"step {e['step']}: {line}" in out, (line, out)
+    restore = messages.describe(events[0])
+    assert "checkpoint(s) [15] in '/d' failed verification" in restore and "CRC-32C" in restore
+    assert "tensorstore_spec" not in restore and "restored the previous good checkpoint 10" in restore
+    assert "quarantine/15.20260101T000000" in restore
+    assert "slice(s) [3] lost (found after 5.2 s); state from live copies" in out and "nothing lost" in out
+    assert "sdc at step 16" in out  # the fallback line of a malformed event
+    assert set(messages.FAILURE_KINDS) == set(messages._LINES)  # every failure kind has its line
+
+
+def test_report_of_a_launch_run_dir_lists_its_generations_in_the_supervisors_words(tmp_path, capsys):
+    """`resilax report RUN_DIR` of a `resilax launch` run directory: the goodput of its
+    workers (``checkpoints/``, `resilax train`'s default there) and, before the events, each
+    generation that did not simply end, as the supervisor said it."""
+    import json
+
+    from resilax.tools.report import report
+
+    rec, clock = _recorder()
+    clock.tick(1.0)
+    rec.event("restore", step=5, source="host_store", copy="host0/own")
+    rec.save(tmp_path / "checkpoints")
+    (tmp_path / "launch_history.json").write_text(json.dumps({"generations": [
+        {"generation": 0, "outcome": "failed", "why": "process 1 (pid 7) exited with signal SIGKILL", "processes": [0, 1]},
+        {"generation": 1, "outcome": "done", "why": "", "processes": [0, 1]}]}))
+    r = report(tmp_path, png=False)
+    assert r["events"][0] == "generation 0 failed: process 1 (pid 7) exited with signal SIGKILL", r["events"]
+    assert len(r["events"]) == 2 and "restored step 5 from the host store (host0/own)" in r["events"][1]
+    assert "failures and recoveries: 2" in capsys.readouterr().out

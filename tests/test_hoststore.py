@@ -443,3 +443,29 @@ def test_the_stores_of_killed_owners_are_removed_and_live_ones_kept(tmp_path):
     gone = hsf.remove_orphans(tmp_path, launch.ORPHAN_HEARTBEATS)  # its heartbeats in RAM
     assert gone == [names[6]]
     assert sorted(os.listdir(tmp_path)) == sorted([names[1], names[4], names[5], names[7]])
+
+
+def test_a_store_servers_unexpected_error_is_one_line_not_a_traceback(tmp_path, caplog, capfd):
+    """A request the server fails on in a way it does not answer (a bug, not a bad request:
+    those get an error reply) ends that request only: the client's call fails, and the
+    server says so in one warning line instead of socketserver's traceback on stderr
+    (issue 53); the traceback goes to the debug log. The server goes on serving."""
+    import logging
+
+    from resilax._src.protect import hoststore_net as net
+
+    server = net.StoreServer(tmp_path / "next")
+    serve = server._serve
+    try:
+        server._serve = lambda header, body: (_ for _ in ()).throw(RuntimeError("an unforeseen state"))
+        with caplog.at_level(logging.DEBUG, logger="resilax"):
+            with pytest.raises(OSError):
+                net.listing(server.address, timeout_s=5)
+        said = [r for r in caplog.records if r.levelno == logging.WARNING and "host store server" in r.getMessage()]
+        assert len(said) == 1 and "RuntimeError: an unforeseen state" in said[0].getMessage(), caplog.records
+        assert [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info], "the details are kept"
+        assert "Traceback" not in capfd.readouterr().err
+        server._serve = serve
+        assert net.listing(server.address, timeout_s=5) == {}  # still serving
+    finally:
+        server.close()

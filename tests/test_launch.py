@@ -204,6 +204,7 @@ def test_in_place_re_forms_with_a_spare_then_without_one_grows_back_and_re_forms
         log.close()
     text = (tmp_path / "launch.log").read_text(errors="replace")
     assert rc == 0, f"{done}\n{text[-6000:]}"
+    assert "Traceback" not in text, text[-6000:]  # one line per event, no traceback (issue 53)
     hist = json.loads((run / "launch_history.json").read_text())["generations"]
     whys = "\n".join(f"generation {g['generation']} {g['outcome']}: {g['why']}" for g in hist)
     print(f"{done}\n{whys}\n{text[-6000:]}")  # (pytest cuts a long assertion message: the reasons come first)
@@ -553,6 +554,7 @@ def test_hang_then_whole_job_kill_then_sigterm_each_resumes_exactly(tmp_path, la
             finally:
                 kill_tree(p)
         text = _launch_log(tmp_path, attempt)
+        assert "Traceback" not in text, text[-5000:]  # one line per event, no traceback (issue 53)
         if attempt == 0:
             failed = [ln for ln in text.splitlines() if "generation 0 failed: process 1 " in ln]
             assert failed and "hung: never started step 6" in failed[0], text[-3000:]
@@ -623,6 +625,11 @@ def _re_form_2x4_alone(tmp_path, train, fault):
     assert r.returncode == 0 and out.exists(), text[-5000:]
     hist = json.loads((run / "launch_history.json").read_text())["generations"]
     assert [(g["outcome"], g["processes"]) for g in hist] == [("reform", [0, 1]), ("done", [0])], (hist, text[-3000:])
+    # what a user reads (issue 53): one line each from the supervisor and the survivor, no
+    # traceback (Orbax's threads the survivor leaves behind fail on the dead process quietly)
+    assert "Traceback" not in text, text[-5000:]
+    assert "[g0 p0] resilax" in text and "leaving at step " in text and "re-attached as process 0 of 1" in text, \
+        text[-3000:]
     return text, run
 
 
@@ -737,6 +744,13 @@ def test_a_wait_for_every_process_ends_when_the_supervisor_names_a_dead_one(tmp_
 
     threading.Thread(target=background_commit, daemon=True).start()
 
+    def dies():  # a thread of the left backend that ends with an uncaught error (not printed either)
+        gate.wait(60)
+        raise RuntimeError("a barrier with the dead process failed")
+
+    dying = threading.Thread(target=dies, daemon=True)
+    dying.start()
+
     membership.joined(SimpleNamespace(run_dir=str(tmp_path), generation=3, in_place_wait_s=10.0))
     membership._QuietAbandoned.said = False
     try:
@@ -750,12 +764,24 @@ def test_a_wait_for_every_process_ends_when_the_supervisor_names_a_dead_one(tmp_
             membership.leave_behind()  # (as `in_place.leave_for_reform` does: the backend is left)
             gate.set()
             assert logged.wait(5) and bg_logged.wait(5)
+            dying.join(5)
             assert not [r for r in caplog.records if "save_finalize" in r.getMessage() or "Handler" in r.getMessage()]
             later = threading.Thread(target=lambda: absl_log.error("the next generation's save failed"))
             later.start()
             later.join()
             assert [r for r in caplog.records if r.getMessage() == "the next generation's save failed"]  # kept
-            assert "left behind by the supervisor's verdict" in capfd.readouterr().err
+            err = capfd.readouterr().err
+            assert "left behind by the supervisor's verdict" in err
+            assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err  # the one line only
+            # a thread that was not left behind: its error goes to the hook installed before
+            seen = []
+            previous, membership._previous_excepthook[0] = membership._previous_excepthook[0], seen.append
+            try:
+                membership._abandoned_excepthook(SimpleNamespace(thread=later, exc_type=ValueError,
+                                                                 exc_value=ValueError("shown"), exc_traceback=None))
+            finally:
+                membership._previous_excepthook[0] = previous
+            assert len(seen) == 1 and str(seen[0].exc_value) == "shown"
             (tmp_path / membership.MEMBERSHIP_JSON).unlink()
             membership.wait_unless_a_verdict(lambda: time.sleep(0.1), "the commit")  # no verdict: returns
 
@@ -914,3 +940,43 @@ def test_heartbeats_stay_on_disk_when_ram_cannot_hold_them(tmp_path, monkeypatch
     hb = tmp_path / "run" / "heartbeats"
     assert hb.is_dir() and not hb.is_symlink() and (hb / "g0.p1.json").exists()
     assert not any(n.startswith(f"resilax-hb-{os.getpid()}-") for n in os.listdir("/dev/shm"))
+
+
+def test_a_workers_broken_collective_is_one_line_and_its_traceback_a_file(tmp_path, monkeypatch, capsys):
+    """Under `resilax launch`, a worker whose collective broke because another process died or
+    hung (the survivor of a hang: 'Gloo AllGather failed: Timed out waiting 5000ms') exits 1
+    with one line that says so, and its traceback goes to the run directory's logs, not to
+    the job's output (it printed 40 lines there, above the supervisor's line naming the hung
+    process). Any other error, and any error outside `launch`, is printed as Python prints it."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from resilax._src.runtime import worker
+    from resilax.tools import cli, report
+
+    gloo = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [unbound_buffer.cc:81] Timed out waiting "
+                                      "5000ms for recv operation to complete")
+
+    def step_failed(args):
+        try:
+            raise gloo
+        except jax.errors.JaxRuntimeError as e:  # (as the step's error unwinds through close())
+            raise RuntimeError("the final wait failed too") from e
+
+    monkeypatch.setattr(worker, "env", lambda: SimpleNamespace(run_dir=str(tmp_path), generation=2, process_id=1))
+    monkeypatch.setattr(report, "_cli_main", step_failed)
+    assert cli.main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "collective with another process broke" in err and "Timed out waiting 5000ms" in err, err
+    saved = tmp_path / "logs" / "g2.p1.error.txt"
+    assert str(saved) in err and "Traceback" in saved.read_text() and "the final wait failed too" in saved.read_text()
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB")
+    monkeypatch.setattr(report, "_cli_main", lambda args: (_ for _ in ()).throw(oom))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Out of memory"):  # the user's to act on: as it is
+        cli.main(["report", str(tmp_path)])
+    monkeypatch.setattr(worker, "env", lambda: None)
+    monkeypatch.setattr(report, "_cli_main", step_failed)
+    with pytest.raises(RuntimeError, match="the final wait failed too"):  # no supervisor to act: as it is
+        cli.main(["report", str(tmp_path)])

@@ -173,6 +173,12 @@ def test_damaged_entry_stops_replay_there_naming_the_step(tmp_path, damage):
     ev = [e for e in step.events if e.kind == "replay"][-1]
     assert ev.fields["unreplayable"][0]["step"] == 3
     assert "sha256 mismatch" in ev.fields["unreplayable"][0]["reason"]
+    # one line says it (no separate warning for the entries moved aside): issue 53
+    from resilax._src.messages import describe
+
+    assert ev.fields["quarantined"] >= 2  # steps 3..5's entries
+    assert "the entry of step 3 is unusable" in describe(ev.to_json()) and "moved to record_log/quarantine" in \
+        describe(ev.to_json())
     with pytest.raises(resilax.ReplayLogError, match=r"could not replay steps 3\.\.5"):
         replay(state, DiskLog(tmp_path / "log"), 3, 6, update=lambda *a: a[0])
     # Nothing deleted: the bad entry (and the ones after it) are in quarantine.

@@ -98,4 +98,7 @@ def storage_error(what, directory, e) -> StorageError:
             f"resilax checkpoints: {what} in {str(directory)!r} failed: the disk is full ({free} bytes free); "
             f"committed checkpoints are intact",
         )
-    return StorageError(f"resilax checkpoints: {what} in {str(directory)!r} failed: {type(e).__name__}: {e}")
+    from resilax._src.messages import short_reason  # (tensorstore's errors end in pages of spec JSON)
+
+    return StorageError(f"resilax checkpoints: {what} in {str(directory)!r} failed: "
+                        f"{short_reason(f'{type(e).__name__}: {e}', 1000)}")

@@ -220,9 +220,34 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_warnings() -> None:
+    """resilax's own warnings print as their message alone, on one line (a failure handled is
+    one line a person reads: which file and source line raised the warning is noise to them);
+    every other warning prints as Python prints it."""
+    import warnings
+
+    shown = warnings.showwarning
+    if getattr(shown, "resilax_one_line", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if not text.startswith("resilax"):
+            return shown(message, category, filename, lineno, file, line)
+        out = sys.stderr if file is None else file
+        try:
+            out.write(" ".join(text.split()) + "\n")
+        except (OSError, ValueError):  # a closed stream, as Python's own showwarning tolerates
+            pass
+
+    show.resilax_one_line = True
+    warnings.showwarning = show
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    _one_line_warnings()
     from resilax._src.errors import ResilaxError
     from resilax.tools.runner import configure_compilation_cache
 
@@ -233,6 +258,61 @@ def main(argv=None) -> int:
     except ResilaxError as e:
         print(f"resilax: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        where = _peer_broke(e)
+        if where is None:
+            raise
+        from resilax._src.messages import short_reason
+
+        print(f"resilax: this worker's collective with another process broke ({short_reason(where, 300)}); it "
+              f"exits for the supervisor to act (`resilax launch` names the process that failed; the traceback: "
+              f"{_save_traceback(e)})", file=sys.stderr, flush=True)
+        return 1
+
+
+# what a collective's transport says when a peer process died or hung (gloo on CPU, the
+# coordination service, NCCL/gRPC): the worker's error is then a consequence, not the failure
+_PEER_BROKE = ("gloo", "timed out waiting", "connection reset", "connection closed", "connection refused",
+               "deadline_exceeded", "unavailable:", "heartbeat", "barrier", "nccl", "socket closed")
+
+
+def _peer_broke(e: BaseException) -> str | None:
+    """Under `resilax launch` (a worker of a multi-process job): ``"Type: message"`` of the
+    `JaxRuntimeError` in ``e``'s chain that says a collective's transport broke (another
+    process died or hung: the supervisor names it and acts), else None (any other error is
+    printed as Python prints it: it may be the user's to act on)."""
+    from resilax._src.runtime import worker
+
+    if worker.env() is None:
+        return None
+    import jax
+
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, jax.errors.JaxRuntimeError) and any(w in str(x).lower() for w in _PEER_BROKE):
+            return f"{type(x).__name__}: {x}"
+        x = x.__cause__ or x.__context__
+    return None
+
+
+def _save_traceback(e: BaseException) -> str:
+    """Writes ``e``'s traceback to the job's run directory (``logs/g<generation>.p<process>.error.txt``);
+    returns its path, or why it could not be written."""
+    import os
+    import traceback
+
+    from resilax._src.runtime import worker
+
+    env = worker.env()
+    path = os.path.join(env.run_dir, "logs", f"g{env.generation}.p{env.process_id}.error.txt")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write("".join(traceback.format_exception(e)))
+    except OSError as err:
+        return f"not written: {err}"
+    return path
 
 
 if __name__ == "__main__":

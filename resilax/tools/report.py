@@ -1,4 +1,5 @@
-"""``resilax report RUN_DIR``: goodput table and timeline PNG from goodput.json."""
+"""``resilax report RUN_DIR``: goodput table, the run's failures and recoveries, and a timeline PNG
+from goodput.json."""
 from __future__ import annotations
 
 import argparse
@@ -6,9 +7,9 @@ import os
 import sys
 from typing import Any
 
-from resilax._src.runtime.goodput import BUCKETS, ML_GOODPUT_NAMES, GoodputFileError, load_goodput
+from resilax._src.runtime.goodput import BUCKETS, GOODPUT_FILE, ML_GOODPUT_NAMES, GoodputFileError, load_goodput
 
-__all__ = ["report", "format_report", "plot_timeline", "plot_sweep", "register_cli"]
+__all__ = ["report", "format_report", "format_events", "format_generations", "plot_timeline", "plot_sweep", "register_cli"]
 
 COLORS = {
     "productive": "#2ca02c", "protection": "#98df8a", "checkpoint_save": "#1f77b4",
@@ -161,26 +162,79 @@ def plot_sweep(sw: dict, path: str, title: str = "") -> str:
     return path
 
 
-def report(run_dir: str | os.PathLike, *, png: bool = True, out=None) -> dict:
-    """Print the goodput table of ``run_dir/goodput.json``; write goodput.png.
+def format_events(events: list[dict]) -> list[str]:
+    """The run's failures, injected faults and recoveries, one line each, in the words
+    `resilax train` printed them (`messages.describe`), each after its time and step:
+    ``"  12.3 s  step 40: <line>"`` (``t``: seconds since the run's process started). Bookkeeping
+    events have no line."""
+    from resilax._src.messages import describe
 
-    Returns ``{"totals", "wall_s", "goodput", "table", "png"}`` (png is None
-    when not written). Raises GoodputFileError for a missing or bad file.
+    rows = []
+    for e in events:
+        line = describe(e)
+        if line is not None:
+            rows.append(f"{float(e.get('t', 0.0)):8.1f} s  step {e.get('step')}: {line}")
+    return rows
+
+
+def format_generations(history: list[dict]) -> list[str]:
+    """A `resilax launch` job's generations that did not simply end (``launch_history.json``),
+    one line each, in the supervisor's words: ``"generation 0 failed: process 1 (pid 7) exited
+    with signal SIGKILL"``; a re-form, a grow-back or a shrink in place with the reason it
+    gave."""
+    rows = []
+    for g in history:
+        if g.get("outcome") in ("done", None):
+            continue
+        rows.append(f"generation {g.get('generation')} {g['outcome']}: {g.get('why') or '(no reason recorded)'}")
+    return rows
+
+
+def _launch_history(run_dir) -> list[dict] | None:
+    import json
+
+    path = os.path.join(os.fspath(run_dir), "launch_history.json")
+    try:
+        with open(path) as f:
+            return list(json.load(f)["generations"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GoodputFileError(f"{path} is not a resilax launch history: {type(e).__name__}: {e}") from e
+
+
+def report(run_dir: str | os.PathLike, *, png: bool = True, out=None) -> dict:
+    """Print the goodput table of ``run_dir/goodput.json`` and the run's failures and
+    recoveries (`format_events`; for a `resilax launch` run directory, its generations'
+    failures too, `format_generations`, and the goodput of ``run_dir/checkpoints``, where
+    its workers write it); write goodput.png.
+
+    Returns ``{"totals", "wall_s", "goodput", "table", "events", "png"}`` (events: the
+    lines printed; png is None when not written). Raises GoodputFileError for a missing or
+    bad file.
     """
-    rec = load_goodput(run_dir)
+    history = _launch_history(run_dir)
+    src = run_dir
+    if history is not None and not os.path.exists(os.path.join(os.fspath(run_dir), GOODPUT_FILE)):
+        src = os.path.join(os.fspath(run_dir), "checkpoints")  # (`resilax train`'s default under launch)
+    rec = load_goodput(src)
     totals, wall = rec.totals(), rec.wall()
     table = format_report(totals, wall)
+    events = format_generations(history or []) + format_events(rec.events)
     print(table, file=out or sys.stdout)
+    print(f"failures and recoveries: {len(events) or 'none'}", file=out or sys.stdout)
+    for line in events:
+        print(line, file=out or sys.stdout)
     path = None
     if png:
-        path = plot_timeline(rec, os.path.join(os.fspath(run_dir), "goodput.png"))
+        path = plot_timeline(rec, os.path.join(os.fspath(src), "goodput.png"))
     return {"totals": totals, "wall_s": wall, "goodput": rec.goodput(),
-            "table": table, "png": path}
+            "table": table, "events": events, "png": path}
 
 
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``report RUN_DIR [--no-png]`` to an argparse subparsers object."""
-    p = subparsers.add_parser("report", help="goodput table and timeline of a run")
+    p = subparsers.add_parser("report", help="goodput table, failures and recoveries, and timeline of a run")
     p.add_argument("run_dir")
     p.add_argument("--no-png", dest="png", action="store_false", help="table only")
     p.set_defaults(func=_cli_main)

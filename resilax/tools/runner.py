@@ -192,15 +192,14 @@ def train(
         start_step = step.step
         if start_step:
             replayed = [e for e in step.events if e.kind == "replay"]
-            how = f" (checkpoint + {replayed[-1].fields['steps']} steps replayed from the log)" if replayed else " (checkpoint)"
+            src = " (checkpoint + " if any(e.kind == "restore" for e in step.events) else " ("
+            how = f"{src}{replayed[-1].fields['steps']} steps replayed from the log)" if replayed else " (checkpoint)"
             hs = [e for e in step.events if e.kind == "restore" and e.fields.get("source") == "host_store"]
             if hs:
                 ck = step.checkpoints.steps() if step.checkpoints else []
                 how = f" (host store: {hs[-1].fields['copy']}; newest checkpoint: {ck[-1] if ck else None})"
             print(f"resumed at step {start_step}{how}, data position restored", flush=True)
-        for e in step.events:
-            if e.kind == "host_store_skipped":
-                print(f"host store not used (step {e.fields['wanted_step']}): {e.fields['reason']}", flush=True)
+        _say(step.events, resuming=True)
         if step.faults.settled:  # the same plan on a restart: what belonged before the resume is done
             print(f"faults done before this restart (not fired again): "
                   f"{', '.join(f.spec() for f in step.faults.settled)}", flush=True)
@@ -214,7 +213,7 @@ def train(
         while step.step < steps:
             state, metrics = step(state, next(data))
             if len(step.events) != seen:
-                _say_in_place(step.events[seen:])
+                _say(step.events[seen:])
                 seen = len(step.events)
             if curve:  # reads the loss every step (a host sync): the demo's plot, not the default
                 trace["loss"].append(float(metrics["loss"]))
@@ -237,9 +236,6 @@ def train(
             step.step > start_step or step.step in (step.checkpoints.steps() if step.checkpoints else ()))
         if checkpoint_dir and not saved and not preempted and not step.checkpoints_paused:
             step.save(state)
-        if preempted:
-            print(f"preempted: every worker stopped after step {step.step}, checkpoint saved; relaunch to resume",
-                  flush=True)
     wall = time.perf_counter() - t_start
     if out and not preempted:
         write_state(out, state)
@@ -308,14 +304,22 @@ def write_state(out: str, state) -> None:
     os.replace(f"{sums}.tmp", sums)
 
 
-def _say_in_place(events) -> None:
+def _say(events, *, resuming: bool = False) -> None:
+    """Prints one line per failure, injected fault or recovery among ``events``
+    (`messages.describe`: the words `resilax report` uses too), after its step. ``resuming``:
+    the events of `init`, where the "resumed at step" line already says what was restored
+    and replayed, and a warning says which checkpoints failed and which collectives changed:
+    only what else went wrong on the way is added."""
+    from resilax._src import messages
+
     for ev in events:
-        if ev.kind == "recovery" and ev.fields.get("in_place"):
-            f = ev.fields
-            print(f"went on in place without process(es) {f['dead_processes']}: step {f['restored_step']} from the "
-                  f"host store ({f['copy']}), {f['steps_recomputed']} step(s) recomputed, mesh {f['mesh']}, "
-                  f"{f['seconds']['total']:.1f} s after the error (detect {f['seconds']['detect']:.1f} s, compile "
-                  f"{f['seconds']['compile']:.1f} s, compiled ahead: {f['compiled_ahead']})", flush=True)
+        e = ev.to_json()
+        if resuming and (ev.kind in ("restore", "collectives_changed")
+                         or (ev.kind == "replay" and not e.get("unreplayable"))):
+            continue
+        line = messages.describe(e)
+        if line is not None:
+            print(line if ev.kind in messages.OWN_STEP_KINDS else f"step {ev.step}: {line}", flush=True)
 
 
 def _whole_here(x) -> np.ndarray | None:
@@ -478,37 +482,13 @@ def _health_phase(work: pathlib.Path, steps: int, checkpoint_every: int) -> bool
     same = sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
     events = runs["health"]["events"]
     print("  event timeline (step: what happened)")
+    from resilax._src.messages import describe
+
+    shown = ("recovery", "bitflip", "sdc", "rejoin", "hang_slice", "hang", "anomaly")  # (not the bookkeeping)
     for e in events:
-        k = e["kind"]
-        if k == "recovery":
-            sec = dict(e["seconds"])
-            detect = sec.pop("detect", 0.0)
-            found = f" (found after {detect:.1f} s)" if detect > 0.05 else ""
-            what = (f"slice(s) {e['failed_domains']} lost{found}; state from {e['source']} copies, "
-                    f"{sum(sec.values()) * 1e3:.0f} ms; now mesh {e['mesh']}")
-        elif k == "bitflip":
-            what = f"a bit of {e['leaf']} flipped on slice {e['domain']} (silent data corruption)"
-        elif k == "sdc":
-            what = (f"replica checksums: slice(s) {e['bad_domains']} outvoted by {e['good_domains']} in {e['leaves']}"
-                    if e["bad_domains"] else f"replica checksums: slices {e['good_domains']} disagree in "
-                                             f"{e['leaves']}, no majority names one")
-            if e.get("decided_by") == "rebuilt_adopted":
-                what += (f"; found after the flip fed updates (checked every few steps), so the state was rebuilt "
-                         f"from the checkpoint and the record log after step {e['trusted_through']}")
-            elif e.get("decided_by") == "rebuilt":
-                what += "; told apart by the state rebuilt from the checkpoint and the record log"
-        elif k == "rejoin":
-            what = f"slice {e['domain']} rejoined: mesh {e['mesh']}, {e['bytes_moved']:,} bytes copied to it"
-        elif k == "hang_slice":
-            what = f"slice {e['domain']} stops answering (emulated hang: its memory is kept)"
-        elif k == "hang":
-            what = (f"liveness watchdog: slice {e['domain']} silent for {e['detected_s']:.1f} s "
-                    f"(found by {e['reason'].replace('_', ' ')}); it is failed")
-        elif k == "anomaly":
-            what = f"{e['cause']}: update skipped inside the step"
-        else:
-            continue
-        print(f"    {e['step']:5d}: {k:<9} {what}")
+        what = describe(e) if e["kind"] in shown else None
+        if what is not None:
+            print(f"    {e['step']:5d}: {e['kind']:<9} {what}")
     print(f"  final state vs the same run without the failures: {'BITWISE IDENTICAL' if same else 'DIFFERENT'}")
     from resilax._src.runtime.goodput import load_goodput
     from resilax.tools.report import plot_demo

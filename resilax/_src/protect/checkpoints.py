@@ -21,6 +21,7 @@ buffer copy). The loop waits for a save only when it still writes as the next is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -36,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from resilax._src.protect.checksum import anchor_tree, tree_checksums
+from resilax._src import messages, quiet
 from resilax._src.gil import shorter_switch_interval
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
 from resilax._src.protect import base, orbax_warm, packing
@@ -80,6 +82,7 @@ class Restored:
     state: Any
     meta: dict
     skipped: tuple[tuple[int, str], ...]  # (step, reason) of newer checkpoints that failed
+    quarantined: tuple[str, ...] = ()  # where the failed ones were moved (never deleted)
 
 
 # Orbax saves one checkpoint at a time per process: its operation id, which names the keys a
@@ -175,6 +178,7 @@ class CheckpointStore:
         except OSError as e:
             raise StorageError(f"resilax checkpoints: cannot create checkpoint_dir {str(self.directory)!r}: {e}") from e
         self._mgr = self._open()
+        quiet.own_directory(self.directory)  # Orbax's errors here reach the caller as resilax's own, once
         self.blocking_s = Timings()  # seconds the caller blocked per save
         self.persist_s = Timings()  # seconds from handing a snapshot to Orbax to its commit (persister thread)
         self.handoff_s = Timings()  # of which Orbax's save call: its copy to host (persister thread)
@@ -191,6 +195,14 @@ class CheckpointStore:
         self._warmers: list[threading.Thread] = []  # warm-ups not known to be finished
         self._deferred: list[Callable[[], None]] = []  # multi-process: after_commit chores
         self.last_step: int | None = None  # the newest save handed to the persister
+
+    @contextlib.contextmanager
+    def _orbax_call(self):
+        """Around every Orbax call of the store: the process-wide lock, and Orbax's ERROR logs
+        meanwhile to the debug log (`quiet.reporting`: what fails here, the store raises or
+        reports itself, once)."""
+        with self._lock, quiet.reporting():
+            yield
 
     def _open(self):
         opts = ocp.CheckpointManagerOptions(
@@ -332,7 +344,7 @@ class CheckpointStore:
         self.settle()
         self._raise_error()
         meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
-        with self._lock:
+        with self._orbax_call():
             try:
                 # one save in flight, as on one process; under `launch --in-place` a dead process
                 # named meanwhile ends the wait (Orbax's commit barrier waits for it 20 min)
@@ -341,7 +353,7 @@ class CheckpointStore:
                 self._deferred = []
                 raise storage_error(f"finishing the checkpoint before {step}", self.directory, e) from e
         self._run_deferred()
-        with self._lock:
+        with self._orbax_call():
             try:
                 sums = self.checksums(state)
                 snap, meta, save_args = self._packed(state, meta)
@@ -384,7 +396,7 @@ class CheckpointStore:
                     self._handed.set()
                     continue  # a failed save stops the later ones: the caller is told at its next call
                 t0 = time.perf_counter()
-                with self._lock, shorter_switch_interval(self.SAVE_SWITCH_INTERVAL_S):
+                with self._orbax_call(), shorter_switch_interval(self.SAVE_SWITCH_INTERVAL_S):
                     try:
                         sums = self.checksums(snap)
                         snap, meta, save_args = self._packed(snap, meta)  # (the checksums: of the leaves)
@@ -446,7 +458,7 @@ class CheckpointStore:
         """
         self.settle()
         try:
-            with self._lock:  # (under `launch --in-place` a dead process named meanwhile ends the wait)
+            with self._orbax_call():  # (under `launch --in-place` a dead process named meanwhile ends the wait)
                 membership.wait_unless_a_verdict(self._mgr.wait_until_finished, "a checkpoint was committing")
         except Exception as e:
             self._error = None
@@ -483,11 +495,13 @@ class CheckpointStore:
                 self._thread = None
             self._join_warming(every=True)
             if not self._abandoned:
-                with self._lock:
+                with self._orbax_call():
                     try:
                         self._mgr.close()
                     except Exception as e:  # Orbax re-raises a failed background write here too (a full disk)
                         raise storage_error("closing the checkpoint manager", self.directory, e) from e
+                    finally:
+                        quiet.release_directory(self.directory)
 
     def steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
@@ -508,7 +522,7 @@ class CheckpointStore:
           CorruptCheckpointError: checkpoints exist but none is good (all were quarantined).
         """
         self.settle()
-        with self._lock:
+        with self._orbax_call(), quiet.draining_loops():  # a corrupt checkpoint's other reads end before Orbax's loop closes
             return self._restore_newest(abstract_state)
 
     def _restore_newest(self, abstract_state):
@@ -542,21 +556,17 @@ class CheckpointStore:
             except Exception as e:
                 skipped.append((step, _reason(e)))
                 continue
+            moved = []
             if skipped:
                 moved = self._quarantine(skipped)
-                warnings.warn(
-                    f"resilax: checkpoint(s) {[s for s, _ in skipped]} in {str(self.directory)!r} failed verification "
-                    f"({'; '.join(f'{s}: {r}' for s, r in skipped)}); restored the previous good checkpoint {step} "
-                    f"instead. The bad ones were moved to {moved}, not deleted.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            return Restored(step, state, meta, tuple(skipped))
+                warnings.warn("resilax: " + messages.checkpoints_skipped(skipped, step, self.directory, moved),
+                              RuntimeWarning, stacklevel=3)
+            return Restored(step, state, meta, tuple(skipped), tuple(moved))
         if skipped:
             moved = self._quarantine(skipped)
             raise CorruptCheckpointError(
                 f"resilax: no good checkpoint in {str(self.directory)!r}: "
-                f"{'; '.join(f'{s}: {r}' for s, r in skipped)}. They were moved to {moved}, not deleted."
+                f"{'; '.join(f'{s}: {messages.short_reason(r)}' for s, r in skipped)}. They were moved to {moved}, not deleted."
             )
         return None
 
@@ -592,8 +602,10 @@ def _sums_sharding():
 
 
 def _reason(e: BaseException) -> str:
+    """Why a checkpoint failed, for its event (a warning shortens it: `messages.short_reason`):
+    the error's first line without tensorstore's spec dumps, up to 1000 characters."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {msg[:200]}"
+    return messages.short_reason(f"{type(e).__name__}: {msg}", 1000)
 
 
 def _signature_mismatch(directory, step, saved, want) -> str:

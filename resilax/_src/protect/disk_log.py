@@ -530,10 +530,11 @@ class DiskLog:
                     n += 1
         return n
 
-    def discard_from(self, step: int, reason: str) -> list[str]:
+    def discard_from(self, step: int, reason: str, *, warn: bool = True) -> list[str]:
         """Moves entries for steps ``>= step`` to ``quarantine/`` (never deleted): after a
         rollback or a resume they describe steps that will be run again. Where another
-        process writes the log, it moves them."""
+        process writes the log, it moves them. Returns where they went; ``warn=False``: no
+        warning (the caller's event says it)."""
         if not self.writes():
             return []
         self.wait()
@@ -542,9 +543,9 @@ class DiskLog:
             for s, _ in self.files():
                 if s >= step:
                     self._grads_sizes.pop(s, None)
-        return self._quarantine(paths, reason)
+        return self._quarantine(paths, reason, warn=warn)
 
-    def _quarantine(self, paths, reason: str) -> list[str]:
+    def _quarantine(self, paths, reason: str, *, warn: bool = True) -> list[str]:
         if not paths:
             return []
         qdir = self.directory / QUARANTINE
@@ -555,6 +556,7 @@ class DiskLog:
             dst = qdir / f"{p.name}.{stamp}.{uuid.uuid4().hex[:6]}"
             os.replace(p, dst)
             moved.append(str(dst))
-        warnings.warn(f"resilax replay log: moved {len(moved)} entr{'y' if len(moved) == 1 else 'ies'} to "
-                      f"{str(qdir)!r} ({reason})", RuntimeWarning, stacklevel=3)
+        if warn:
+            warnings.warn(f"resilax replay log: moved {len(moved)} entr{'y' if len(moved) == 1 else 'ies'} to "
+                          f"{str(qdir)!r} ({reason})", RuntimeWarning, stacklevel=3)
         return moved

@@ -28,12 +28,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import pathlib
 import secrets
 import socket
 import socketserver
 import struct
+import sys
 import threading
 
 from resilax._src.protect import hoststore_files as _files
@@ -171,6 +173,15 @@ class StoreServer:
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
+
+            def handle_error(self, request, client_address):
+                # one line in the log, not socketserver's traceback on stderr: the client's
+                # request fails and it says so; the traceback goes to the debug log
+                e = sys.exc_info()[1]
+                log = logging.getLogger("resilax")
+                log.debug("resilax host store server: a request from %s failed", client_address, exc_info=True)
+                log.warning("resilax host store server: a request from %s failed: %s: %s", client_address,
+                            type(e).__name__, str(e)[:200])
 
         self._server = Server((host, port), Handler)
         self.address = f"{host}:{self._server.server_address[1]}"

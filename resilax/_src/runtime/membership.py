@@ -103,13 +103,35 @@ class _QuietAbandoned(logging.Filter):
 _quiet = _QuietAbandoned()
 
 
+def _abandoned_excepthook(args) -> None:
+    """`threading.excepthook` while threads are left behind: an exception that ends one of
+    them (`_ABANDONED`) is not printed (one line says so, as for their logs); every other
+    thread's goes to the hook that was installed before."""
+    if args.thread is None or args.thread not in _ABANDONED:
+        return _previous_excepthook[0](args)
+    logging.getLogger("resilax").debug("resilax: a thread left behind ended with an error", exc_info=(
+        args.exc_type, args.exc_value, args.exc_traceback))
+    if not _QuietAbandoned.said:
+        _QuietAbandoned.said = True
+        sys.stderr.write(f"resilax: a thread left behind by the supervisor's verdict ended with "
+                         f"{args.exc_type.__name__}: {str(args.exc_value)[:160]} (expected: it waited on the dead "
+                         f"process); such errors are not shown\n")
+
+
+_previous_excepthook: list = [threading.excepthook]
+
+
 def leave_behind(threads=None) -> None:
-    """What ``threads`` log through absl from now on is not shown (`_QuietAbandoned`);
+    """What ``threads`` log through absl from now on, and an exception that ends one, is not
+    shown (`_QuietAbandoned`, `_abandoned_excepthook`);
     default: every thread alive but the main one (this process leaves its backend to re-form:
     the save in flight's commit threads wait on the dead process)."""
     absl_log = logging.getLogger("absl")
     if _quiet not in absl_log.filters:
         absl_log.addFilter(_quiet)
+    if threading.excepthook is not _abandoned_excepthook:  # (an uncaught error ends such a thread too)
+        _previous_excepthook[0] = threading.excepthook
+        threading.excepthook = _abandoned_excepthook
     main = threading.main_thread()
     _ABANDONED.update(t for t in (threading.enumerate() if threads is None else threads) if t is not main)
 

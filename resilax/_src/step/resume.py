@@ -56,7 +56,8 @@ def newest_state(run, state, state_sh, job):
             if data is not None and restored.meta.get("data_state") is not None:
                 data.set_state(decode_data_state(restored.meta["data_state"]))
             run.event("restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
-                      skipped=[{"step": s, "reason": r} for s, r in restored.skipped])
+                      skipped=[{"step": s, "reason": r} for s, r in restored.skipped],
+                      directory=str(ckpt.store.directory), quarantined=list(restored.quarantined))
             state = restored.state["state"]
             run.guard = restored.state.get("guard")
             if run.record_log is not None:
@@ -183,10 +184,13 @@ def replay_disk_log(run, state, first_program):
             modes.append(entry.kind)
             s += 1
     run.step = s
+    # the entries from the first unusable one on are moved aside (they would be recomputed
+    # anyway); when one was unusable the replay event says so, in its one line
+    moved = log.discard_from(s, f"a resume at step {s}: later entries will be recomputed", warn=not failed)
     run.event("replay", s, source="record_log", from_step=start, steps=s - start,
               grads_steps=modes.count("grads"), inputs_steps=modes.count("inputs"),
-              seconds=time.perf_counter() - t0, unreplayable=[{"step": a, "reason": b} for a, b in failed])
-    log.discard_from(s, f"a resume at step {s}: later entries will be recomputed")
+              seconds=time.perf_counter() - t0, unreplayable=[{"step": a, "reason": b} for a, b in failed],
+              quarantined=len(moved))
     return state
 
 
