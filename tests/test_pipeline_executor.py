@@ -29,9 +29,9 @@ TX = optax.adam(1e-2)
 TOPO = "cpu-2x4-stages"
 
 
-def _run(events=(), *, schedule="zb-h1", on_failure="reroute", steps=4, tx=TX, save=None):
+def _run(events=(), *, schedule="zb-h1", on_failure="reroute", steps=4, tx=TX, save=None, faults=()):
     ex = resilax.PipelineExecutor(MODEL, tx, PARAMS, topology=resilax.Topology.load(TOPO), microbatches=2,
-                                  schedule=schedule, on_failure=on_failure)
+                                  schedule=schedule, on_failure=on_failure, faults=faults)
     losses = []
     for i, b in enumerate(BATCHES[:steps]):
         kw = {}
@@ -67,8 +67,10 @@ def test_rerouted_dropped_rejoined_and_twice_failed_runs_end_bitwise_the_healthy
         "mid-step, then rejoined": [(1, "fail_mid_step", (0, 1), 9), (3, "rejoin", (0, 1))],
         "two failures, different replicas": [(1, "fail", (0, 1)), (2, "fail", (1, 3))],
     }
+    # the same through a fault plan: domain K = replica * 4 + stage
+    runs["fault plan: before a step, then mid-step"] = ["fail_slice@1:before_step/1", "fail_slice@2:mid_step/7"]
     for name, events in runs.items():
-        ex, losses = _run(events)
+        ex, losses = _run(faults=events) if name.startswith("fault plan") else _run(events)
         assert losses == ref_losses, name
         assert _equal(ex.params(), ref), name
         # every state replica of every stage is the same bits (a rejoined domain included)
@@ -129,12 +131,12 @@ def test_a_domain_lost_during_a_save_leaves_a_checkpoint_that_restores_bitwise(r
     kept = {}
 
     def save(ex):  # the save returns once the host has the state; the source domain dies before it is written
-        src = next(d for d in sorted(ex.state) if d[1] == 2)
+        assert next(d for d in sorted(ex.state) if d[1] == 2) == (0, 2)  # stage 2's source: domain K = 2
         kept["params"] = ex.params()
         ex.save(str(tmp_path / "ck"), wait=False)
-        ex.fail_domain(src)
+        assert (0, 2) in ex.lost
 
-    ex, _ = _run(save=save)
+    ex, _ = _run(save=save, faults=["fail_slice@2:during_save/2"])
     assert _equal(ex.params(), ref)
     back = resilax.PipelineExecutor(MODEL, TX, PARAMS, topology=resilax.Topology.load(TOPO), microbatches=2,
                                     lost=[(0, 0)])
@@ -154,6 +156,8 @@ def test_losing_every_replica_of_a_stage_says_rerouting_cannot_help_and_a_global
     clipped = optax.chain(optax.clip_by_global_norm(1e-3), optax.adam(1e-2))
     with pytest.raises(resilax.PipelineError, match="not separable by stage"):
         resilax.PipelineExecutor(MODEL, clipped, PARAMS, replicas=2, stages=4, microbatches=2)
+    with pytest.raises(resilax.PipelineError, match="hang_slice"):
+        resilax.PipelineExecutor(MODEL, TX, PARAMS, replicas=2, stages=4, microbatches=2, faults=["hang_slice@1/2"])
     with pytest.raises(resilax.TopologyError, match=r"\[pipeline\] 2 replicas x 4 stages need one failure domain"):
         resilax.Topology.from_dict({"platform": "cpu", "domains": 4, "devices_per_domain": 1,
                                     "mesh": {"axes": {"data": 4}}, "pipeline": {"replicas": 2, "stages": 4}})
@@ -201,17 +205,28 @@ def test_the_pipeline_example_loses_a_stage_rejoins_and_ends_bitwise():
     assert "'table': 'rerouted'" in res.stdout and "'table': 'healthy'" in res.stdout
 
 
-def test_a_nan_step_is_skipped_on_every_stage_by_the_commit_select(reference):
-    """A NaN in one micro-batch's loss weight makes every stage's gradient NaN: the verdict
-    keeps every stage's state as it was (also rerouted), and the next step trains on."""
+def test_nan_and_spike_steps_are_skipped_on_every_stage_by_the_commit_select(reference):
+    """A NaN in one micro-batch's loss weight makes every stage's gradient NaN, and a spiking
+    loss (``spike@N``, after ``min_history`` good steps) is an anomaly too: the verdict keeps
+    every stage's state as it was (also rerouted), and the next step trains on."""
     bad = jax.tree.map(np.copy, BATCHES[1])
     bad["w"][0] = np.nan
     for lost in ((), ((1, 2),)):
         ex = resilax.PipelineExecutor(MODEL, TX, PARAMS, replicas=2, stages=4, microbatches=2, lost=lost)
         ex(BATCHES[0])
         before = jax.tree.map(np.asarray, {d: ex.state[d] for d in ex.state})
-        loss = ex(bad)["loss"]
-        assert not np.isfinite(float(loss))
+        out = ex(bad)
+        assert not np.isfinite(float(out["loss"])) and int(out["verdict"]) == 1
         assert all(_equal(jax.device_get(ex.state[d]), before[d]) for d in ex.state)
         ex(BATCHES[2])
         assert not _equal(jax.device_get(ex.state[(0, 0)]), before[(0, 0)])
+    spiky = resilax.AnomalyConfig(spike_window=3, min_history=2)
+    ex = resilax.PipelineExecutor(MODEL, TX, PARAMS, replicas=2, stages=4, microbatches=2, anomaly=spiky,
+                                  faults=["spike@3"], lost=[(0, 1)])
+    verdicts = []
+    for b in BATCHES * 2:
+        before = jax.tree.map(np.asarray, dict(ex.state))
+        verdicts.append(int(ex(b)["verdict"]))
+        if ex.step_no == 4:
+            assert all(_equal(jax.device_get(ex.state[d]), before[d]) for d in ex.state)
+    assert verdicts == [0, 0, 0, 2, 0, 0, 0, 0], verdicts

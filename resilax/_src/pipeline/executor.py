@@ -22,8 +22,10 @@ process sees every device: CPU emulation, one GPU host, Pathways).
   m)``, then folded with the layer index: never keyed by a device.
 - **Update.** Each stage's optimizer update runs on every live domain of the stage (its
   replicas hold the same state, bitwise), as soon as that stage's gradient is complete
-  (staggered), and is committed by a select on the step's verdict (every stage's gradient
-  finite): a NaN or inf step changes nothing, with no conditional and no host read. The
+  (staggered), and is committed by a select on the step's verdict, resilax's anomaly
+  verdict (`AnomalyConfig`): every stage's gradient and the loss finite, and the loss no
+  spike against the window of good steps. A skipped step changes nothing, with no
+  conditional and no host read; every domain keeps the spike window (saved in checkpoints). The
   optimizer must be separable by stage (elementwise: sgd, adam, adamw); one that reduces
   over every parameter (``clip_by_global_norm``) is refused at construction, by comparing a
   whole-tree update with per-stage ones.
@@ -44,6 +46,7 @@ says; every domain holds its stage's parameters and optimizer state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Callable
 
@@ -55,6 +58,9 @@ import optax
 from resilax._src.errors import CorruptCheckpointError, PipelineError, StateLostError
 from resilax._src.pipeline import schedule as _schedule
 from resilax._src.protect.checksum import tree_checksums
+
+
+_DEFAULT = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +118,15 @@ class PipelineExecutor:
       devices: default ``jax.devices()[:replicas * stages]``.
       lost: domains already lost when the job starts (a restart on the hardware that is
         left): the job starts on their degraded table; `restore` fills the live ones.
+      anomaly: `resilax.AnomalyConfig` (default on: NaN/Inf and loss spikes skip the step;
+        ``on_anomaly`` must be ``"skip"``), or None (every finite step is applied: NaN/Inf
+        still skip it).
+      faults: chaos testing, as `resilax.FaultPlan` (or its strings): ``fail_slice@N[:phase]/K``
+        and ``rejoin@N/K`` with ``K = r * stages + s`` (phases ``before_step``, ``after_step``,
+        ``mid_step``: half of step ``N + 1``'s ops dispatched, ``during_save``: right after
+        the save of step ``N`` returned), ``nan@N`` (step ``N``'s float inputs NaN),
+        ``spike@N`` (the loss step ``N``'s verdict sees is 1000x) and ``kill_process@N`` (a
+        real SIGKILL after step ``N``).
 
     Raises:
       PipelineError: shapes that do not divide, too few devices, an optimizer that is not
@@ -120,8 +135,16 @@ class PipelineExecutor:
 
     def __init__(self, model: PipelineModel, tx, params, *, microbatches: int, topology=None,
                  replicas: int | None = None, stages: int | None = None, schedule: str = "zb-h1",
-                 on_failure: str = "reroute", seed: int = 0, devices=None, lost=()):
+                 on_failure: str = "reroute", seed: int = 0, devices=None, lost=(), faults=(),
+                 anomaly=_DEFAULT):
         where = "resilax.PipelineExecutor"
+        from resilax._src.config import AnomalyConfig
+        from resilax._src.protect import anomaly as _anomaly
+
+        anomaly = AnomalyConfig() if anomaly is _DEFAULT else anomaly
+        if anomaly is not None and anomaly.on_anomaly != "skip":
+            raise PipelineError(f"{where}: AnomalyConfig(on_anomaly={anomaly.on_anomaly!r}) is not supported; the "
+                                f"executor skips anomalous steps (on_anomaly='skip')")
         if topology is not None:
             if not topology.pipeline or topology.devices_per_domain != 1:
                 raise PipelineError(f"{where}: topology {topology.name!r} must have a [pipeline] table and one device "
@@ -158,9 +181,14 @@ class PipelineExecutor:
         _check_separable(tx, params, host, self.k)
         states = [(p, tx.init(p)) for p in host]
         self.state = {d: jax.device_put(states[d[1]], dev) for d, dev in self.devices.items()}
+        # the spike window, one bitwise copy per domain (a NaN-only guard without spikes)
+        guard = _anomaly.init_guard(anomaly or AnomalyConfig(spike_window=3, min_history=1))
+        self.guard = {d: jax.device_put(guard, dev) for d, dev in self.devices.items()}
+        self._spike = False
         self.table = _schedule.healthy(schedule, replicas, stages, microbatches)
-        self._exe = _programs(model, tx, self.L, self.k, stages)
+        self._exe = _programs(model, tx, self.L, self.k, stages, anomaly)
         self._ckpt = None  # (directory, orbax CheckpointManager) of the save in flight
+        self.faults = _check_faults(faults, replicas * stages)
         for d in lost:
             self.fail_domain(d)
 
@@ -169,8 +197,19 @@ class PipelineExecutor:
         """One step on ``batch`` (a pytree of host arrays with leading dimension divisible by
         ``D * M``). ``fail_at=(i, (r, s))``: domain ``(r, s)`` is lost before the step's
         ``i``-th dispatch (chaos testing); the step is then redone on the degraded table.
-        Returns ``{"loss": device scalar}`` (not read on the host)."""
-        key = jax.random.fold_in(jax.random.key(self.seed), self.step_no)
+        Returns ``{"loss", "verdict"}``: device scalars, not read on the host (verdict 0:
+        applied, 1: skipped for NaN/Inf, 2: skipped for a loss spike)."""
+        n = self.step_no
+        for f in self._due(n, ("before_step",), ("fail_slice", "rejoin")):
+            (self.fail_domain if f.kind == "fail_slice" else self.rejoin)(self._domain(f.target))
+        mid = self._due(n, ("mid_step",), ("fail_slice",))
+        if mid and fail_at is None:
+            fail_at = (len(self.table.dispatch_order()) // 2, self._domain(mid[0].target))
+        self._spike = bool(self._due(n, None, ("spike",)))
+        if self._due(n, None, ("nan",)):
+            batch = jax.tree.map(lambda x: np.full_like(x, np.nan) if np.issubdtype(np.asarray(x).dtype, np.floating)
+                                 else x, batch)
+        key = jax.random.fold_in(jax.random.key(self.seed), n)
         mbs = self._microbatches(batch)
         while True:
             try:
@@ -179,7 +218,22 @@ class PipelineExecutor:
             except _Abandon:
                 fail_at = None  # the failure happened; redo the step on the new table
         self.step_no += 1
+        for f in self._due(self.step_no, ("after_step",), ("fail_slice", "rejoin", "kill_process")):
+            if f.kind == "kill_process":
+                jax.block_until_ready(self.state)
+                os.kill(os.getpid(), 9)
+            (self.fail_domain if f.kind == "fail_slice" else self.rejoin)(self._domain(f.target))
         return metrics
+
+    def _due(self, step, phases, kinds) -> list:
+        """The planned faults of ``kinds`` at ``step`` and one of ``phases`` (None: any),
+        removed from the plan."""
+        due = [f for f in self.faults if f.step == step and f.kind in kinds and (phases is None or f.phase in phases)]
+        self.faults = [f for f in self.faults if f not in due]
+        return due
+
+    def _domain(self, k: int) -> tuple[int, int]:
+        return divmod(k, self.S)
 
     def fail_domain(self, domain, *, attempt: _Attempt | None = None) -> None:
         """Domain ``(r, s)`` is lost: its buffers are deleted (nothing reads them after) and
@@ -190,7 +244,7 @@ class PipelineExecutor:
             raise PipelineError(f"resilax.PipelineExecutor.fail_domain: {d} is not a live domain")
         jax.block_until_ready((self.state, attempt.arrays() if attempt else []))  # work in flight ends first
         dev = self.devices[d]
-        for x in jax.tree.leaves(self.state.pop(d)) + (attempt.arrays() if attempt else []):
+        for x in jax.tree.leaves((self.state.pop(d), self.guard.pop(d))) + (attempt.arrays() if attempt else []):
             if isinstance(x, jax.Array) and not x.is_deleted() and dev in x.devices():
                 x.delete()
         self.lost.add(d)
@@ -204,6 +258,7 @@ class PipelineExecutor:
             raise PipelineError(f"resilax.PipelineExecutor.rejoin: {d} is not a lost domain")
         peer = next(p for p in sorted(self.state) if p[1] == d[1])
         self.state[d] = jax.device_put(self.state[peer], self.devices[d])
+        self.guard[d] = jax.device_put(self.guard[peer], self.devices[d])
         self.lost.discard(d)
         self._replan(f"domain {d} rejoined from {peer}")
 
@@ -231,11 +286,14 @@ class PipelineExecutor:
             self._ckpt = (directory, ocp.CheckpointManager(directory))
         mgr = self._ckpt[1]
         tree = {f"stage_{s:03d}": self.stage_state(s) for s in range(self.S)}
-        sums = np.concatenate(jax.device_get([_sums(t) for t in tree.values()]))
+        tree["guard"] = self.guard[min(self.guard)]
+        sums = np.concatenate(jax.device_get([_sums(tree[k]) for k in sorted(tree)]))
         mgr.save(self.step_no, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                        meta=ocp.args.JsonSave({"step": self.step_no,
                                                                                "sums": sums.tolist()})))
         self.events.append({"kind": "save", "step": self.step_no})
+        for f in self._due(self.step_no, ("during_save",), ("fail_slice",)):
+            self.fail_domain(self._domain(f.target))
         if wait:
             mgr.wait_until_finished()
 
@@ -255,15 +313,17 @@ class PipelineExecutor:
         with ocp.CheckpointManager(os.path.abspath(directory)) as mgr:
             steps = sorted(mgr.all_steps(), reverse=True)
             abstract = {f"stage_{s:03d}": jax.tree.map(_abstract, self.stage_state(s)) for s in range(self.S)}
+            abstract["guard"] = jax.tree.map(_abstract, self.guard[min(self.guard)])
             for step in steps:
                 got = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                 meta=ocp.args.JsonRestore()))
-                sums = np.concatenate(jax.device_get([_sums(t) for t in got["state"].values()]))
+                sums = np.concatenate(jax.device_get([_sums(got["state"][k]) for k in sorted(got["state"])]))
                 if sums.tolist() != got["meta"]["sums"]:
                     self.events.append({"kind": "corrupt_checkpoint", "step": step})
                     continue
                 for d in self.state:
                     self.state[d] = jax.device_put(got["state"][f"stage_{d[1]:03d}"], self.devices[d])
+                    self.guard[d] = jax.device_put(got["state"]["guard"], self.devices[d])
                 self.step_no = step
                 return step
         raise CorruptCheckpointError(f"resilax.PipelineExecutor.restore: no checkpoint under {directory!r} matches "
@@ -367,21 +427,46 @@ class PipelineExecutor:
         # its own stage only); only the commit, a select, waits for every stage's verdict
         updated = {d: ex.update(*self.state[d], grads[d]) for d in sorted(self.state)}
         first = {s: flags[next(d for d in sorted(flags) if d[1] == s)] for s in range(self.S)}
-        new_state = {}
+        new_state, new_guard = {}, {}
         for d in sorted(self.state):
-            ok = ex.verdict([put(first[s], self.devices[d]) for s in range(self.S)])
-            new_state[d] = ex.commit(ok, updated[d], self.state[d])
-        d0 = sorted(self.state)[0]
-        dev0 = self.devices[d0]
-        loss = ex.loss([put(at.loss[vm], dev0) for vm in order], [put(at.weight[vm], dev0) for vm in order])
-        self.last_dispatches = at.dispatches + 4 * len(self.state) + 1
-        self.state = new_state  # the commit point: a failure before this redoes the whole step
-        return {"loss": loss}
+            dev = self.devices[d]
+            # the step's loss on every domain (the same scalars summed in the same order: the
+            # same bits), judged against that domain's copy of the spike window
+            loss = ex.loss([put(at.loss[vm], dev) for vm in order], [put(at.weight[vm], dev) for vm in order])
+            if self._spike:  # chaos testing: the loss the verdict sees is 1000x
+                loss = loss * 1000.0
+            verdict, new_guard[d] = ex.verdict([put(first[s], dev) for s in range(self.S)], loss, self.guard[d])
+            new_state[d] = ex.commit(verdict, updated[d], self.state[d])
+            if d == min(self.state):
+                out = {"loss": loss, "verdict": verdict}
+        self.last_dispatches = at.dispatches + 5 * len(self.state)
+        self.state, self.guard = new_state, new_guard  # the commit point: a failure before it redoes the step
+        return out
 
     def _stage_params(self, params, s):
         blocks = jax.tree.map(lambda a: np.asarray(a)[s * self.k:(s + 1) * self.k], params["blocks"])
         return {"first": params["first"] if s == 0 else None, "blocks": blocks,
                 "last": params["last"] if s == self.S - 1 else None}
+
+
+_FAULT_KINDS = {"fail_slice": ("before_step", "after_step", "mid_step", "during_save"),
+                "rejoin": ("before_step", "after_step"), "nan": None, "spike": None, "kill_process": ("after_step",)}
+
+
+def _check_faults(faults, domains) -> list:
+    from resilax._src.runtime.faults import Fault, FaultPlan
+
+    plan = faults.pending if isinstance(faults, FaultPlan) else [f if isinstance(f, Fault) else Fault.parse(f)
+                                                                  for f in faults]
+    for f in plan:
+        where = f"resilax.PipelineExecutor: fault {f.spec()!r}"
+        if f.kind not in _FAULT_KINDS:
+            raise PipelineError(f"{where}: the executor injects {sorted(_FAULT_KINDS)}, not {f.kind}")
+        if _FAULT_KINDS[f.kind] is not None and f.phase not in _FAULT_KINDS[f.kind]:
+            raise PipelineError(f"{where}: {f.kind} happens at {_FAULT_KINDS[f.kind]}, not {f.phase}")
+        if f.kind in ("fail_slice", "rejoin") and not (f.target is not None and 0 <= f.target < domains):
+            raise PipelineError(f"{where}: needs a target domain K = replica * stages + stage in [0, {domains})")
+    return list(plan)
 
 
 def _device_of(tree):
@@ -400,18 +485,19 @@ def _sums(tree):
 _PROGRAMS: dict = {}
 
 
-def _programs(model, tx, L, k, S) -> "_Programs":
-    """One set of programs per (model, optimizer, layer layout) in this process: a second
-    executor of the same job (a reference run, a restart in place) compiles nothing."""
-    key = (model, tx, L, k, S)
+def _programs(model, tx, L, k, S, anomaly) -> "_Programs":
+    """One set of programs per (model, optimizer, layer layout, anomaly config) in this
+    process: a second executor of the same job (a reference run, a restart in place)
+    compiles nothing."""
+    key = (model, tx, L, k, S, anomaly)
     try:
         if key not in _PROGRAMS:
             if len(_PROGRAMS) >= 8:
                 _PROGRAMS.pop(next(iter(_PROGRAMS)))
-            _PROGRAMS[key] = _Programs(model, tx, L, k, S)
+            _PROGRAMS[key] = _Programs(model, tx, L, k, S, anomaly)
         return _PROGRAMS[key]
     except TypeError:  # an unhashable optimizer or model
-        return _Programs(model, tx, L, k, S)
+        return _Programs(model, tx, L, k, S, anomaly)
 
 
 class _Programs:
@@ -419,7 +505,7 @@ class _Programs:
     it is called on; a compilation cache that leaves out the device, as the test suite's,
     shares one binary)."""
 
-    def __init__(self, model, tx, L, k, S):
+    def __init__(self, model, tx, L, k, S, anomaly):
         self.model, self.tx, self.L, self.k, self.S = model, tx, L, k, S
         self._fwd = {}
         self.bwd_x = jax.jit(lambda vjp, ct: vjp(ct)[1])
@@ -427,9 +513,9 @@ class _Programs:
         self.bwd = jax.jit(lambda vjp, ct: vjp(ct))
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
         self.combine = jax.jit(_combine)
-        self.verdict = jax.jit(lambda flags: jnp.all(jnp.stack(flags)))
+        self.verdict = jax.jit(functools.partial(_verdict, anomaly))
         self.update = jax.jit(self._update)
-        self.commit = jax.jit(lambda ok, new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old))
+        self.commit = jax.jit(lambda verdict, new, old: jax.tree.map(lambda a, b: jnp.where(verdict == 0, a, b), new, old))
         self.loss = jax.jit(lambda ls, ws: _ordered_sum(ls) / _ordered_sum(ws))
 
     def fwd(self, s):
@@ -461,6 +547,21 @@ class _Programs:
     def _update(self, p, o, g):
         updates, o2 = self.tx.update(g, o, p)
         return optax.apply_updates(p, updates), o2
+
+
+def _verdict(cfg, flags, loss, guard):
+    """``(verdict, guard)``: 0 applies the step; 1 (NaN/Inf in a gradient or the loss) or 2
+    (the loss spikes against the window of good steps, `AnomalyConfig`) skip it. The window
+    moves only on applied steps, as in `resilax.wrap`'s programs."""
+    from resilax._src.protect import anomaly as _anomaly
+
+    finite = jnp.all(jnp.stack(flags)) & jnp.isfinite(loss)
+    if cfg is None or cfg.spike_zscore is None:
+        spike = jnp.zeros((), bool)
+    else:
+        spike = (guard["count"] >= cfg.min_history) & (_anomaly.zscore(guard, loss) > cfg.spike_zscore)
+    verdict = jnp.where(finite, jnp.where(spike, _anomaly.SPIKE, _anomaly.OK), _anomaly.NONFINITE).astype(jnp.int32)
+    return verdict, _anomaly.advance(guard, loss.astype(jnp.float32), verdict == _anomaly.OK)
 
 
 def _ordered_sum(xs):
