@@ -195,3 +195,18 @@ def describe(event: Mapping[str, Any]) -> str | None:
     except (KeyError, TypeError, ValueError):
         rest = {k: v for k, v in event.items() if k not in ("kind", "step", "time", "t")}
         return f"{event.get('kind')} at step {event.get('step')}: {rest}"
+
+
+def signature_mismatch(directory, step, saved, want) -> str:
+    """A checkpoint written for another state: which leaves differ (shape, dtype) and what to do."""
+    diffs = []
+    saved_d = {p: (s, d) for p, s, d in saved}
+    want_d = {p: (s, d) for p, s, d in want}
+    for p in sorted(set(saved_d) | set(want_d)):
+        if saved_d.get(p) != want_d.get(p):
+            diffs.append(f"{p}: checkpoint {saved_d.get(p)} vs state {want_d.get(p)}")
+    return (
+        f"resilax: checkpoint {step} in {str(directory)!r} was written for a different state "
+        f"({len(diffs)} leaves differ, e.g. {diffs[:3]}); pass the state this run was started with, "
+        f"or use a new checkpoint_dir"
+    )

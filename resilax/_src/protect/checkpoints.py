@@ -538,7 +538,7 @@ class CheckpointStore:
                 skipped.append((step, _reason(e)))
                 continue
             if meta["signature"] != want_sig:
-                raise CheckpointError(_signature_mismatch(self.directory, step, meta["signature"], want_sig))
+                raise CheckpointError(messages.signature_mismatch(self.directory, step, meta["signature"], want_sig))
             try:
                 leaves = len(want_sig)
                 abs_sums = jax.ShapeDtypeStruct((leaves, 2), np.uint32, sharding=_sums_sharding())
@@ -606,20 +606,6 @@ def _reason(e: BaseException) -> str:
     the error's first line without tensorstore's spec dumps, up to 1000 characters."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return messages.short_reason(f"{type(e).__name__}: {msg}", 1000)
-
-
-def _signature_mismatch(directory, step, saved, want) -> str:
-    diffs = []
-    saved_d = {p: (s, d) for p, s, d in saved}
-    want_d = {p: (s, d) for p, s, d in want}
-    for p in sorted(set(saved_d) | set(want_d)):
-        if saved_d.get(p) != want_d.get(p):
-            diffs.append(f"{p}: checkpoint {saved_d.get(p)} vs state {want_d.get(p)}")
-    return (
-        f"resilax: checkpoint {step} in {str(directory)!r} was written for a different state "
-        f"({len(diffs)} leaves differ, e.g. {diffs[:3]}); pass the state this run was started with, "
-        f"or use a new checkpoint_dir"
-    )
 
 
 def collectives() -> str:
