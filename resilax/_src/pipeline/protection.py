@@ -109,6 +109,8 @@ class ProtectionPlan:
     end_ticks: float
     bubble_ticks: float
     healthy_ticks: float
+    optimizer: str | None = "auto"
+    comm: float = 0.0
 
     @property
     def end_overhead(self) -> float:
@@ -300,7 +302,7 @@ def _gaps(items, step, n_ops):
 
 
 def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float = 0.25, every: int = 1,
-          steps: int | None = None) -> ProtectionPlan:
+          steps: int | None = None, optimizer: str | None = "auto") -> ProtectionPlan:
     """Places ``work`` (``{kind: units}`` for every stage, or ``{stage: {kind: units}}``;
     kinds ``snapshot``, ``peer``, ``log``) into the idle time of ``table``'s domains and
     costs it against end-of-step placement, both replayed.
@@ -311,7 +313,8 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
     shortens a gap below zero, so it delays nothing. With ``every`` N a step is protected
     every N steps and its work may take the N cycles up to the next one; what is left then
     spills before the domain's update (on the critical path). ``steps`` (default ``2N + 1``,
-    at least 4) back-to-back steps are replayed. Raises ValueError on bad work, ``chunk``
+    at least 4) back-to-back steps are replayed; ``costs``, ``comm`` and ``optimizer`` as
+    :func:`~.schedule.simulate` (``"auto"``: zb-h1 staggered, the others global). Raises ValueError on bad work, ``chunk``
     <= 0 or ``every`` < 1. Cost O(steps x ops)."""
     if not (isinstance(chunk, (int, float)) and chunk > 0):
         raise ValueError(f"pipeline protection expects chunk > 0 (cost units), but got {chunk!r}")
@@ -322,7 +325,7 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
         raise ValueError(f"pipeline protection expects steps >= 3 (a steady cycle), but got {steps!r}")
     w = _norm_work(work, table.stages)
     cost = dict(ps._norm_costs(costs))
-    base = replay(table, costs, comm, steps=steps)
+    base = replay(table, costs, comm, steps=steps, optimizer=optimizer)
     cycles = steps - 1  # cycle k lies between U_k and U_{k+1}
     inserts, ops, spill, capacity, deferred, windows = {}, {}, {}, {}, {}, {}
     for d, seq in table.order.items():
@@ -357,12 +360,12 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
         spill[d] = spilled / max(1, len(range(0, cycles, every)))
         inserts[d] = rows
         ops[d] = placed
-    prot = replay(table, costs, comm, steps=steps, inserts=inserts)
+    prot = replay(table, costs, comm, steps=steps, optimizer=optimizer, inserts=inserts)
     for d, placed in ops.items():  # times from the replay, not the plan: what an executor would see
         for row, (a, b) in zip(placed, prot["protection"][d]):
             row[7], row[8] = a, b
         ops[d] = tuple(_merge(placed))
-    end = replay(table, costs, comm, steps=steps,
+    end = replay(table, costs, comm, steps=steps, optimizer=optimizer,
                  end_work={d: sum(w[d[1]].values()) for d in table.order})
     return ProtectionPlan(
         table=table, work=types.MappingProxyType(w), chunk=float(chunk), every=every, steps=steps,
@@ -370,7 +373,8 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
         capacity=types.MappingProxyType(capacity), spill=types.MappingProxyType(spill),
         deferred=types.MappingProxyType(deferred), base_ticks=_period(base["u_end"]),
         end_ticks=_period(end["u_end"]), bubble_ticks=_period(prot["u_end"]),
-        healthy_ticks=ps.simulate(table, costs, comm).step_time)
+        healthy_ticks=ps.simulate(table, costs, comm, optimizer=optimizer).step_time,
+        optimizer=optimizer, comm=float(comm))
 
 
 def _merge(rows):
@@ -422,16 +426,16 @@ def _steps_needed(pieces, gaps, limit: int = 100_000) -> int | None:
 
 
 # -- checks and cadence ---------------------------------------------------------------------------
-def validate_plan(plan: ProtectionPlan, comm: float = 0.0) -> None:
+def validate_plan(plan: ProtectionPlan) -> None:
     """Replays ``plan``'s in-bubble ops (not its spills) and raises ValueError naming the
     first problem: an F/B/W/BW/U op on any domain that starts or ends at another time than
     without protection (a protection op delayed it); a protection op overlapping an op of its
     domain, starting before the update of the step it protects, or replayed at another time
     than the plan says."""
     table = plan.table
-    base = replay(table, plan.costs, comm, steps=plan.steps)
+    base = replay(table, plan.costs, plan.comm, steps=plan.steps, optimizer=plan.optimizer)
     inserts = {d: [(o.step, o.before, o.units) for o in ops if not o.spill] for d, ops in plan.ops.items()}
-    got = replay(table, plan.costs, comm, steps=plan.steps, inserts=inserts)
+    got = replay(table, plan.costs, plan.comm, steps=plan.steps, optimizer=plan.optimizer, inserts=inserts)
     for d in table.order:
         for x, y in zip(base["items"][d], got["items"][d]):
             if abs(x[2] - y[2]) > _EPS or abs(x[3] - y[3]) > _EPS:
