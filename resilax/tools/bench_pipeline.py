@@ -183,7 +183,8 @@ def plot(r: dict, path: str, lost) -> None:
     import matplotlib.pyplot as plt
 
     panels = 4 if "protection" in r else 3
-    fig, axes = plt.subplots(panels, 1, figsize=(12, 3.7 * panels), gridspec_kw={"height_ratios": [1.2] + [1] * (panels - 1)})
+    fig, axes = plt.subplots(panels, 1, figsize=(12, 3.7 * panels),
+                             gridspec_kw={"height_ratios": [1.2] + [1] * (panels - 1)})
     rows = r["configs"]
     xs = range(len(rows))
     axes[0].bar([x - 0.2 for x in xs], [x["drop_ratio"] for x in rows], 0.4, label="drop the replica")

@@ -113,7 +113,7 @@ def gantt(ax, D: int = 2, S: int = 4, M: int = 8, schedule: str = "zb-h1", work=
     table = ps.healthy(schedule, D, S, M)
     w = work or assumed_work(ps.simulate(table).step_time)["work"]
     plan = pp.place(table, w)
-    ins = {d: [(o.step, o.before, o.units) for o in ops] for d, ops in plan.ops.items()}
+    ins = {d: [(o.cycle, o.before, o.units) for o in ops] for d, ops in plan.ops.items()}
     rep = pp.replay(table, steps=plan.steps, inserts=ins)
     colors = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green", "BW": "tab:red", "U": "tab:purple"}
     doms = sorted(table.order, key=lambda d: (d[1], d[0]))

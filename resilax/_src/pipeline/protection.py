@@ -2,16 +2,20 @@
 placed into that stage's idle time, costed by replaying the schedule.
 
 A pipeline step leaves every domain idle for a while (its bubbles); with a staggered update
-the last stage finishes its update first, so its idle window after the update is the longest
+the last stage can finish its update first (1f1b does; the greedy zb-h1 tables end stages
+1..S-1 together, stage 0 last), and then its window after the update is the longest
 (shared/PIPELINE.md §4). :func:`place` takes a schedule :class:`~.schedule.Table` and the
 protection work of each stage (in the simulator's cost units, as :func:`work_units` derives
 from bytes and bandwidths), replays the table for a few back-to-back steps (the event model
 of :func:`~.schedule.simulate`, with the update ``U`` an explicit op per domain), finds every
-domain's idle gaps and fills them, in time order, with pieces of the work no smaller than
-``chunk``. The work of step k is available once the domain's update ``U_k`` ends and must be
+domain's idle gaps and fills them, in time order, with whole pieces of the work of at most
+``chunk`` units (how finely a copy can be split). The work of step k is available once the domain's update ``U_k`` ends and must be
 off the device before ``U_{k+1}`` rewrites the state it copies; that interval is the
 domain's *cycle* k. What does not fit a cycle's gaps *spills*: it runs on the critical path,
-right before ``U_{k+1}``, and the replay measures what that costs.
+right before ``U_{k+1}``, and the replay measures what that costs. With a cadence of N steps
+(``every``) a protected step's work may use the N cycles up to the next protected step; the
+state it copies must then stay readable past the updates in between (the host snapshot
+placed first, then only the peer copy and log deferred, or a device-side copy).
 
 Two placements are compared, both replayed:
 
@@ -49,10 +53,10 @@ class ProtectionOp:
     """A run of ``chunks`` consecutive pieces (from piece ``chunk``) of one kind of stage
     ``stage``'s protection work for the state after step ``step``'s update, on one domain.
 
-    ``before``: the op runs on its domain right before item ``before`` of step ``step + 1``
-    (that domain's ops of the step in ``Table.order``; ``len(order[d])`` is the update). The
-    op runs as soon as the previous item on the domain ends. ``start``/``end``: replayed times
-    (cost units from the start of step 0). ``spill``: it did not fit the cycle's idle time
+    ``cycle``: the op runs while step ``cycle + 1`` runs (``cycle == step`` unless the work
+    was deferred), right before that step's item ``before`` on its domain (its ops in
+    ``Table.order``; ``len(order[d])`` is the update), as soon as the previous item ends.
+    ``start``/``end``: replayed times (cost units from the start of step 0). ``spill``: it did not fit the cycle's idle time
     and runs on the critical path."""
     kind: str
     stage: int
@@ -60,6 +64,7 @@ class ProtectionOp:
     chunks: int
     units: float
     step: int
+    cycle: int
     before: int
     start: float
     end: float
@@ -124,14 +129,14 @@ class ProtectionPlan:
         """Units of protection work of ``domain`` per protected step."""
         return sum(self.work.get(domain[1], {}).values())
 
-    def dispatch(self, domain, step: int | None = None) -> tuple[ProtectionOp, ...]:
-        """The executor's view: ``domain``'s protection ops for the state after ``step``'s
-        update (default: the last cycle the plan simulated, a steady one), each to run right
-        before item ``op.before`` of the next step on that domain (see :class:`ProtectionOp`)."""
+    def dispatch(self, domain, cycle: int | None = None) -> tuple[ProtectionOp, ...]:
+        """The executor's view: ``domain``'s protection ops to run while step ``cycle + 1``
+        runs (default: the last cycle the plan simulated, a steady one), each right before
+        item ``op.before`` of that step on that domain (see :class:`ProtectionOp`)."""
         ops = self.ops.get(tuple(domain), ())
-        if step is None:
-            step = max((o.step for o in ops), default=0)
-        return tuple(o for o in ops if o.step == step)
+        if cycle is None:
+            cycle = max((o.cycle for o in ops), default=0)
+        return tuple(o for o in ops if o.cycle == cycle)
 
 
 # -- work -----------------------------------------------------------------------------------------
@@ -146,7 +151,8 @@ def work_units(stage_bytes, *, bandwidth: Mapping[str, float], unit_s: float, pe
     ``resilax.Topology``'s ``bandwidth`` (``host`` for the snapshot, ``peer_link`` for the
     peer copy; ``log`` bytes go over ``peer_link`` too); ``unit_s``: seconds of one cost
     unit (a measured or assumed F op). Returns ``{"snapshot": u, "peer": u[, "log": u]}``
-    for scalar bytes, ``{stage: {...}}`` for per-stage bytes (both as :func:`place` takes). Raises ValueError on a missing or non-positive bandwidth or ``unit_s``."""
+    for scalar bytes, ``{stage: {...}}`` for per-stage bytes (both as :func:`place` takes).
+    Raises ValueError on a missing or non-positive bandwidth or ``unit_s``."""
     if not unit_s > 0:
         raise ValueError(f"pipeline work_units expects unit_s > 0 (seconds per cost unit), but got {unit_s!r}")
     for link in ("host", peer_link):
@@ -314,8 +320,8 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
     every N steps and its work may take the N cycles up to the next one; what is left then
     spills before the domain's update (on the critical path). ``steps`` (default ``2N + 1``,
     at least 4) back-to-back steps are replayed; ``costs``, ``comm`` and ``optimizer`` as
-    :func:`~.schedule.simulate` (``"auto"``: zb-h1 staggered, the others global). Raises ValueError on bad work, ``chunk``
-    <= 0 or ``every`` < 1. Cost O(steps x ops)."""
+    :func:`~.schedule.simulate` (``"auto"``: zb-h1 staggered, the others global). Raises
+    ValueError on bad work, ``chunk`` <= 0 or ``every`` < 1. Cost O(steps x ops)."""
     if not (isinstance(chunk, (int, float)) and chunk > 0):
         raise ValueError(f"pipeline protection expects chunk > 0 (cost units), but got {chunk!r}")
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -347,14 +353,14 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
                 while todo and todo[0][1][2] <= left + _EPS:
                     st, (kind, i, u) = todo.pop(0)
                     rows.append((k, before, u))
-                    placed.append([kind, d[1], i, 1, u, st, before, t, t + u, False])
+                    placed.append([kind, d[1], i, 1, u, st, k, before, t, t + u, False])
                     t += u
                     left -= u
             if (k + 1) % every == 0 and todo:  # the next protected step comes: what is left runs now
                 _, t, _ = gaps[k][-1]
                 for st, (kind, i, u) in todo:
                     rows.append((k, n_ops, u))
-                    placed.append([kind, d[1], i, 1, u, st, n_ops, math.nan, math.nan, True])
+                    placed.append([kind, d[1], i, 1, u, st, k, n_ops, math.nan, math.nan, True])
                     spilled += u
                 todo = []
         spill[d] = spilled / max(1, len(range(0, cycles, every)))
@@ -363,7 +369,7 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
     prot = replay(table, costs, comm, steps=steps, optimizer=optimizer, inserts=inserts)
     for d, placed in ops.items():  # times from the replay, not the plan: what an executor would see
         for row, (a, b) in zip(placed, prot["protection"][d]):
-            row[7], row[8] = a, b
+            row[8], row[9] = a, b
         ops[d] = tuple(_merge(placed))
     end = replay(table, costs, comm, steps=steps, optimizer=optimizer,
                  end_work={d: sum(w[d[1]].values()) for d in table.order})
@@ -380,14 +386,14 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
 def _merge(rows):
     """Consecutive pieces of one kind, step and slot, back to back, as one op."""
     out = []
-    for kind, stage, i, n, u, step, before, a, b, sp in rows:
+    for kind, stage, i, n, u, step, cycle, before, a, b, sp in rows:
         if out:
             p = out[-1]
-            if (p.kind, p.step, p.before, p.spill) == (kind, step, before, sp) and p.chunk + p.chunks == i \
-                    and abs(p.end - a) <= _EPS:
+            same = (p.kind, p.step, p.cycle, p.before, p.spill) == (kind, step, cycle, before, sp)
+            if same and p.chunk + p.chunks == i and abs(p.end - a) <= _EPS:
                 out[-1] = dataclasses.replace(p, chunks=p.chunks + n, units=p.units + u, end=b)
                 continue
-        out.append(ProtectionOp(kind, stage, i, n, u, step, before, a, b, sp))
+        out.append(ProtectionOp(kind, stage, i, n, u, step, cycle, before, a, b, sp))
     return out
 
 
@@ -434,7 +440,7 @@ def validate_plan(plan: ProtectionPlan) -> None:
     than the plan says."""
     table = plan.table
     base = replay(table, plan.costs, plan.comm, steps=plan.steps, optimizer=plan.optimizer)
-    inserts = {d: [(o.step, o.before, o.units) for o in ops if not o.spill] for d, ops in plan.ops.items()}
+    inserts = {d: [(o.cycle, o.before, o.units) for o in ops if not o.spill] for d, ops in plan.ops.items()}
     got = replay(table, plan.costs, plan.comm, steps=plan.steps, optimizer=plan.optimizer, inserts=inserts)
     for d in table.order:
         for x, y in zip(base["items"][d], got["items"][d]):
