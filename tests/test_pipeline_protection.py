@@ -142,3 +142,23 @@ def test_bench_cli_writes_protection(tmp_path, capsys):
     assert all(keys <= set(x) for x in rows)
     assert "CostModel" in r["protection_assumptions"]["work_sources"]["peer_s"]
     assert (tmp_path / "pipe.png").stat().st_size > 10_000
+
+
+def test_simulate_pipeline_protection(tmp_path, capsys):
+    """The goodput simulator's pipeline jobs gain protection every step vs every N, at the step's
+    end vs in the bubbles; the bubbles never cost more and need a cadence no longer."""
+    from resilax.tools.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--pipeline", "--jobs", "32x8x64", "--days", "5", "--quiet", "--strategy", "reroute",
+                 "--json", str(out)]) == 0
+    assert "protection (snapshot + peer copy" in capsys.readouterr().out
+    job = json.loads(out.read_text())["jobs"][0]
+    p = job["protection"]
+    assert job["chips"] == 16_384 and p["bytes_per_chip"] == pytest.approx(405e9 * 12 / (8 * 64))
+    assert p["bubble_overhead"] < p["end_overhead"] and p["cadence_bubbles"] <= p["cadence_end"]
+    v = {(x["placement"], x["every"]): x for x in p["variants"]}
+    assert set(v) == {("end", 1), ("bubbles", 1), ("end", p["cadence_end"]), ("bubbles", p["cadence_bubbles"])}
+    assert v[("bubbles", p["cadence_bubbles"])]["overhead"] <= 0.01 and v[("end", p["cadence_end"])]["overhead"] <= 0.01
+    assert all(0 < x["goodput"] <= 1 for x in p["variants"])
+    assert v[("bubbles", 1)]["goodput"] > v[("end", 1)]["goodput"]  # same trace, less added time
