@@ -23,14 +23,16 @@ def _replayed(plan, spills=True):
     return pp.replay(plan.table, plan.costs, steps=plan.steps, optimizer=plan.optimizer, inserts=ins)
 
 
-@pytest.mark.parametrize("schedule,shape", [("zb-h1", (2, 4, 8)), ("1f1b", (2, 4, 8)), ("zb-h1", (4, 2, 16)),
-                                            ("gpipe", (2, 4, 4))])
-def test_protection_runs_in_idle_slots_only(schedule, shape):
+@pytest.mark.parametrize("schedule,shape,costs", [
+    ("zb-h1", (2, 4, 8), None), ("1f1b", (2, 4, 8), None), ("zb-h1", (4, 2, 16), None), ("gpipe", (2, 4, 4), None),
+    ("zb-h1", (2, 4, 8), {"F": 1.0, "B": 1.2, "W": 0.7, "U": 0.5})])
+def test_protection_runs_in_idle_slots_only(schedule, shape, costs):
     table = ps.healthy(schedule, *shape)
-    plan = pp.place(table, WORK)
+    plan = pp.place(table, WORK, costs=costs, chunk=0.1)
     pp.validate_plan(plan)
-    base = pp.replay(table, steps=plan.steps)
-    assert base["u_end"][-1] / plan.steps == pytest.approx(ps.simulate(table, steps=plan.steps).step_time)
+    base = pp.replay(table, costs, steps=plan.steps)
+    # the replay is simulate's event model: the same step time
+    assert base["u_end"][-1] / plan.steps == pytest.approx(ps.simulate(table, costs, steps=plan.steps).step_time)
     got = _replayed(plan)
     assert not any(plan.spill.values()) and plan.bubble_overhead == 0 < plan.end_overhead
     for d in table.order:
@@ -42,9 +44,10 @@ def test_protection_runs_in_idle_slots_only(schedule, shape):
             (plan.steps - 1) * sum(WORK.values()))
         n = len(table.order[d])
         u_end = {st: b for st, i, _, b in got["items"][d] if i == n}
+        u = plan.costs["U"]
         for o, (a, b) in zip(plan.ops[d], runs):
             assert all(b <= x + 1e-9 or a >= y - 1e-9 for x, y in busy)  # in a gap of its domain
-            assert a >= u_end[o.step] - 1e-9 and b <= u_end[o.cycle + 1] - 1.0 + 1e-9  # after U_k, before U_{k+1}
+            assert a >= u_end[o.step] - 1e-9 and b <= u_end[o.cycle + 1] - u + 1e-9  # after U_k, before U_{k+1}
             assert (a, b) == pytest.approx((o.start, o.end))
 
 
@@ -108,6 +111,8 @@ def test_bad_arguments_name_what_was_expected():
         pp.place(table, WORK, chunk=0)
     with pytest.raises(ValueError, match="stages 0..3"):
         pp.place(table, {7: WORK})
+    with pytest.raises(ValueError, match="follows each domain's update"):
+        pp.place(table, WORK, optimizer=None)
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 8), (4, 2, 16)])

@@ -119,11 +119,11 @@ class ProtectionPlan:
 
     @property
     def end_overhead(self) -> float:
-        return self.end_ticks / self.base_ticks - 1.0
+        return _share(self.end_ticks, self.base_ticks)
 
     @property
     def bubble_overhead(self) -> float:
-        return self.bubble_ticks / self.base_ticks - 1.0
+        return _share(self.bubble_ticks, self.base_ticks)
 
     def work_of(self, domain) -> float:
         """Units of protection work of ``domain`` per protected step."""
@@ -137,6 +137,11 @@ class ProtectionPlan:
         if cycle is None:
             cycle = max((o.cycle for o in ops), default=0)
         return tuple(o for o in ops if o.cycle == cycle)
+
+
+def _share(t: float, base: float) -> float:
+    x = t / base - 1.0
+    return 0.0 if abs(x) < _EPS else x  # sums of float pieces end a hair past a gap: not a delay
 
 
 # -- work -----------------------------------------------------------------------------------------
@@ -213,6 +218,9 @@ def replay(table: ps.Table, costs=None, comm: float = 0.0, *, steps: int = 4, op
     ``len(order[d])`` is the update. Cost O(steps x ops)."""
     if optimizer == "auto":
         optimizer = "staggered" if table.schedule == "zb-h1" else "global"
+    if optimizer not in (None, "staggered", "global"):
+        raise ValueError(f"pipeline protection replay expects optimizer 'auto', 'staggered', 'global' or None, "
+                         f"but got {optimizer!r}")
     cost = dict(ps._norm_costs(costs))
     comm = ps._norm_comm(comm)
     doms = list(table.order)
@@ -326,6 +334,9 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
         raise ValueError(f"pipeline protection expects chunk > 0 (cost units), but got {chunk!r}")
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"pipeline protection expects every to be an int >= 1, but got {every!r}")
+    if optimizer is None:  # a step's protection copies the state its update wrote
+        raise ValueError("pipeline protection expects optimizer 'auto', 'staggered' or 'global' (protection "
+                         "follows each domain's update), but got None")
     steps = steps or max(4, 2 * every + 1)
     if steps < 3:
         raise ValueError(f"pipeline protection expects steps >= 3 (a steady cycle), but got {steps!r}")
