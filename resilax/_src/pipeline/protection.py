@@ -34,6 +34,7 @@ ops yet, it would consume :meth:`ProtectionPlan.dispatch`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import types
@@ -348,32 +349,30 @@ def place(table: ps.Table, work, *, costs=None, comm: float = 0.0, chunk: float 
     for d, seq in table.order.items():
         n_ops = len(seq)
         pieces = _pieces(w[d[1]], chunk)
-        total = sum(u for _, _, u in pieces)
         gaps = [_gaps(base["items"][d], k, n_ops) for k in range(cycles)]
         windows[d] = tuple(gaps[-1])
         capacity[d] = _capacity(gaps[-1], chunk)
         need = _steps_needed(pieces, gaps[-1]) if pieces else 1
         if need != 1:  # greedy whole pieces: a total under the capacity may still not fit
             deferred[d] = need
-        rows, placed, todo, spilled = [], [], [], 0.0
+        rows, placed, todo, spilled = [], [], collections.deque(), 0.0
         for k in range(cycles):
             if k % every == 0:
-                todo = [(k, p) for p in pieces]
+                todo = collections.deque((k, p) for p in pieces)
             for before, t, length in gaps[k]:
                 left = length
                 while todo and todo[0][1][2] <= left + _EPS:
-                    st, (kind, i, u) = todo.pop(0)
+                    st, (kind, i, u) = todo.popleft()
                     rows.append((k, before, u))
                     placed.append([kind, d[1], i, 1, u, st, k, before, t, t + u, False])
                     t += u
                     left -= u
             if (k + 1) % every == 0 and todo:  # the next protected step comes: what is left runs now
-                _, t, _ = gaps[k][-1]
                 for st, (kind, i, u) in todo:
                     rows.append((k, n_ops, u))
                     placed.append([kind, d[1], i, 1, u, st, k, n_ops, math.nan, math.nan, True])
                     spilled += u
-                todo = []
+                todo = collections.deque()
         spill[d] = spilled / max(1, len(range(0, cycles, every)))
         inserts[d] = rows
         ops[d] = placed
@@ -409,12 +408,12 @@ def _merge(rows):
 
 
 def _fit_cycle(todo, gaps) -> list:
-    """Greedy: the pieces of ``todo`` (consumed from the front) that fit ``gaps`` in order."""
+    """Greedy: the pieces of ``todo`` (a deque, consumed from the front) that fit ``gaps``."""
     got = []
     for _, _, length in gaps:
         left = length
         while todo and todo[0][2] <= left + _EPS:
-            p = todo.pop(0)
+            p = todo.popleft()
             got.append(p)
             left -= p[2]
     return got
@@ -422,7 +421,7 @@ def _fit_cycle(todo, gaps) -> list:
 
 def _left_per_cycle(pieces, gaps, limit: int) -> list[float]:
     """Units still unplaced after 1, 2, ... steady cycles (stops at 0 or ``limit`` cycles)."""
-    todo, total, out = list(pieces), sum(p[2] for p in pieces), []
+    todo, total, out = collections.deque(pieces), sum(p[2] for p in pieces), []
     while len(out) < limit:
         got = _fit_cycle(todo, gaps)
         total -= sum(p[2] for p in got)
