@@ -83,6 +83,16 @@ def test_work_beyond_the_window_is_deferred_and_the_cadence_says_so():
     assert all(v is None for v in full.deferred.values())
 
 
+def test_one_replica_stands_for_a_healthy_table():
+    """simulate --pipeline plans one replica's table: with no transfer cost a healthy table's
+    replicas run alike, so the costs are those of the full table."""
+    for schedule in ps.SCHEDULES:
+        one, four = (pp.place(ps.healthy(schedule, d, 8, 8), {"snapshot": 1.0, "peer": 9.0}) for d in (1, 4))
+        assert (one.end_overhead, one.bubble_overhead, one.base_ticks) == (
+            four.end_overhead, four.bubble_overhead, four.base_ticks)
+        assert pp.cadence(one) == pp.cadence(four)
+
+
 def test_last_stage_work_starts_first_when_freed_first():
     table = ps.healthy("1f1b", 1, 4, 8)
     plan = pp.place(table, WORK, optimizer="staggered")  # stage S-1 finishes its backward first
