@@ -104,8 +104,9 @@ def test_last_stage_work_starts_first_when_freed_first():
 def test_work_units_from_topology_bandwidth():
     from resilax._src.runtime.topology import Topology
 
-    bw = Topology.load("gpu-h100-4x8").bandwidth
-    w = pp.work_units(2e9, bandwidth=bw, unit_s=0.1, host_bytes=0.25e9)
+    topo = Topology.load("gpu-h100-4x8")
+    bw = topo.bandwidth
+    w = pp.work_units(2e9, bandwidth=topo, unit_s=0.1, host_bytes=0.25e9)
     assert w == pytest.approx({"snapshot": 0.25e9 / 64e9 / 0.1, "peer": 2e9 / 50e9 / 0.1})
     per = pp.work_units([1e9, 2e9], bandwidth=bw, unit_s=0.1, peer_link="ici", log_bytes=1e6)
     assert per[1]["peer"] == pytest.approx(2e9 / 450e9 / 0.1) and set(per[0]) == {"snapshot", "peer", "log"}

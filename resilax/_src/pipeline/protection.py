@@ -146,19 +146,20 @@ def _share(t: float, base: float) -> float:
 
 
 # -- work -----------------------------------------------------------------------------------------
-def work_units(stage_bytes, *, bandwidth: Mapping[str, float], unit_s: float, peer_link: str = "dcn",
+def work_units(stage_bytes, *, bandwidth, unit_s: float, peer_link: str = "dcn",
                host_bytes=None, log_bytes=0.0) -> dict:
     """Per-stage protection work in cost units from bytes and bandwidths.
 
     ``stage_bytes``: bytes of one domain's stage state (an int/float for every stage, or a
     sequence per stage) sent to a peer; ``host_bytes``: bytes each device copies to host,
     in parallel with the domain's other devices (default ``stage_bytes``: one device per
-    domain); ``bandwidth``: GB/s per link, as a
-    ``resilax.Topology``'s ``bandwidth`` (``host`` for the snapshot, ``peer_link`` for the
+    domain); ``bandwidth``: a ``resilax.Topology`` or its ``bandwidth`` table, GB/s per
+    link (``host`` for the snapshot, ``peer_link`` for the
     peer copy; ``log`` bytes go over ``peer_link`` too); ``unit_s``: seconds of one cost
     unit (a measured or assumed F op). Returns ``{"snapshot": u, "peer": u[, "log": u]}``
     for scalar bytes, ``{stage: {...}}`` for per-stage bytes (both as :func:`place` takes).
     Raises ValueError on a missing or non-positive bandwidth or ``unit_s``."""
+    bandwidth = getattr(bandwidth, "bandwidth", bandwidth)  # a resilax.Topology or its bandwidth table
     if not unit_s > 0:
         raise ValueError(f"pipeline work_units expects unit_s > 0 (seconds per cost unit), but got {unit_s!r}")
     for link in ("host", peer_link):
