@@ -49,6 +49,9 @@ def add_arguments(parser) -> None:
     opt("--activation-bytes", type=int, default=ACTIVATION_BYTES,
         help="bytes per in-flight micro-batch (default: the small GPT's stage input, 4x512x768 bf16)")
     opt("--png", default=None, help="plot path (default: the --json path with .png)")
+    opt("--protection", action="store_true",
+        help="also place each stage's snapshot and peer copy (every step) at the step's end vs in its bubbles "
+             "(JSON key 'protection'; resilax.tools.bench_pipeline_protection)")
     opt("--no-measure", action="store_true",
         help="tables only: skip running the executor on emulated CPU devices (bitwise checks, per-op times)")
 
@@ -90,9 +93,11 @@ def _row(D, S, M, schedule, lost, act_bytes) -> dict:
 def bench_pipeline(configs: Sequence[tuple[int, int, int]] = CONFIGS, *, lost=((1, 1),),
                    activation_bytes: int = ACTIVATION_BYTES,
                    measured: Callable[[ps.Table, ps.Table, ps.Table], dict] | None = None,
-                   measured_max_domains: int = 8) -> dict:
+                   measured_max_domains: int = 8, protection: bool = False) -> dict:
     """Rows for every config x schedule (see the module docstring); ``measured`` (the executor
-    check, optional) runs on configs with at most ``measured_max_domains`` domains."""
+    check, optional) runs on configs with at most ``measured_max_domains`` domains;
+    ``protection``: add the key ``protection`` (bench_pipeline_protection, the rows of its
+    ``rows`` with the assumptions beside them under ``protection_assumptions``)."""
     lost = frozenset(tuple(x) for x in lost)
     rows, bitwise = [], ([] if measured else None)
     for D, S, M in configs:
@@ -104,7 +109,14 @@ def bench_pipeline(configs: Sequence[tuple[int, int, int]] = CONFIGS, *, lost=((
                 bitwise.append({"replicas": D, "stages": S, "microbatches": M, "schedule": schedule,
                                 **{k: got[k] for k in BITWISE_KEYS}})
                 row.update({k: got[k] for k in ("op_seconds", "measured_reroute_ratio", "measured_drop_ratio")})
+    extra = {}
+    if protection:
+        from resilax.tools.bench_pipeline_protection import bench_protection
+
+        p = bench_protection(configs)
+        extra = {"protection": p.pop("rows"), "protection_assumptions": p}
     return {
+        **extra,
         "benchmark": "pipeline",
         "lost": sorted(lost),
         "costs": dict(ps.DEFAULT_COSTS),
@@ -139,6 +151,10 @@ def print_table(r: dict) -> None:
             print(f"measured {x['replicas']}x{x['stages']} M={x['microbatches']} {x['schedule']}: {ops}; with these "
                   f"costs drop {x['measured_drop_ratio']:.3f}, reroute {x['measured_reroute_ratio']:.3f}")
     print(r["bitwise_note"] or f"bitwise vs the healthy run (every measured config): {r['bitwise']}")
+    if "protection" in r:
+        from resilax.tools.bench_pipeline_protection import print_protection
+
+        print_protection({"rows": r["protection"], **r["protection_assumptions"]})
 
 
 def _gantt(ax, table: ps.Table, title: str) -> None:
@@ -166,7 +182,9 @@ def plot(r: dict, path: str, lost) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(12, 11), gridspec_kw={"height_ratios": [1.2, 1, 1]})
+    panels = 4 if "protection" in r else 3
+    fig, axes = plt.subplots(panels, 1, figsize=(12, 3.7 * panels),
+                             gridspec_kw={"height_ratios": [1.2] + [1] * (panels - 1)})
     rows = r["configs"]
     xs = range(len(rows))
     axes[0].bar([x - 0.2 for x in xs], [x["drop_ratio"] for x in rows], 0.4, label="drop the replica")
@@ -180,6 +198,10 @@ def plot(r: dict, path: str, lost) -> None:
     _gantt(axes[1], ps.healthy("zb-h1", 2, 4, 8), "2x4 M=8 zb-h1, healthy")
     _gantt(axes[2], ps.rerouted("zb-h1", 2, 4, 8, lost if all(d[0] < 2 and d[1] < 4 for d in lost) else {(1, 1)}),
            "2x4 M=8 zb-h1, rerouted")
+    if "protection" in r:
+        from resilax.tools.bench_pipeline_protection import gantt
+
+        gantt(axes[3])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -201,7 +223,7 @@ def run(args) -> int:
         measured = executor_check
     try:
         r = bench_pipeline(parse_configs(args.configs), lost=lost, activation_bytes=args.activation_bytes,
-                           measured=measured)
+                           measured=measured, protection=args.protection)
     except ValueError as e:
         print(f"resilax bench pipeline: {e}", file=sys.stderr)
         return 2

@@ -78,8 +78,9 @@ class PipelineJob:
         return f"{self.replicas}x{self.stages}"
 
 
-# 1,024 / 8,192 / 32,768 / 98,304 chips
-JOBS = (PipelineJob(16, 4, 16), PipelineJob(32, 8, 32), PipelineJob(64, 8, 64), PipelineJob(64, 16, 96))
+# 1,024 / 8,192 / 16,384 / 32,768 / 98,304 chips
+JOBS = (PipelineJob(16, 4, 16), PipelineJob(32, 8, 32), PipelineJob(32, 8, 64), PipelineJob(64, 8, 64),
+        PipelineJob(64, 16, 96))
 
 
 class Rates:
@@ -257,10 +258,12 @@ def _degraded(strategy: str, job: PipelineJob, rates: Rates, trace, horizon: flo
 def simulate_pipeline(jobs: Sequence[PipelineJob] = JOBS, *, model_params: float = 405e9, profile: str = "llama3",
                       mtbf_hours: float | None = None, days: float = 30.0, seed: int = 0,
                       cost: CostModel | None = None, strategies: Sequence[str] = PIPELINE_STRATEGIES,
-                      progress: bool = False) -> dict:
+                      progress: bool = False, protection: bool = True) -> dict:
     """Every job under one failure trace per job (seeded), every strategy; a JSON-able dict.
     Same arguments give identical output. Cost: the tables for each failure pattern met
-    (cached), then O(failures) per strategy."""
+    (cached), then O(failures) per strategy. ``protection``: each job gains ``protection``
+    (snapshot + peer copy every step vs every N, at the step's end vs in the bubbles, and
+    the reroute strategy's goodput with each: simulate_pipeline_protection)."""
     for s in strategies:
         if s not in PIPELINE_STRATEGIES:
             raise ValueError(f"simulate --pipeline expects strategies from {PIPELINE_STRATEGIES}, but got {s!r}")
@@ -295,6 +298,11 @@ def simulate_pipeline(jobs: Sequence[PipelineJob] = JOBS, *, model_params: float
                     "job_mtbf_hours": prof.job_mtbf_s(cm.chips) / HOUR,
                     "failures": {k: trace.count(k) for k in ("hardware", "software", "sdc", "planned")},
                     "single_loss_ratio": single, "strategies": res})
+        if protection:
+            from resilax.tools.simulate_pipeline_protection import job_protection
+
+            out[-1]["protection"] = job_protection(job, cm, rates, _degraded, trace, horizon,
+                                                   lambda k: np.random.default_rng([seed, 100 + k]))
     return {"config": {"model_params": model_params, "profile": profile, "days": float(days), "seed": int(seed),
                        "strategies": list(strategies),
                        "domain": "one stage of one replica: chips_per_domain chips; any chip failure takes it out"},
@@ -362,6 +370,9 @@ def cli_main(args) -> int:
                                cost=CostModel.from_bench_json(*args.cost_json) if args.cost_json else None,
                                strategies=strategies, progress=not getattr(args, "quiet", False))
     print(format_pipeline_table(result))
+    from resilax.tools.simulate_pipeline_protection import format_protection_table
+
+    print(format_protection_table(result))
     if args.json:
         write_json(args.json, result, indent=1, sort_keys=True)
         print(f"wrote {args.json}")
