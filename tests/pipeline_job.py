@@ -3,7 +3,11 @@ resume: 2 replicas x 4 stages on 8 CPU devices, domain (1, 2) lost from step 2 o
 a checkpoint every 2 steps; writes ``DIR/progress`` after each step and ``DIR/final.npz`` at
 the end. A restart (``--resume``) runs on the hardware that is left: (1, 2) lost from the start.
 
-Usage: python tests/pipeline_job.py DIR STEPS [--resume]
+``--bubbles``: instead, checkpoints every 2 steps taken in the bubbles of the step after,
+and a SIGKILL halfway through step 5 (checkpoint 4's parts partly on the host, not written);
+the restart resumes from checkpoint 2.
+
+Usage: python tests/pipeline_job.py DIR STEPS [--resume] [--bubbles]
 """
 
 import os
@@ -22,19 +26,23 @@ from resilax.tools.pipeline_models import executor_case  # noqa: E402
 LOST, FAIL_AT = (1, 2), 2
 
 
-def main(run_dir, steps, resume):
+def main(run_dir, steps, resume, bubbles):
     model, params, make_batches = executor_case()
     batches = make_batches(steps)
-    ex = resilax.PipelineExecutor(model, optax.adam(1e-2), params, topology=resilax.Topology.load("cpu-2x4-stages"),
-                                  microbatches=2, lost=[LOST] if resume else ())
     ckpt = os.path.join(run_dir, "ckpt")
+    if bubbles:
+        kw = dict(checkpoint_dir=ckpt, checkpoint_every=2, faults=[] if resume else ["kill_process@4:mid_step"])
+    else:
+        kw = dict(lost=[LOST] if resume else ())
+    ex = resilax.PipelineExecutor(model, optax.adam(1e-2), params, topology=resilax.Topology.load("cpu-2x4-stages"),
+                                  microbatches=2, **kw)
     if resume:
         print("resumed at", ex.restore(ckpt), flush=True)
     while ex.step_no < steps:
-        if ex.step_no == FAIL_AT and not resume:
+        if ex.step_no == FAIL_AT and not resume and not bubbles:
             ex.fail_domain(LOST)
         jax.block_until_ready(ex(batches[ex.step_no]))
-        if ex.step_no % 2 == 0:
+        if ex.step_no % 2 == 0 and not bubbles:
             ex.save(ckpt)
         with open(os.path.join(run_dir, "progress"), "w") as f:
             f.write(str(ex.step_no))
@@ -43,4 +51,4 @@ def main(run_dir, steps, resume):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), "--resume" in sys.argv)
+    main(sys.argv[1], int(sys.argv[2]), "--resume" in sys.argv, "--bubbles" in sys.argv)

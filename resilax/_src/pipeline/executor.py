@@ -121,12 +121,16 @@ class PipelineExecutor:
       anomaly: `resilax.AnomalyConfig` (default on: NaN/Inf and loss spikes skip the step;
         ``on_anomaly`` must be ``"skip"``), or None (every finite step is applied: NaN/Inf
         still skip it).
+      checkpoint_dir, checkpoint_every, checkpoint_placement: a checkpoint every
+        ``checkpoint_every`` steps (0: only `save`), its per-stage parts copied to the host in
+        the bubbles of the next step (``"bubbles"``, `bubbles.BubbleCheckpoints`) or at the
+        step's end (``"end"``); `restore` reads them.
       faults: chaos testing, as `resilax.FaultPlan` (or its strings): ``fail_slice@N[:phase]/K``
         and ``rejoin@N/K`` with ``K = r * stages + s`` (phases ``before_step``, ``after_step``,
         ``mid_step``: half of step ``N + 1``'s ops dispatched, ``during_save``: right after
         the save of step ``N`` returned), ``nan@N`` (step ``N``'s float inputs NaN),
-        ``spike@N`` (the loss step ``N``'s verdict sees is 1000x) and ``kill_process@N`` (a
-        real SIGKILL after step ``N``).
+        ``spike@N`` (the loss step ``N``'s verdict sees is 1000x) and ``kill_process@N[:phase]``
+        (a real SIGKILL after step ``N``, or halfway through step ``N + 1``'s dispatches).
 
     Raises:
       PipelineError: shapes that do not divide, too few devices, an optimizer that is not
@@ -136,7 +140,8 @@ class PipelineExecutor:
     def __init__(self, model: PipelineModel, tx, params, *, microbatches: int, topology=None,
                  replicas: int | None = None, stages: int | None = None, schedule: str = "zb-h1",
                  on_failure: str = "reroute", seed: int = 0, devices=None, lost=(), faults=(),
-                 anomaly=_DEFAULT):
+                 anomaly=_DEFAULT, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                 checkpoint_placement: str = "bubbles"):
         where = "resilax.PipelineExecutor"
         from resilax._src.config import AnomalyConfig
         from resilax._src.protect import anomaly as _anomaly
@@ -189,6 +194,13 @@ class PipelineExecutor:
         self._exe = _programs(model, tx, self.L, self.k, stages, anomaly)
         self._ckpt = None  # (directory, orbax CheckpointManager) of the save in flight
         self.faults = _check_faults(faults, replicas * stages)
+        self.bubbles = None
+        if checkpoint_every:
+            from resilax._src.pipeline.bubbles import BubbleCheckpoints
+
+            if checkpoint_dir is None:
+                raise PipelineError(f"{where}: checkpoint_every={checkpoint_every} needs a checkpoint_dir")
+            self.bubbles = BubbleCheckpoints(self, checkpoint_dir, checkpoint_every, placement=checkpoint_placement)
         for d in lost:
             self.fail_domain(d)
 
@@ -202,9 +214,10 @@ class PipelineExecutor:
         n = self.step_no
         for f in self._due(n, ("before_step",), ("fail_slice", "rejoin")):
             (self.fail_domain if f.kind == "fail_slice" else self.rejoin)(self._domain(f.target))
-        mid = self._due(n, ("mid_step",), ("fail_slice",))
+        mid = self._due(n, ("mid_step",), ("fail_slice", "kill_process"))
         if mid and fail_at is None:
-            fail_at = (len(self.table.dispatch_order()) // 2, self._domain(mid[0].target))
+            fail_at = (len(self.table.dispatch_order()) // 2,
+                       None if mid[0].kind == "kill_process" else self._domain(mid[0].target))
         self._spike = bool(self._due(n, None, ("spike",)))
         if self._due(n, None, ("nan",)):
             batch = jax.tree.map(lambda x: np.full_like(x, np.nan) if np.issubdtype(np.asarray(x).dtype, np.floating)
@@ -298,7 +311,11 @@ class PipelineExecutor:
             mgr.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for a save in flight and closes its checkpoint manager."""
+        """Writes the last step's checkpoint if it is due, waits for saves in flight and
+        closes their checkpoint managers."""
+        if self.bubbles is not None:
+            self.bubbles.flush(self.step_no)
+            self.bubbles.close()
         if self._ckpt is not None:
             self._ckpt[1].wait_until_finished()
             self._ckpt[1].close()
@@ -364,11 +381,21 @@ class PipelineExecutor:
         S, ex, at = self.S, self._exe, _Attempt()
         put = jax.device_put
         keys = {}
+        bub, pos = self.bubbles, dict.fromkeys(self.table.order, 0)
+        if bub is not None:
+            bub.begin(self.step_no)
         for i, (d, op) in enumerate(self.table.dispatch_order()):
             if fail_at is not None and fail_at[0] == i:
+                if fail_at[1] is None:  # kill_process mid-step: no cleanup, no flush
+                    jax.block_until_ready(at.arrays())
+                    os.kill(os.getpid(), 9)
                 self.events.append({"kind": "fail", "step": self.step_no, "domain": tuple(fail_at[1]), "op": i})
                 self.fail_domain(fail_at[1], attempt=at)
                 raise _Abandon()
+            if bub is not None:  # protection pieces planned into this domain's idle time
+                bub.before(d, pos[d])
+                bub.op(d, op)
+            pos[d] += 1
             dev, (p, _) = self.devices[d], self.state[d]
             v, m, s = op.replica, op.microbatch, op.stage
             if op.kind == "F":
@@ -396,7 +423,13 @@ class PipelineExecutor:
                         at.cts[(v, m, s - 1)] = dx
                 self._accumulate(at, v, m, s, dw)
             at.dispatches += 1
-        return self._update(at)
+        if bub is not None:
+            for d, n in pos.items():
+                bub.before(d, n)  # pieces planned before the domain's update
+        out = self._update(at)
+        if bub is not None:
+            bub.end()
+        return out
 
     def _accumulate(self, at, v, m, s, dw):
         """``acc[v, s] = ((dW_0 + dW_1) + dW_2) + ...`` in micro-batch order, whichever domain
@@ -450,7 +483,8 @@ class PipelineExecutor:
 
 
 _FAULT_KINDS = {"fail_slice": ("before_step", "after_step", "mid_step", "during_save"),
-                "rejoin": ("before_step", "after_step"), "nan": None, "spike": None, "kill_process": ("after_step",)}
+                "rejoin": ("before_step", "after_step"), "nan": None, "spike": None,
+                "kill_process": ("after_step", "mid_step")}
 
 
 def _check_faults(faults, domains) -> list:

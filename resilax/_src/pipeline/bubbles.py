@@ -1,0 +1,179 @@
+"""Checkpoints of a `PipelineExecutor` taken in the pipeline's bubbles (BAFT): the state after
+a checkpoint step ``k`` is copied to the host stage by stage, in pieces, while step ``k + 1``
+runs, each piece dispatched into its stage's idle time as `protection.place` planned it, and
+committed as one Orbax checkpoint (with checksums) once every stage's parts are on the host.
+
+- **Where.** Stage ``s``'s parts come from one live replica of the stage (the lowest), at the
+  points `ProtectionPlan.dispatch` names: right before item ``before`` of that domain's ops
+  in step ``k + 1`` (``len(order)``: before its update). The executed order is recorded
+  (`BubbleCheckpoints.executed`), so a test reads where each piece really went.
+- **Pieces.** A stage's leaves are cut into the plan's pieces round robin (piece ``j`` holds
+  leaves ``j, j + P, ...``); a piece's copy is ``copy_to_host_async`` of its leaves, which
+  the device runs in stream order, between the stage's ops.
+- **Failures.** A part taken from a domain that is lost before the commit is dropped and
+  taken again from another replica of its stage (the state after step ``k`` is the same
+  bits there); a step redone after a failure takes only the pieces still missing. A process
+  killed before the commit leaves no checkpoint ``k`` (Orbax writes nothing partial as
+  committed): a restart restores the one before and recomputes.
+- **End of step placement** (``placement="end"``): every part is taken right after step
+  ``k``'s commit, as the executor's `save` does, for comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from resilax._src.pipeline import protection as _protection
+
+
+class BubbleCheckpoints:
+    """Checkpoints every ``every`` steps into ``directory``, taken in the bubbles of the
+    step after (``placement="bubbles"``) or at the step's end (``"end"``). ``units``: each
+    stage's snapshot work in the table's cost units (one F op = 1), ``chunk``: the size of
+    the pieces it is cut into."""
+
+    def __init__(self, ex, directory: str, every: int, *, placement: str = "bubbles", units: float = 1.0,
+                 chunk: float = 0.25):
+        if placement not in ("bubbles", "end"):
+            raise ValueError(f"resilax.PipelineExecutor: checkpoint placement must be 'bubbles' or 'end', but got "
+                             f"{placement!r}")
+        if not (isinstance(every, int) and every >= 1):
+            raise ValueError(f"resilax.PipelineExecutor: checkpoint_every must be an int >= 1, but got {every!r}")
+        self.ex, self.directory, self.every, self.placement = ex, os.path.abspath(directory), every, placement
+        self.units, self.chunk = units, chunk
+        self._plans: dict = {}
+        self.pending = None  # (step k, {stage: {piece: (domain, [device arrays])}}, state refs, guard ref)
+        self.executed: dict = {}  # domain -> [("op", kind, v, m) | ("snapshot", stage, first, count), ...] of the last step
+        self.committed: list[int] = []
+        self._mgr = None
+
+    # ---------------------------------------------------------------- planning
+    def _plan(self):
+        table = self.ex.table  # (tables are cached by the planner: one object per shape and loss)
+        if id(table) not in self._plans:
+            plan = _protection.place(table, {"snapshot": self.units}, chunk=self.chunk)
+            _protection.validate_plan(plan)
+            self._plans[id(table)] = (table, plan)
+        return self._plans[id(table)][1]
+
+    def _pieces(self) -> int:
+        return max(1, int(np.ceil(self.units / self.chunk - 1e-9)))
+
+    def _source(self, s):
+        return min(d for d in self.ex.state if d[1] == s)
+
+    # ---------------------------------------------------------------- per step
+    def begin(self, step: int) -> None:
+        """Before step ``step + 1`` is dispatched (also when it is redone): the parts still
+        to take of checkpoint ``step``, if it is one."""
+        self.executed = {d: [] for d in self.ex.table.order}
+        if self.pending is not None and self.pending[0] != step:
+            self.pending = None
+        if step and step % self.every == 0 and self.pending is None and step not in self.committed:
+            self.pending = (step, {s: {} for s in range(self.ex.S)}, dict(self.ex.state), dict(self.ex.guard))
+        if self.pending is not None:
+            self._drop_lost()
+            if self.placement == "end":
+                for s in range(self.ex.S):
+                    self._take(self._source(s), s, 0, self._pieces())
+                self._commit()
+
+    def before(self, domain, index: int) -> None:
+        """Runs ``domain``'s planned pieces due right before its item ``index``."""
+        if self.pending is None or self.placement != "bubbles" or domain[1] not in self.pending[1]:
+            return
+        if domain != self._source(domain[1]):
+            return
+        per = self._pieces()
+        for op in self._plan().dispatch(domain):
+            if op.before == index and op.kind == "snapshot":
+                self._take(domain, op.stage, op.chunk % per, op.chunks)
+
+    def op(self, domain, op) -> None:
+        self.executed.setdefault(domain, []).append(("op", op.kind, op.replica, op.microbatch))
+
+    def end(self) -> None:
+        """After the step's update is dispatched: whatever the plan left (pieces of a stage
+        whose source changed) is taken now, then checkpoint ``k`` is written (the host waits
+        for the parts' copies here, while the device runs the step)."""
+        if self.pending is None:
+            return
+        for s in range(self.ex.S):
+            missing = [j for j in range(self._pieces()) if j not in self.pending[1][s]]
+            if missing:
+                self._take(self._source(s), s, missing[0], len(missing), spill=True)
+        self._commit()
+
+    # ---------------------------------------------------------------- parts
+    def _take(self, domain, s, first, count, spill=False) -> None:
+        k, parts, state, guard = self.pending
+        leaves = jax.tree.leaves(state[domain])
+        per = self._pieces()
+        for j in range(first, min(first + count, per)):
+            if j in parts[s]:
+                continue
+            chunk = leaves[j::per]
+            for x in chunk:
+                x.copy_to_host_async()
+            parts[s][j] = (domain, chunk)
+        self.executed.setdefault(domain, []).append(("snapshot", s, first, count) + (("spill",) if spill else ()))
+
+    def _drop_lost(self) -> None:
+        """Parts whose domain was lost are taken again from a live replica."""
+        k, parts, state, guard = self.pending
+        for s in parts:
+            for j in [j for j, (d, _) in parts[s].items() if d not in self.ex.state]:
+                del parts[s][j]
+        for d in list(state):
+            if d not in self.ex.state:
+                del state[d]
+        for d in list(guard):
+            if d not in self.ex.guard:
+                del guard[d]
+
+    def _commit(self) -> None:
+        import orbax.checkpoint as ocp
+
+        from resilax._src.pipeline.executor import _sums
+
+        k, parts, state, guard = self.pending
+        tree = {}
+        for s in range(self.ex.S):
+            src = self._source(s)
+            treedef = jax.tree.structure(state[src])
+            per, n = self._pieces(), len(jax.tree.leaves(state[src]))
+            host = [None] * n
+            for j, (_, chunk) in parts[s].items():
+                for i, x in zip(range(j, n, per), chunk):
+                    host[i] = np.asarray(x)
+            tree[f"stage_{s:03d}"] = jax.tree.unflatten(treedef, host)
+        g = guard[min(guard)]
+        tree["guard"] = jax.tree.map(np.asarray, g)
+        sums = np.concatenate(jax.device_get([_sums(tree[key]) for key in sorted(tree)]))
+        if self._mgr is None:
+            self._mgr = ocp.CheckpointManager(self.directory)
+        self._mgr.save(k, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                                  meta=ocp.args.JsonSave({"step": k, "sums": sums.tolist()})))
+        self.committed.append(k)
+        self.ex.events.append({"kind": "save", "step": k, "placement": self.placement})
+        self.pending = None
+
+    def flush(self, step: int) -> None:
+        """At the end of a run: checkpoint ``step`` (if it is one and not written yet), its
+        parts taken now."""
+        if step and step % self.every == 0 and step not in self.committed:
+            if self.pending is None or self.pending[0] != step:
+                self.pending = (step, {s: {} for s in range(self.ex.S)}, dict(self.ex.state), dict(self.ex.guard))
+            self._drop_lost()
+            for s in range(self.ex.S):
+                self._take(self._source(s), s, 0, self._pieces(), spill=True)
+            self._commit()
+
+    def close(self) -> None:
+        if self._mgr is not None:
+            self._mgr.wait_until_finished()
+            self._mgr.close()
+            self._mgr = None
