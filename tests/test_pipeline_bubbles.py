@@ -93,3 +93,22 @@ def test_a_kill_halfway_through_the_step_that_takes_the_parts_then_resume_is_bit
     with np.load(tmp_path / "final.npz") as f:
         got = [f[f"arr_{i}"] for i in range(len(f.files))]
     assert all(np.array_equal(a, b) for a, b in zip(got, jax.tree.leaves(kept[6])))
+
+
+def test_an_auto_cadence_counts_the_bubbles_as_free_and_checkpoints_that_often(tmp_path):
+    """``checkpoint_every="auto"``: small snapshots fit the bubbles every step; larger ones
+    get the fewest steps between checkpoints that keep them within 1% of the step, and the
+    executor writes exactly those checkpoints."""
+    small = resilax.PipelineExecutor(MODEL, TX, PARAMS, replicas=2, stages=4, microbatches=2,
+                                     checkpoint_dir=str(tmp_path / "a"), checkpoint_every="auto", checkpoint_units=0.25)
+    big = resilax.PipelineExecutor(MODEL, TX, PARAMS, replicas=2, stages=4, microbatches=2,
+                                   checkpoint_dir=str(tmp_path / "b"), checkpoint_every="auto", checkpoint_units=8.0)
+    assert small.bubbles.every == 1
+    plan = protection.place(big.table, {"snapshot": 8.0}, chunk=0.25)
+    assert big.bubbles.every == protection.cadence(plan, 0.01).every > 1
+    assert protection.cadence(plan, 0.01, bubbles=False).every > big.bubbles.every  # the bubbles bought steps
+    n = big.bubbles.every
+    for b in (BATCHES * 4)[: 2 * n + 1]:
+        big(b)
+    big.close()
+    assert big.bubbles.committed == [n, 2 * n]

@@ -35,16 +35,28 @@ class BubbleCheckpoints:
     stage's snapshot work in the table's cost units (one F op = 1), ``chunk``: the size of
     the pieces it is cut into."""
 
-    def __init__(self, ex, directory: str, every: int, *, placement: str = "bubbles", units: float = 1.0,
-                 chunk: float = 0.25):
+    def __init__(self, ex, directory: str, every, *, placement: str = "bubbles", units: float = 1.0,
+                 chunk: float = 0.25, budget: float = 0.01):
         if placement not in ("bubbles", "end"):
             raise ValueError(f"resilax.PipelineExecutor: checkpoint placement must be 'bubbles' or 'end', but got "
                              f"{placement!r}")
-        if not (isinstance(every, int) and every >= 1):
-            raise ValueError(f"resilax.PipelineExecutor: checkpoint_every must be an int >= 1, but got {every!r}")
-        self.ex, self.directory, self.every, self.placement = ex, os.path.abspath(directory), every, placement
+        if every != "auto" and not (isinstance(every, int) and every >= 1):
+            raise ValueError(f"resilax.PipelineExecutor: checkpoint_every must be an int >= 1 or 'auto', but got "
+                             f"{every!r}")
+        if not (isinstance(units, (int, float)) and units > 0):
+            raise ValueError(f"resilax.PipelineExecutor: checkpoint_units must be > 0 (cost units), but got {units!r}")
+        self.ex, self.directory, self.placement = ex, os.path.abspath(directory), placement
         self.units, self.chunk = units, chunk
         self._plans: dict = {}
+        self.every = every
+        if every == "auto":  # the fewest steps between checkpoints that add <= budget, bubbles counted free
+            c = _protection.cadence(self._plan(), budget, bubbles=placement == "bubbles")
+            if c.every is None:
+                raise ValueError(f"resilax.PipelineExecutor: no checkpoint cadence keeps {units} units of snapshot "
+                                 f"work per stage within {budget:.1%} of the step")
+            self.every = c.every
+            ex.events.append({"kind": "checkpoint_cadence", "every": c.every, "overhead": c.overhead,
+                              "bubbles": c.bubbles})
         self.pending = None  # (step k, {stage: {piece: (domain, [device arrays])}}, state refs, guard ref)
         self.executed: dict = {}  # domain -> [("op", kind, v, m) | ("snapshot", stage, first, count), ...] of the last step
         self.committed: list[int] = []

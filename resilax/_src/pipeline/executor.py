@@ -121,10 +121,13 @@ class PipelineExecutor:
       anomaly: `resilax.AnomalyConfig` (default on: NaN/Inf and loss spikes skip the step;
         ``on_anomaly`` must be ``"skip"``), or None (every finite step is applied: NaN/Inf
         still skip it).
-      checkpoint_dir, checkpoint_every, checkpoint_placement: a checkpoint every
-        ``checkpoint_every`` steps (0: only `save`), its per-stage parts copied to the host in
-        the bubbles of the next step (``"bubbles"``, `bubbles.BubbleCheckpoints`) or at the
-        step's end (``"end"``); `restore` reads them.
+      checkpoint_dir, checkpoint_every, checkpoint_placement, checkpoint_units: a checkpoint
+        every ``checkpoint_every`` steps (0: only `save`; ``"auto"``: the fewest steps that
+        keep it within 1% of the step, idle time counted free), its per-stage parts copied to
+        the host in the bubbles of the next step (``"bubbles"``, `bubbles.BubbleCheckpoints`)
+        or at the step's end (``"end"``); ``checkpoint_units``: one stage's snapshot in units
+        of one forward op (its bytes over the host link's bandwidth, over an F op's time:
+        `protection.work_units`); `restore` reads them.
       faults: chaos testing, as `resilax.FaultPlan` (or its strings): ``fail_slice@N[:phase]/K``
         and ``rejoin@N/K`` with ``K = r * stages + s`` (phases ``before_step``, ``after_step``,
         ``mid_step``: half of step ``N + 1``'s ops dispatched, ``during_save``: right after
@@ -140,8 +143,8 @@ class PipelineExecutor:
     def __init__(self, model: PipelineModel, tx, params, *, microbatches: int, topology=None,
                  replicas: int | None = None, stages: int | None = None, schedule: str = "zb-h1",
                  on_failure: str = "reroute", seed: int = 0, devices=None, lost=(), faults=(),
-                 anomaly=_DEFAULT, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 checkpoint_placement: str = "bubbles"):
+                 anomaly=_DEFAULT, checkpoint_dir: str | None = None, checkpoint_every: int | str = 0,
+                 checkpoint_placement: str = "bubbles", checkpoint_units: float = 1.0):
         where = "resilax.PipelineExecutor"
         from resilax._src.config import AnomalyConfig
         from resilax._src.protect import anomaly as _anomaly
@@ -200,7 +203,11 @@ class PipelineExecutor:
 
             if checkpoint_dir is None:
                 raise PipelineError(f"{where}: checkpoint_every={checkpoint_every} needs a checkpoint_dir")
-            self.bubbles = BubbleCheckpoints(self, checkpoint_dir, checkpoint_every, placement=checkpoint_placement)
+            try:
+                self.bubbles = BubbleCheckpoints(self, checkpoint_dir, checkpoint_every,
+                                                 placement=checkpoint_placement, units=checkpoint_units)
+            except ValueError as e:
+                raise PipelineError(str(e)) from None
         for d in lost:
             self.fail_domain(d)
 
