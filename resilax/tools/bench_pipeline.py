@@ -54,6 +54,8 @@ def add_arguments(parser) -> None:
              "(JSON key 'protection'; resilax.tools.bench_pipeline_protection)")
     opt("--no-measure", action="store_true",
         help="tables only: skip running the executor on emulated CPU devices (bitwise checks, per-op times)")
+    opt("--measure-schedules", default=",".join(ps.SCHEDULES),
+        help="comma-separated schedules the executor runs (default: all three)")
 
 
 def parse_configs(text: str) -> list[tuple[int, int, int]]:
@@ -93,9 +95,11 @@ def _row(D, S, M, schedule, lost, act_bytes) -> dict:
 def bench_pipeline(configs: Sequence[tuple[int, int, int]] = CONFIGS, *, lost=((1, 1),),
                    activation_bytes: int = ACTIVATION_BYTES,
                    measured: Callable[[ps.Table, ps.Table, ps.Table], dict] | None = None,
-                   measured_max_domains: int = 8, protection: bool = False) -> dict:
+                   measured_max_domains: int = 8, protection: bool = False,
+                   measured_schedules: Sequence[str] = ps.SCHEDULES) -> dict:
     """Rows for every config x schedule (see the module docstring); ``measured`` (the executor
-    check, optional) runs on configs with at most ``measured_max_domains`` domains;
+    check, optional) runs on configs with at most ``measured_max_domains`` domains and the
+    schedules ``measured_schedules``;
     ``protection``: add the key ``protection`` (bench_pipeline_protection, the rows of its
     ``rows`` with the assumptions beside them under ``protection_assumptions``)."""
     lost = frozenset(tuple(x) for x in lost)
@@ -104,7 +108,7 @@ def bench_pipeline(configs: Sequence[tuple[int, int, int]] = CONFIGS, *, lost=((
         for schedule in ps.SCHEDULES:
             row, tables = _row(D, S, M, schedule, lost, activation_bytes)
             rows.append(row)
-            if measured is not None and D * S <= measured_max_domains:
+            if measured is not None and D * S <= measured_max_domains and schedule in measured_schedules:
                 got = measured(*tables)
                 bitwise.append({"replicas": D, "stages": S, "microbatches": M, "schedule": schedule,
                                 **{k: got[k] for k in BITWISE_KEYS}})
@@ -223,7 +227,8 @@ def run(args) -> int:
         measured = executor_check
     try:
         r = bench_pipeline(parse_configs(args.configs), lost=lost, activation_bytes=args.activation_bytes,
-                           measured=measured, protection=args.protection)
+                           measured=measured, protection=args.protection,
+                           measured_schedules=tuple(x.strip() for x in args.measure_schedules.split(",") if x.strip()))
     except ValueError as e:
         print(f"resilax bench pipeline: {e}", file=sys.stderr)
         return 2
