@@ -124,14 +124,15 @@ class BubbleCheckpoints:
         k, parts, state, guard = self.pending
         leaves = jax.tree.leaves(state[domain])
         per = self._pieces()
-        for j in range(first, min(first + count, per)):
-            if j in parts[s]:
-                continue
+        taken = [j for j in range(first, min(first + count, per)) if j not in parts[s]]
+        for j in taken:
             chunk = leaves[j::per]
             for x in chunk:
                 x.copy_to_host_async()
             parts[s][j] = (domain, chunk)
-        self.executed.setdefault(domain, []).append(("snapshot", s, first, count) + (("spill",) if spill else ()))
+        if taken:  # (a step redone after a failure finds most pieces already on the host)
+            self.executed.setdefault(domain, []).append(("snapshot", s, taken[0], len(taken))
+                                                        + (("spill",) if spill else ()))
 
     def _drop_lost(self) -> None:
         """Parts whose domain was lost are taken again from a live replica."""
@@ -149,7 +150,7 @@ class BubbleCheckpoints:
     def _commit(self) -> None:
         import orbax.checkpoint as ocp
 
-        from resilax._src.pipeline.executor import _sums
+        from resilax._src.pipeline.executor import write_checkpoint
 
         k, parts, state, guard = self.pending
         tree = {}
@@ -164,11 +165,9 @@ class BubbleCheckpoints:
             tree[f"stage_{s:03d}"] = jax.tree.unflatten(treedef, host)
         g = guard[min(guard)]
         tree["guard"] = jax.tree.map(np.asarray, g)
-        sums = np.concatenate(jax.device_get([_sums(tree[key]) for key in sorted(tree)]))
         if self._mgr is None:
             self._mgr = ocp.CheckpointManager(self.directory)
-        self._mgr.save(k, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                  meta=ocp.args.JsonSave({"step": k, "sums": sums.tolist()})))
+        write_checkpoint(self._mgr, k, tree)
         self.committed.append(k)
         self.ex.events.append({"kind": "save", "step": k, "placement": self.placement})
         self.pending = None

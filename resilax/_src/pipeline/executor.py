@@ -307,10 +307,7 @@ class PipelineExecutor:
         mgr = self._ckpt[1]
         tree = {f"stage_{s:03d}": self.stage_state(s) for s in range(self.S)}
         tree["guard"] = self.guard[min(self.guard)]
-        sums = np.concatenate(jax.device_get([_sums(tree[k]) for k in sorted(tree)]))
-        mgr.save(self.step_no, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                       meta=ocp.args.JsonSave({"step": self.step_no,
-                                                                               "sums": sums.tolist()})))
+        write_checkpoint(mgr, self.step_no, tree)
         self.events.append({"kind": "save", "step": self.step_no})
         for f in self._due(self.step_no, ("during_save",), ("fail_slice",)):
             self.fail_domain(self._domain(f.target))
@@ -467,19 +464,22 @@ class PipelineExecutor:
         # its own stage only); only the commit, a select, waits for every stage's verdict
         updated = {d: ex.update(*self.state[d], grads[d]) for d in sorted(self.state)}
         first = {s: flags[next(d for d in sorted(flags) if d[1] == s)] for s in range(self.S)}
+        d0 = min(self.state)
+        dev0 = self.devices[d0]
+        loss = ex.loss([put(at.loss[vm], dev0) for vm in order], [put(at.weight[vm], dev0) for vm in order])
+        if self._spike:  # chaos testing: the loss the verdict sees is 1000x
+            loss = loss * 1000.0
         new_state, new_guard = {}, {}
         for d in sorted(self.state):
             dev = self.devices[d]
-            # the step's loss on every domain (the same scalars summed in the same order: the
-            # same bits), judged against that domain's copy of the spike window
-            loss = ex.loss([put(at.loss[vm], dev) for vm in order], [put(at.weight[vm], dev) for vm in order])
-            if self._spike:  # chaos testing: the loss the verdict sees is 1000x
-                loss = loss * 1000.0
-            verdict, new_guard[d] = ex.verdict([put(first[s], dev) for s in range(self.S)], loss, self.guard[d])
+            # the step's loss moved to every domain, judged against that domain's copy of the
+            # spike window (the same bits everywhere, so every copy moves alike)
+            verdict, new_guard[d] = ex.verdict([put(first[s], dev) for s in range(self.S)], put(loss, dev),
+                                               self.guard[d])
             new_state[d] = ex.commit(verdict, updated[d], self.state[d])
-            if d == min(self.state):
+            if d == d0:
                 out = {"loss": loss, "verdict": verdict}
-        self.last_dispatches = at.dispatches + 5 * len(self.state)
+        self.last_dispatches = at.dispatches + 4 * len(self.state) + 1
         self.state, self.guard = new_state, new_guard  # the commit point: a failure before it redoes the step
         return out
 
@@ -521,6 +521,17 @@ def _abstract(x):
 @jax.jit
 def _sums(tree):
     return tree_checksums(tree)
+
+
+def write_checkpoint(mgr, step: int, tree) -> None:
+    """Saves ``tree`` (``{"stage_000": (params, opt), ..., "guard": ...}``, device or host
+    arrays) as checkpoint ``step`` with its checksums (taken in sorted key order, the order
+    Orbax hands the tree back in), as `PipelineExecutor.restore` verifies them."""
+    import orbax.checkpoint as ocp
+
+    sums = np.concatenate(jax.device_get([_sums(tree[k]) for k in sorted(tree)]))
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                           meta=ocp.args.JsonSave({"step": step, "sums": sums.tolist()})))
 
 
 _PROGRAMS: dict = {}

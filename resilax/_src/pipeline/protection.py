@@ -218,11 +218,7 @@ def replay(table: ps.Table, costs=None, comm: float = 0.0, *, steps: int = 4, op
     step but the last. Returns ``{"items": {d: [(step, index, start, end), ...]},
     "protection": {d: [(start, end), ...]}, "u_end": [max update end per step]}``; index
     ``len(order[d])`` is the update. Cost O(steps x ops)."""
-    if optimizer == "auto":
-        optimizer = "staggered" if table.schedule == "zb-h1" else "global"
-    if optimizer not in (None, "staggered", "global"):
-        raise ValueError(f"pipeline protection replay expects optimizer 'auto', 'staggered', 'global' or None, "
-                         f"but got {optimizer!r}")
+    optimizer = ps._optimizer(optimizer, table, "pipeline protection replay")
     cost = dict(ps._norm_costs(costs))
     comm = ps._norm_comm(comm)
     doms = list(table.order)
@@ -262,17 +258,7 @@ def replay(table: ps.Table, costs=None, comm: float = 0.0, *, steps: int = 4, op
             items[doms[di]].append((step, idx_in_dom[i], t, f))
         for di in range(len(doms)):
             run_inserts(di, step, seen[di])
-        if optimizer == "global":
-            t0 = max(free, default=0.0)
-            ends = [t0 + cost["U"]] * len(doms)
-        elif optimizer == "staggered":
-            last = [0.0] * S
-            for i, (di, ki, _) in enumerate(plan):
-                if ki >= 2 and finish[i] > last[doms[di][1]]:  # W or BW: the stage's gradient is done
-                    last[doms[di][1]] = finish[i]
-            ends = [max(f, last[d[1]]) + cost["U"] for f, d in zip(free, doms)]
-        else:
-            ends = list(free)
+        ends = ps._update_ends(free, finish, plan, doms, S, cost["U"], optimizer)
         if optimizer is not None:
             for di, d in enumerate(doms):
                 items[d].append((step, seen[di], ends[di] - cost["U"], ends[di]))

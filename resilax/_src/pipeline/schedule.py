@@ -413,6 +413,32 @@ class Timing:
     optimizer: str | None
 
 
+def _optimizer(optimizer, table: Table, where: str) -> str | None:
+    """``optimizer`` of `simulate` (and of replays like it) resolved: ``"auto"`` is zb-h1
+    staggered, the others global."""
+    if optimizer == "auto":
+        optimizer = "staggered" if table.schedule == "zb-h1" else "global"
+    if optimizer not in (None, "staggered", "global"):
+        raise ValueError(f"{where} expects optimizer 'auto', 'staggered', 'global' or None, but got {optimizer!r}")
+    return optimizer
+
+
+def _update_ends(free, finish, plan, doms, S, u: float, optimizer) -> list:
+    """When each domain's update ``U`` (cost ``u``) ends, given when its last op of the step
+    ends (``free``) and every op's end (``finish``): ``global`` after every op of the step,
+    ``staggered`` after the stage's own last W/BW; None: no update (``free`` as it is)."""
+    if optimizer == "global":
+        done = max(free, default=0.0)
+        return [done + u] * len(doms)
+    if optimizer == "staggered":
+        last = [0.0] * S
+        for i, (di, ki, _) in enumerate(plan):
+            if ki >= 2 and finish[i] > last[doms[di][1]]:  # W or BW: the stage's gradient is done
+                last[doms[di][1]] = finish[i]
+        return [max(f, last[d[1]]) + u for f, d in zip(free, doms)]
+    return list(free)
+
+
 def simulate(table: Table, costs=None, comm: float = 0.0, *, steps: int = 3, optimizer: str | None = "auto"
              ) -> Timing:
     """Replays ``table``'s per-domain orders (not re-planned) under ``costs`` ({kind: time};
@@ -421,11 +447,7 @@ def simulate(table: Table, costs=None, comm: float = 0.0, *, steps: int = 3, opt
     shared/PIPELINE.md §3.3), ``"staggered"``, ``"global"`` or None (no update op, so
     ``step_time`` is the makespan). The next step's ops on a domain wait for its update.
     Cost O(steps x ops)."""
-    if optimizer == "auto":
-        optimizer = "staggered" if table.schedule == "zb-h1" else "global"
-    if optimizer not in (None, "staggered", "global"):
-        raise ValueError(f"pipeline simulate expects optimizer 'auto', 'staggered', 'global' or None, "
-                         f"but got {optimizer!r}")
+    optimizer = _optimizer(optimizer, table, "pipeline simulate")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"pipeline simulate expects steps >= 1, but got {steps!r}")
     cost = dict(_norm_costs(costs))
@@ -453,15 +475,7 @@ def simulate(table: Table, costs=None, comm: float = 0.0, *, steps: int = 3, opt
                 busy[di] += kinds[ki]
         if step == 0:
             makespan = max(finish, default=0.0)
-        if optimizer == "global":
-            done = max(free, default=0.0)
-            free = [done + cost["U"]] * len(doms)
-        elif optimizer == "staggered":
-            last = [0.0] * S
-            for i, (di, ki, _) in enumerate(plan):
-                if ki >= 2 and finish[i] > last[doms[di][1]]:  # W or BW: the stage's gradient is done
-                    last[doms[di][1]] = finish[i]
-            free = [max(f, last[d[1]]) + cost["U"] for f, d in zip(free, doms)]
+        free = _update_ends(free, finish, plan, doms, S, cost["U"], optimizer)
     free = dict(zip(doms, free))
     busy = dict(zip(doms, busy))
     first_start = dict(zip(doms, first_start))
