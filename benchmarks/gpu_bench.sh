@@ -13,7 +13,7 @@
 # `resilax.tools.hlo_scan` over the dump: no program of the bench may hold a conditional, a
 # loop or a host callback.
 #
-# BENCH_ARGS replaces "--size small" (e.g. "--size small --packed --no-resume"; "--no-split" leaves
+# BENCH_ARGS replaces "--size small" (e.g. "--size small --per-leaf --no-resume"; "--no-split" leaves
 # out the two-plain-jits reference, a sixth of the interleaved time); TIMEOUT bounds the bench
 # (seconds; 441 s for five variants on an H100, 2026-11-27). PYSPY=1 records the bench's process with py-spy (--gil --threads, non-blocking:
 # the samples of whichever thread holds the GIL) and summarizes them by thread
@@ -60,8 +60,8 @@ if [ "${PROBE:-0}" = 1 ]; then
       --json "$OUT/probe${free:+_free}.json" 2>&1 | tee -a "$OUT/probe.txt"
   done
 fi
-# the update's skip gate, three forms: does XLA:GPU copy Adam's moments under a select of every output?
-XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 120 python3 benchmarks/gate_memory.py \
+# the update's skip gate, three forms: does XLA:GPU copy Adam's moments under a select of every output? (GATE=0: not run)
+[ "${GATE:-1}" = 1 ] && XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 120 python3 benchmarks/gate_memory.py \
   --json "$OUT/gate_memory_gpu.json" 2>&1 | tee "$OUT/gate_memory.txt"
 ls /tmp/hlo | grep after_optimizations.txt | sed -E 's/^module_[0-9]+\.//; s/\.[^.]*after_optimizations.txt$//' \
   | sort | uniq -c > "$OUT/hlo_programs.txt"

@@ -15,7 +15,13 @@ own work is the rest: ``python_ms`` = thread CPU time minus time inside executab
 (on CPU it includes the extra device work of the split programs). Prints a table and
 writes JSON.
 
-    python benchmarks/host_overhead.py --layers 300 --steps 200 --json benchmarks/results/host_overhead.json
+The CPU time of resilax's own background threads (the record log's writer, the checkpoint
+persister: threads named ``resilax-*``, read from ``/proc/self/task``) is counted per step
+too (``background_ms``): on an accelerator they compete with the loop for the GIL. ``--layers``
+takes a list: one run per size, and the slope (the largest size's host time over the
+smallest's).
+
+    python benchmarks/host_overhead.py --layers 33,300,1666 --steps 100 --json benchmarks/results/host_overhead.json
 """
 
 from __future__ import annotations
@@ -56,16 +62,53 @@ from _clock import ExecutableClock as _ExecutableClock, finish  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=300)
+    ap.add_argument("--layers", default="300", help="layers per run, comma-separated (6 * layers + 1 leaves)")
     ap.add_argument("--steps", type=int, default=200, help="timed calls per variant")
     ap.add_argument("--block", type=int, default=20)
     ap.add_argument("--rows", type=int, default=8, help="batch rows")
     ap.add_argument("--json", default=None)
     ap.add_argument("--groups", action="store_true", help="also each protection group of Config() alone")
-    ap.add_argument("--profile", action="store_true", help="print resilax's top functions by own time")
+    ap.add_argument("--profile", nargs="?", const="default", default=None,
+                    help="print this variant's top functions by own time (default: default)")
+    ap.add_argument("--variants", default=None, help="comma-separated subset of off,default,default_ckpt")
     ap.add_argument("--no-gc", action="store_true", help="Python's cyclic garbage collector off while timing")
     args = ap.parse_args(argv)
-    state, step_fn = make(args.layers)
+    runs_ = [one(args, int(n)) for n in str(args.layers).split(",")]
+    if len(runs_) == 1:
+        res = runs_[0]
+    else:
+        res = {"sweep": runs_, "slope": {}}
+        print(f"\n{'leaves':>8s} " + " ".join(f"{k + ' ms':>22s}" for k in runs_[0]["host_ms"]))
+        for r in runs_:
+            print(f"{r['leaves']:8d} " + " ".join(f"{v:22.3f}" for v in r["host_ms"].values()))
+        for k in runs_[0]["host_ms"]:
+            lo, hi = runs_[0]["host_ms"][k], runs_[-1]["host_ms"][k]
+            res["slope"][k] = hi / lo if lo > 0 else None
+        print("slope (largest over smallest): " + ", ".join(f"{k} {v:.2f}" for k, v in res["slope"].items() if v))
+    if args.json:
+        write_json(args.json, res)
+    return res
+
+
+def _background_ticks() -> int:
+    """CPU clock ticks (user + system) so far of this process's threads named ``resilax-*``."""
+    import threading
+
+    total = 0
+    for t in threading.enumerate():
+        if not t.name.startswith("resilax-") or t.native_id is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def one(args, layers: int) -> dict:
+    state, step_fn = make(layers)
     n_leaves = len(jax.tree.leaves(state))
     rng = np.random.default_rng(0)
     batches = [{"x": rng.normal(size=(args.rows, W)).astype(np.float32), "y": rng.normal(size=(args.rows, W)).astype(np.float32)}
@@ -80,6 +123,8 @@ def main(argv=None):
         "default": resilax.Config(),
         "default_ckpt": resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "ck"), every=100_000)),
     }
+    if args.variants:
+        configs = {k: v for k, v in configs.items() if k in args.variants.split(",")}
     runs, states = {}, {}
     states["plain"] = jax.device_put(state, jax.devices()[0])
     # compiled ahead, like resilax's executables: both are timed by the same clock
@@ -104,6 +149,8 @@ def main(argv=None):
 
     clock = _ExecutableClock(also=[(Program, "put_batch")])
     prof = cProfile.Profile() if args.profile else None
+    tick = os.sysconf("SC_CLK_TCK")
+    bg = {k: 0 for k in runs}  # background threads' ticks per variant, summed over its blocks
     rounds = -(-args.steps // args.block)
     if args.no_gc:
         import gc
@@ -113,8 +160,9 @@ def main(argv=None):
         for k in names[r % len(names):] + names[:r % len(names)]:
             f, s = runs[k], states[k]
             jax.block_until_ready(s)
-            if prof is not None and k == "default":
+            if prof is not None and k == args.profile:
                 prof.enable()
+            b0 = _background_ticks()
             clock.total = 0.0
             c0 = time.thread_time()
             with clock:
@@ -122,26 +170,28 @@ def main(argv=None):
                     s, m = f(s, batches[i % 4])
             dt = time.thread_time() - c0
             inside[k].append(clock.total / args.block)
-            if prof is not None and k == "default":
+            bg[k] += _background_ticks() - b0
+            if prof is not None and k == args.profile:
                 prof.disable()
             states[k] = s
             times[k].append(dt / args.block)
         print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True) if (r + 1) % 5 == 0 else None
     host, exe, py = finish(runs, states, times, inside)
+    back = {k: bg[k] / tick / (rounds * args.block) * 1e3 for k in runs}
     res = {"leaves": n_leaves, "platform": jax.devices()[0].platform, "steps": args.steps, "gc": not args.no_gc,
-           "thread_cpu_ms": host, "xla_call_ms": exe, "python_ms": py,
+           "thread_cpu_ms": host, "xla_call_ms": exe, "python_ms": py, "background_ms": back,
            "host_overhead_ms": {k: py[k] - py["plain"] for k in runs if k != "plain"},
+           "host_ms": {k: py[k] - py["plain"] + back[k] for k in runs if k != "plain"},
            "thread_over_plain_ms": {k: host[k] - host["plain"] for k in runs if k != "plain"}}
     print(f"\nper step call (median over blocks), {n_leaves} state leaves, one {res['platform']} device")
-    print(f"{'variant':14s} {'thread CPU ms':>14s} {'in XLA calls ms':>16s} {'python ms':>10s} {'host overhead ms':>17s}")
+    print(f"{'variant':14s} {'thread CPU ms':>14s} {'in XLA calls ms':>16s} {'python ms':>10s} {'background ms':>14s}"
+          f" {'host added ms':>14s}")
     for k in runs:
-        print(f"{k:14s} {host[k]:14.3f} {exe[k]:16.3f} {py[k]:10.3f} {py[k] - py['plain']:17.3f}")
+        print(f"{k:14s} {host[k]:14.3f} {exe[k]:16.3f} {py[k]:10.3f} {back[k]:14.3f} {py[k] - py['plain'] + back[k]:14.3f}")
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(os.environ.get("HO_SORT", "tottime")).print_stats(int(os.environ.get("HO_N", "25")))
         print(out.getvalue())
-    if args.json:
-        write_json(args.json, res)
     return res
 
 

@@ -5,7 +5,7 @@ uses beside the loop shows up as save blocking (the steps' time above the median
 bench runs, per variant, ``--steps`` steps of `resilax bench gpt`'s tiny GPT with a save
 every ``--every`` (none for the variants without checkpoints), and reads the process's CPU
 time (user + system, every thread) around them: plain `jax.jit`, jit + Orbax async saves,
-resilax `Config()`, `Config()` + checkpoints (per leaf), the same packed. The CPU per save
+resilax `Config()`, `Config()` + checkpoints (packed, the default), the same per leaf. The CPU per save
 is a variant's CPU minus its base's (plain for Orbax, `Config()` for resilax), over the
 number of saves. Prints a table and writes JSON.
 
@@ -23,8 +23,8 @@ import time
 
 from resilax._src.io import write_json
 
-VARIANTS = ("plain", "orbax", "default", "default_ckpt", "default_ckpt_packed")
-BASE = {"orbax": "plain", "default_ckpt": "default", "default_ckpt_packed": "default"}
+VARIANTS = ("plain", "orbax", "default", "default_ckpt", "default_ckpt_per_leaf")
+BASE = {"orbax": "plain", "default_ckpt": "default", "default_ckpt_per_leaf": "default"}
 
 
 def _one(variant: str, steps: int, every: int, directory: str) -> dict:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     try:
         for r in range(args.rounds):
-            for v in VARIANTS:  # (packed: `bench_gpt._wrapped` switches the store's PACK on for it)
+            for v in VARIANTS:  # (per leaf: `bench_gpt._wrapped` switches the store's PACK off for it)
                 runs[v].append(_one(v, args.steps, args.every, os.path.join(tmp, f"{v}-{r}")))
                 print(f"  round {r + 1}/{args.rounds} {v}: {runs[v][-1]['cpu_s']:.2f} CPU-s", file=sys.stderr,
                       flush=True)

@@ -25,6 +25,7 @@ _WHERE = {
     "Event": "resilax._src.events",
     "exclusive_orbax_save": "resilax._src.protect.checkpoints",
     "orbax_lock": "resilax._src.protect.checkpoints",
+    "read_checkpoint": "resilax._src.protect.reading",
     "Fault": "resilax._src.runtime.faults",
     "FaultPlan": "resilax._src.runtime.faults",
     "record": "resilax._src.step.record",
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from resilax._src.events import Event as Event  # noqa: F401
     from resilax._src.protect.checkpoints import (exclusive_orbax_save as exclusive_orbax_save,  # noqa: F401
                                                   orbax_lock as orbax_lock)
+    from resilax._src.protect.reading import read_checkpoint as read_checkpoint  # noqa: F401
     from resilax._src.runtime.faults import Fault as Fault, FaultPlan as FaultPlan  # noqa: F401
     from resilax._src.pipeline.spmd import pipeline as pipeline, pipeline_sharding as pipeline_sharding  # noqa: F401
     from resilax._src.pipeline.executor import (PipelineExecutor as PipelineExecutor,  # noqa: F401
@@ -116,6 +118,7 @@ __all__ = [
     "orbax_lock",
     "pipeline",
     "pipeline_sharding",
+    "read_checkpoint",
     "record",
     "request_cpu_devices",
     "wrap",

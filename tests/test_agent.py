@@ -553,8 +553,8 @@ def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tm
     failure-free single-process run (2 agents x 1 worker x 2 CPU devices, 2 slices x 2
     devices, the bit-exact mode). While it runs, processes.json names both nodes, their agents
     and workers, and the coordinator at the node name resolved. The launched job saves packed
-    checkpoints (``RESILAX_PACK_CHECKPOINTS=1``: a multi-process packed save and restore; the
-    reference saves per leaf)."""
+    checkpoints (the default: a multi-process packed save and restore); the reference saves
+    per leaf (``RESILAX_PACK_CHECKPOINTS=0``)."""
     steps = 30
     train = ["resilax", "train", "--topology", _topology(tmp_path, 2), "--layout", "sharded", "--steps", str(steps),
              "--checkpoint-every", "10", "--log-every", "10"]
@@ -579,7 +579,8 @@ def test_whole_job_sigterm_preempts_every_host_and_a_relaunch_resumes_bitwise(tm
         agents = _slurm_agents(tmp_path, run, cmd, packed_env, "q")  # the requeued job
         ref = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir",
                               str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
-                             env=child_env, capture_output=True, text=True, timeout=240)
+                             env=dict(child_env, RESILAX_PACK_CHECKPOINTS="0"), capture_output=True, text=True,
+                             timeout=240)
         assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
         rcs = [a.wait(timeout=180) for a in agents]
     finally:
@@ -713,7 +714,8 @@ def test_default_mode_a_lost_host_resumes_from_its_mirror_on_the_next_host_withi
         shutil.rmtree(stores[0], ignore_errors=True)
         ref = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir",
                               str(tmp_path / "ref_ck"), "--out", str(tmp_path / "ref.npz"), "--quiet"],
-                             env=child_env, capture_output=True, text=True, timeout=240)
+                             env=dict(child_env, RESILAX_PACK_CHECKPOINTS="0"), capture_output=True, text=True,
+                             timeout=240)
         assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
         rc = agents[1].wait(timeout=240)
     finally:

@@ -169,7 +169,7 @@ def test_a_save_in_the_warm_up_is_written_before_the_next_variant_runs():
 
 
 def test_the_extra_variants_stores_are_made_with_their_settings(tmp_path, monkeypatch):
-    """`--unpinned` and `--packed` set `CheckpointStore` attributes that a store reads when it
+    """`--unpinned` and `--per-leaf` set `CheckpointStore` attributes that a store reads when it
     is made, at the step's init (the first version set the pinned one around `wrap` only,
     and the unpinned variant measured Orbax's default); afterwards they are as before."""
     from resilax._src.protect import orbax_warm
@@ -181,7 +181,7 @@ def test_the_extra_variants_stores_are_made_with_their_settings(tmp_path, monkey
     monkeypatch.setattr(orbax_warm, "item_handlers", lambda names, p=None, c=True: seen.append(p) or real(names, p, c))
     before = (CheckpointStore.PINNED_HOST_TRANSFER, CheckpointStore.PACK)
     topo = bench_gpt._topology()
-    for variant, pinned, pack in ((bench_gpt.UNPINNED, False, before[1]), (bench_gpt.PACKED, None, True)):
+    for variant, pinned, pack in ((bench_gpt.UNPINNED, False, before[1]), (bench_gpt.PER_LEAF, None, False)):
         seen.clear()
         step, _ = bench_gpt._wrapped(variant, gpt.SIZES["tiny"], topo, str(tmp_path / "ck"), 100)
         assert seen == [pinned] and step.checkpoints._pack is pack, (variant, seen)

@@ -29,8 +29,8 @@ def run(ckpt_dir, steps, *, every=5, keep=3, data=None, state=None):
 
 @pytest.fixture(params=[False, True], ids=["per_leaf", "packed"])
 def pack(request, monkeypatch):
-    """Both checkpoint layouts: Orbax's per-leaf one (the default) and the experimental packed
-    one (`CheckpointStore.PACK`, `test_packing.py`)."""
+    """Both checkpoint layouts: packed (the default; `CheckpointStore.PACK`, `test_packing.py`)
+    and Orbax's one array per leaf."""
     from resilax._src.protect.checkpoints import CheckpointStore
 
     monkeypatch.setattr(CheckpointStore, "PACK", request.param)
@@ -104,6 +104,42 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path, damage, pack):
             s, _ = step(s, next(data))
     assert 20 in step.checkpoints.steps() and q[0].exists()
     assert step.checkpoints.steps()[-1] == 20
+
+
+def _tree_listing(d: pathlib.Path) -> list:
+    return sorted((str(p.relative_to(d)), p.stat().st_size if p.is_file() else -1) for p in d.rglob("*"))
+
+
+def test_read_checkpoint_reads_either_layout_verified_and_touches_nothing(tmp_path, pack):
+    """`resilax.read_checkpoint` (evaluation, export, inspection: no wrapped step) returns the
+    saved train state bitwise, newest good first or the step asked for; a damaged newest
+    checkpoint is skipped with a warning but neither moved nor deleted (a job may be writing
+    there); wrong targets and missing checkpoints are named errors."""
+    ref10, _, _ = run(tmp_path / "ref", 10)
+    ref15, _, _ = run(tmp_path / "c", 15)
+    template = ex.make_state(SMALL)
+    before = _tree_listing(tmp_path / "c")
+    step, got = resilax.read_checkpoint(tmp_path / "c", template)
+    assert step == 15 and state_equal(jax.device_get(got), ref15)
+    step, got = resilax.read_checkpoint(tmp_path / "c", jax.eval_shape(lambda: template), step=10)
+    assert step == 10 and state_equal(jax.device_get(got), ref10)
+    for victim in _newest_state_files(tmp_path / "c", 15):  # damage the newest
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2: len(raw) // 2 + 16] = bytes(b ^ 0xFF for b in raw[len(raw) // 2: len(raw) // 2 + 16])
+        victim.write_bytes(bytes(raw))
+    damaged = _tree_listing(tmp_path / "c")
+    with pytest.warns(RuntimeWarning, match=r"\[15\].*failed verification"):
+        step, got = resilax.read_checkpoint(tmp_path / "c", template)
+    assert step == 10 and state_equal(jax.device_get(got), ref10)
+    assert _tree_listing(tmp_path / "c") == damaged and len(damaged) == len(before)  # nothing moved or made
+    with pytest.raises(resilax.CheckpointError, match=r"no checkpoint 7 in .*\[5, 10, 15\]"):
+        resilax.read_checkpoint(tmp_path / "c", template, step=7)
+    other = ex.make_state(ex.ExampleSpec(hidden=32, depth=2, batch=32, features=16, examples=1024))
+    with pytest.raises(resilax.CheckpointError, match="was written for a different state"):
+        resilax.read_checkpoint(tmp_path / "c", other, step=10)
+    with pytest.raises(resilax.CheckpointError, match="no checkpoint directory"):
+        resilax.read_checkpoint(tmp_path / "nothing", template)
+    assert not (tmp_path / "nothing").exists()
 
 
 def test_all_corrupt_is_a_clear_error(tmp_path):

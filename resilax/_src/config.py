@@ -42,10 +42,12 @@ class CheckpointConfig:
       every: save every this many completed steps (0: only explicit `ResilientStep.save`).
       keep: complete checkpoints Orbax keeps.
       async_save: write in the background; the loop blocks only for the device-to-host copy.
-      pack: experimental (docs/packed_checkpoints.md): save the leaves that share a dtype and
-        a sharding as one array (Orbax's save costs ~2-5 ms of host Python per array, beside
-        the loop). ``None``: the ``RESILAX_PACK_CHECKPOINTS`` environment variable (``1``:
-        on), else off. A restore reads either layout, whatever this says.
+      pack: save the leaves that share a dtype and a sharding as one array
+        (docs/packed_checkpoints.md; Orbax's save costs ~2-5 ms of host Python per array,
+        beside the loop: on one H200 a 110 M-parameter GPT's saves blocked its loop 89-101 ms
+        packed, 669-785 ms per leaf). ``None``: on, unless the ``RESILAX_PACK_CHECKPOINTS``
+        environment variable is ``0``; ``False``: one array per leaf, as plain Orbax saves.
+        A restore reads either layout, whatever this says.
       compress: zstd-compress the arrays (Orbax's default). On float train state it saves
         ~10% of the disk and of the bytes written; off, a restore (what a recovery from
         storage waits for) took 0.55x the time, at about the same CPU per save

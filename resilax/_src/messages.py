@@ -59,7 +59,7 @@ def _steps(xs) -> str:
 
 
 def checkpoints_skipped(skipped, restored_step: int | None, directory: str | os.PathLike,
-                        moved) -> str:
+                        moved, *, read_only: bool = False) -> str:
     """The line for newer checkpoints that failed verification: ``skipped`` is
     ``[(step, reason), ...]``, ``restored_step`` the older one restored instead (None: none
     was good), ``moved`` where the bad ones went (``quarantine/``, never deleted)."""
@@ -69,7 +69,8 @@ def checkpoints_skipped(skipped, restored_step: int | None, directory: str | os.
     did = (f"restored the previous good checkpoint {restored_step} instead" if restored_step is not None
            else "no older checkpoint is good")
     return (f"checkpoint(s) {steps} in {str(os.fspath(directory))!r} failed verification ({why}); {did}. "
-            f"The bad ones were moved to {where or 'quarantine/'}, not deleted.")
+            + ("The bad ones were left where they are (read only)." if read_only else
+               f"The bad ones were moved to {where or 'quarantine/'}, not deleted."))
 
 
 def _restore(e):

@@ -50,11 +50,12 @@ from resilax.tools.bench import option_adder, write_result
 
 VARIANTS = ("plain", "split", "orbax", "off", "default", "default_ckpt")
 UNPINNED = "default_ckpt_unpinned"  # --unpinned: Orbax's copy to host without pinned memory (its GPU default: with)
-PACKED = "default_ckpt_packed"  # --packed: packed checkpoints (`CheckpointStore.PACK`, experimental)
-EXTRA = (UNPINNED, PACKED)
-WATCHDOG_S = 120.0  # a round of `_interleave` taking longer dumps every thread's stack to stderr (repeating)
+PER_LEAF = "default_ckpt_per_leaf"  # --per-leaf: one array per leaf (`CheckpointStore.PACK` off; packed is the default)
+EXTRA = (UNPINNED, PER_LEAF)
+# a round of `_interleave` taking longer dumps every thread's stack to stderr (repeating)
+WATCHDOG_S = float(os.environ.get("RESILAX_BENCH_WATCHDOG_S", "120"))
 # what each of them sets on `CheckpointStore` (read when the store is made, at the step's init)
-OVERRIDES = {UNPINNED: {"PINNED_HOST_TRANSFER": False}, PACKED: {"PACK": True}}
+OVERRIDES = {UNPINNED: {"PINNED_HOST_TRANSFER": False}, PER_LEAF: {"PACK": False}}
 
 
 def add_arguments(parser) -> None:
@@ -68,8 +69,8 @@ def add_arguments(parser) -> None:
     opt("--no-resume", action="store_true", help="skip the SIGKILL + resume subprocess runs")
     opt("--unpinned", action="store_true",
         help=f"another variant, {UNPINNED}: default_ckpt with Orbax's copy to host not through pinned memory")
-    opt("--packed", action="store_true",
-        help=f"another variant, {PACKED}: default_ckpt with packed checkpoints (one array per dtype and sharding)")
+    opt("--per-leaf", action="store_true",
+        help=f"another variant, {PER_LEAF}: default_ckpt with one array per leaf (not packed, the default)")
     opt("--no-split", action="store_true", help="leave out the split variant (two plain jits a step)")
     opt("--cpu-devices", type=int, default=8, help="emulated CPU devices when the platform is CPU")
     opt("--quiet", action="store_true")
@@ -89,7 +90,7 @@ def run(args) -> int:
     configure_cpu_devices(args.cpu_devices)  # before JAX starts; no effect on a GPU or TPU
     r = bench_gpt(size=args.size, steps=args.steps, every=args.every, block=args.block,
                   resume_steps=args.resume_steps, resume=not args.no_resume, quiet=args.quiet,
-                  unpinned=args.unpinned, packed=args.packed, split=not args.no_split)
+                  unpinned=args.unpinned, per_leaf=args.per_leaf, split=not args.no_split)
     print_gpt(r)
     write_result(args.json, r)
     return 0
@@ -511,7 +512,7 @@ def _resume(size_name, ndev, steps, tmp, quiet) -> dict:
 # ----------------------------------------------------------------------------- the bench
 def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100, block: int = 5,
               resume_steps: int = 12, resume: bool = True, quiet: bool = False, unpinned: bool = False,
-              packed: bool = False, split: bool = True) -> dict:
+              per_leaf: bool = False, split: bool = True) -> dict:
     import jax
 
     from resilax.tools import gpt
@@ -527,7 +528,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
     batches = gpt.batches(sz, 8)
     tmp = tempfile.mkdtemp(prefix="resilax-bench-gpt-")
     runs, states = {}, {}
-    extras = [v for v, on in ((UNPINNED, unpinned), (PACKED, packed)) if on]
+    extras = [v for v, on in ((UNPINNED, unpinned), (PER_LEAF, per_leaf)) if on]
     variants = tuple(v for v in VARIANTS if split or v != "split") + tuple(extras)
     try:
         t0 = time.perf_counter()
@@ -553,7 +554,7 @@ def bench_gpt(*, size: str = "tiny", steps: int | None = None, every: int = 100,
         store_blocking, handoff, persist = list(store.blocking_s), list(store.handoff_s), list(store.persist_s)
         orbax_calls = list(runs["orbax"].blocking_s)
         extra: dict = {}
-        for v in extras:  # "unpinned", "packed"
+        for v in extras:  # "unpinned", "per_leaf"
             u = _save_blocking(samples[v], spans[v])
             us = runs[v].checkpoints
             extra[v.removeprefix("default_ckpt_")] = {

@@ -16,7 +16,7 @@ the checksums and hands the copy to Orbax, which copies it to host and writes it
 are the persister's), then drops the device copy. Orbax's start-up and the programs'
 compilation happen off the loop (`warm`; a save due earlier copies with the runtime's
 buffer copy). The loop waits for a save only when it still writes as the next is due
-(`in_flight`; booked and reported). ``PACK`` (experimental): `packing`.
+(`in_flight`; booked and reported). ``PACK`` (the default): `packing`.
 """
 
 from __future__ import annotations
@@ -36,15 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from resilax._src.protect.checksum import anchor_tree, tree_checksums
+from resilax._src.protect.checksum import tree_checksums
 from resilax._src import messages, quiet
 from resilax._src.gil import shorter_switch_interval
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
-from resilax._src.protect import base, orbax_warm, packing
-from resilax._src.protect.data_state import encode_data_state
+from resilax._src.protect import orbax_warm, packing
 from resilax._src.runtime import membership
 from resilax._src.timings import Timings
-from resilax._src.protect.planner import Candidate, Copy
 
 FORMAT = 1
 QUARANTINE = "quarantine"
@@ -164,19 +162,25 @@ class CheckpointStore:
     #: the interpreter's switch interval while the persister saves (`gil.shorter_switch_interval`)
     SAVE_SWITCH_INTERVAL_S: float | None = 0.0005
     PINNED_HOST_TRANSFER: bool | None = None  #: Orbax's copy to host via pinned memory (None: Orbax's; on for GPU)
-    PACK: bool = os.environ.get("RESILAX_PACK_CHECKPOINTS") == "1"  #: experimental (`packing`)
+    #: packed saves (`packing`): on unless ``RESILAX_PACK_CHECKPOINTS=0``
+    PACK: bool = os.environ.get("RESILAX_PACK_CHECKPOINTS", "1") != "0"
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
-                 pack: bool | None = None, compress: bool = True):
+                 pack: bool | None = None, compress: bool = True, read_only: bool = False):
         self.directory = pathlib.Path(directory).absolute()
         self._compress = bool(compress)
         self._keep = keep
         self._async = async_save
         self._abandoned = False
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StorageError(f"resilax checkpoints: cannot create checkpoint_dir {str(self.directory)!r}: {e}") from e
+        self._read_only = read_only  # `read_checkpoint`: nothing created, cleaned up or moved
+        if read_only:
+            if not self.directory.is_dir():
+                raise CheckpointError(f"resilax: no checkpoint directory {str(self.directory)!r}")
+        else:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StorageError(f"resilax checkpoints: cannot create checkpoint_dir {str(self.directory)!r}: {e}") from e
         self._mgr = self._open()
         quiet.own_directory(self.directory)  # Orbax's errors here reach the caller as resilax's own, once
         self.blocking_s = Timings()  # seconds the caller blocked per save
@@ -205,12 +209,26 @@ class CheckpointStore:
             yield
 
     def _open(self):
-        opts = ocp.CheckpointManagerOptions(
-            max_to_keep=self._keep,
-            enable_async_checkpointing=self._async,
-            cleanup_tmp_directories=True,
-            create=True,
-        )
+        if self._read_only:  # a save in flight (another process's) keeps its temporary directory
+            import logging
+
+            opts = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
+                                                enable_async_checkpointing=False, save_interval_steps=0)
+            notes = _ReadOnlyNotes()  # Orbax warns that a read-only manager is read-only: asked for here
+            logging.getLogger("absl").addFilter(notes)
+            try:
+                mgr, self._array_handler = orbax_warm.manager(self.directory, opts, ("state", "checksums", "meta"),
+                                                              self.PINNED_HOST_TRANSFER, compress=self._compress)
+            finally:
+                logging.getLogger("absl").removeFilter(notes)
+            return mgr
+        else:
+            opts = ocp.CheckpointManagerOptions(
+                max_to_keep=self._keep,
+                enable_async_checkpointing=self._async,
+                cleanup_tmp_directories=True,
+                create=True,
+            )
         mgr, self._array_handler = orbax_warm.manager(self.directory, opts, ("state", "checksums", "meta"), self.PINNED_HOST_TRANSFER,
                                                       compress=self._compress)
         return mgr
@@ -507,11 +525,12 @@ class CheckpointStore:
         return sorted(self._mgr.all_steps())
 
     # ------------------------------------------------------------------ restore
-    def restore_newest(self, abstract_state) -> Restored | None:
+    def restore_newest(self, abstract_state, *, step: int | None = None) -> Restored | None:
         """Restores the newest checkpoint that reads back and matches its checksums.
 
         Args:
           abstract_state: pytree of ``jax.ShapeDtypeStruct`` with shardings (the target layout).
+          step: that checkpoint only (`CheckpointError` if the directory has none of it).
 
         Returns:
           ``Restored`` or ``None`` when the directory holds no checkpoint.
@@ -523,13 +542,19 @@ class CheckpointStore:
         """
         self.settle()
         with self._orbax_call(), quiet.draining_loops():  # a corrupt checkpoint's other reads end before Orbax's loop closes
-            return self._restore_newest(abstract_state)
+            return self._restore_newest(abstract_state, step)
 
-    def _restore_newest(self, abstract_state):
+    def _restore_newest(self, abstract_state, only: int | None = None):
         self._mgr.reload()
         want_sig = state_signature(abstract_state)
         skipped: list[tuple[int, str]] = []
-        for step in sorted(self._mgr.all_steps(), reverse=True):
+        steps = sorted(self._mgr.all_steps(), reverse=True)
+        if only is not None:
+            if only not in steps:
+                raise CheckpointError(f"resilax: no checkpoint {only} in {str(self.directory)!r} "
+                                      f"(it holds {sorted(steps) or 'none'})")
+            steps = [only]
+        for step in steps:
             try:
                 meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
                 if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, packing.FORMAT) or meta.get("step") != step:
@@ -559,19 +584,24 @@ class CheckpointStore:
             moved = []
             if skipped:
                 moved = self._quarantine(skipped)
-                warnings.warn("resilax: " + messages.checkpoints_skipped(skipped, step, self.directory, moved),
+                warnings.warn("resilax: " + messages.checkpoints_skipped(skipped, step, self.directory, moved,
+                                                                         read_only=self._read_only),
                               RuntimeWarning, stacklevel=3)
             return Restored(step, state, meta, tuple(skipped), tuple(moved))
         if skipped:
             moved = self._quarantine(skipped)
             raise CorruptCheckpointError(
                 f"resilax: no good checkpoint in {str(self.directory)!r}: "
-                f"{'; '.join(f'{s}: {messages.short_reason(r)}' for s, r in skipped)}. They were moved to {moved}, not deleted."
+                f"{'; '.join(f'{s}: {messages.short_reason(r)}' for s, r in skipped)}. "
+                + ("They were left where they are (read only)." if self._read_only else f"They were moved to {moved}, not deleted.")
             )
         return None
 
     def _quarantine(self, skipped) -> list[str]:
-        """Moves failed step directories aside so new saves never collide with them."""
+        """Moves failed step directories aside so new saves never collide with them (a
+        read-only store moves nothing)."""
+        if self._read_only:
+            return []
         qdir = self.directory / QUARANTINE
         qdir.mkdir(exist_ok=True)
         moved = []
@@ -623,68 +653,6 @@ def collectives() -> str:
         return "unknown"
 
 
-class Checkpoints(base.Protection):
-    name = "checkpoint"
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-        self.store = CheckpointStore(cfg.directory, keep=cfg.keep, async_save=cfg.async_save, pack=cfg.pack,
-                                     compress=cfg.compress)
-        self.paused: str | None = None  # why no checkpoint can be saved now (an in-place shrink)
-
-    def tree(self, state, guard):
-        return anchor_tree(state, guard)
-
-    def start(self, run, state):
-        """Warms, off the loop, the programs a save needs: the checksums, the snapshot copy
-        (for a state the caller still donates), and the update variants that keep their
-        input (the step after a save runs one: the persister reads that state, uncopied)."""
-        prog = run.program
-        variants = {None}
-        if run.peers is not None and prog.protects:
-            variants.update(run.peers.variants())
-
-        def keep_variants():
-            for v in variants:
-                prog.update(v, keep_input=True)
-
-        self.store.warm(self.tree(state, run.guard), also=keep_variants if prog.spec.donate else None)
-
-    def restart(self, run, state):
-        self.start(run, state)
-
-    def shrunk(self, run, state, alive):
-        """Processes outside ``alive`` died and the others went on in place: checkpoints pause
-        until the next generation. Orbax's manager counts every process of the job (a save
-        in flight waits on barriers the dead never reach, and it is never committed), and one
-        over the live processes only (``MultiprocessingOptions(active_processes=...)``) was
-        measured to hang or break the step's collectives under jax 0.10.2: some of its
-        synchronisation runs as device collectives over every process. The host stores keep
-        every step meanwhile."""
-        self.store.abandon()
-        self.paused = (f"processes outside {sorted(alive)} died and the others went on in place; Orbax cannot save "
-                       f"without them, so checkpoints resume with the next generation (the host stores keep every "
-                       f"step meanwhile)")
-        run.event("checkpoints_paused", run.step, why=self.paused)
-
-    def due(self, step_after: int) -> bool:
-        return bool(self.cfg.every) and step_after % self.cfg.every == 0 and self.paused is None
-
-    def save(self, run, state, *, after_dispatch=None, copy=True) -> float:
-        meta = {"seed": run.config.seed, "topology": run.topology.name, "collectives": collectives()}
-        if run.data is not None:
-            meta["data_state"] = encode_data_state(run.data.get_state())
-        if run.watch is not None:  # the steps skipped so far (reads the newest verdict: the snapshot waits for it anyway)
-            meta["verdicts"] = run.watch.record(run)
-        return self.store.save(run.step, self.tree(state, run.guard), meta, after_dispatch=after_dispatch, copy=copy)
-
-    def candidates(self, run):
-        steps = self.store.steps()
-        if not steps:
-            return []
-        shapes = [x.shape for x in jax.tree.leaves(run.program.spec.abstract_state)]
-        storage = tuple(((("all",), (Copy(None, ("checkpoint",)),)),) for _ in shapes)
-        return [Candidate("checkpoint", steps[-1], storage)]
-
-    def close(self):
-        self.store.close()
+class _ReadOnlyNotes:
+    def filter(self, record) -> bool:
+        return "read only" not in record.getMessage() and "read_only" not in record.getMessage()

@@ -27,7 +27,7 @@ from resilax._src.config import Config
 from resilax._src.errors import ResilaxError, StorageError, WrapError
 from resilax._src.events import Event, event
 from resilax._src.protect import anomaly as _anomaly, base as _base, hoststore as _hoststore
-from resilax._src.protect.checkpoints import Checkpoints
+from resilax._src.protect.checkpoint_protection import Checkpoints
 from resilax._src.protect.data_state import encode_data_state
 from resilax._src.protect.crosscheck import CrossCheck
 from resilax._src.protect.peers import Peers

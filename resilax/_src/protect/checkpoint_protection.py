@@ -1,0 +1,80 @@
+"""`Checkpoints`: the persistent tier as one of the step's protections (when a save is due,
+what it saves, its warm-up, and pausing it after an in-place shrink); the store itself is
+`checkpoints.CheckpointStore`."""
+
+from __future__ import annotations
+
+import jax
+
+from resilax._src.protect import base
+from resilax._src.protect.checkpoints import CheckpointStore, collectives
+from resilax._src.protect.checksum import anchor_tree
+from resilax._src.protect.data_state import encode_data_state
+from resilax._src.protect.planner import Candidate, Copy
+
+
+class Checkpoints(base.Protection):
+    name = "checkpoint"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.store = CheckpointStore(cfg.directory, keep=cfg.keep, async_save=cfg.async_save, pack=cfg.pack,
+                                     compress=cfg.compress)
+        self.paused: str | None = None  # why no checkpoint can be saved now (an in-place shrink)
+
+    def tree(self, state, guard):
+        return anchor_tree(state, guard)
+
+    def start(self, run, state):
+        """Warms, off the loop, the programs a save needs: the checksums, the snapshot copy
+        (for a state the caller still donates), and the update variants that keep their
+        input (the step after a save runs one: the persister reads that state, uncopied)."""
+        prog = run.program
+        variants = {None}
+        if run.peers is not None and prog.protects:
+            variants.update(run.peers.variants())
+
+        def keep_variants():
+            for v in variants:
+                prog.update(v, keep_input=True)
+
+        self.store.warm(self.tree(state, run.guard), also=keep_variants if prog.spec.donate else None)
+
+    def restart(self, run, state):
+        self.start(run, state)
+
+    def shrunk(self, run, state, alive):
+        """Processes outside ``alive`` died and the others went on in place: checkpoints pause
+        until the next generation. Orbax's manager counts every process of the job (a save
+        in flight waits on barriers the dead never reach, and it is never committed), and one
+        over the live processes only (``MultiprocessingOptions(active_processes=...)``) was
+        measured to hang or break the step's collectives under jax 0.10.2: some of its
+        synchronisation runs as device collectives over every process. The host stores keep
+        every step meanwhile."""
+        self.store.abandon()
+        self.paused = (f"processes outside {sorted(alive)} died and the others went on in place; Orbax cannot save "
+                       f"without them, so checkpoints resume with the next generation (the host stores keep every "
+                       f"step meanwhile)")
+        run.event("checkpoints_paused", run.step, why=self.paused)
+
+    def due(self, step_after: int) -> bool:
+        return bool(self.cfg.every) and step_after % self.cfg.every == 0 and self.paused is None
+
+    def save(self, run, state, *, after_dispatch=None, copy=True) -> float:
+        meta = {"seed": run.config.seed, "topology": run.topology.name, "collectives": collectives()}
+        if run.data is not None:
+            meta["data_state"] = encode_data_state(run.data.get_state())
+        if run.watch is not None:  # the steps skipped so far (reads the newest verdict: the snapshot waits for it anyway)
+            meta["verdicts"] = run.watch.record(run)
+        return self.store.save(run.step, self.tree(state, run.guard), meta, after_dispatch=after_dispatch, copy=copy)
+
+    def candidates(self, run):
+        steps = self.store.steps()
+        if not steps:
+            return []
+        shapes = [x.shape for x in jax.tree.leaves(run.program.spec.abstract_state)]
+        storage = tuple(((("all",), (Copy(None, ("checkpoint",)),)),) for _ in shapes)
+        return [Candidate("checkpoint", steps[-1], storage)]
+
+    def close(self):
+        self.store.close()
