@@ -6,7 +6,8 @@ committed as one Orbax checkpoint (with checksums) once every stage's parts are 
 - **Where.** Stage ``s``'s parts come from one live replica of the stage (the lowest), at the
   points `ProtectionPlan.dispatch` names: right before item ``before`` of that domain's ops
   in step ``k + 1`` (``len(order)``: before its update). The executed order is recorded
-  (`BubbleCheckpoints.executed`), so a test reads where each piece really went.
+  (`PipelineExecutor.executed`), so a test reads where each piece really went. The plan is
+  the executor's (`PipelineExecutor.protection_plan`): with peer copies on, it places both.
 - **Pieces.** A stage's leaves are cut into the plan's pieces round robin (piece ``j`` holds
   leaves ``j, j + P, ...``); a piece's copy is ``copy_to_host_async`` of its leaves, which
   the device runs in stream order, between the stage's ops.
@@ -47,7 +48,6 @@ class BubbleCheckpoints:
             raise ValueError(f"resilax.PipelineExecutor: checkpoint_units must be > 0 (cost units), but got {units!r}")
         self.ex, self.directory, self.placement = ex, os.path.abspath(directory), placement
         self.units, self.chunk = units, chunk
-        self._plans: dict = {}
         self.every = every
         if every == "auto":  # the fewest steps between checkpoints that add <= budget, bubbles counted free
             c = _protection.cadence(self._plan(), budget, bubbles=placement == "bubbles")
@@ -58,18 +58,17 @@ class BubbleCheckpoints:
             ex.events.append({"kind": "checkpoint_cadence", "every": c.every, "overhead": c.overhead,
                               "bubbles": c.bubbles})
         self.pending = None  # (step k, {stage: {piece: (domain, [device arrays])}}, state refs, guard ref)
-        self.executed: dict = {}  # domain -> [("op", kind, v, m) | ("snapshot", stage, first, count), ...] of the last step
         self.committed: list[int] = []
         self._mgr = None
 
     # ---------------------------------------------------------------- planning
     def _plan(self):
-        table = self.ex.table  # (tables are cached by the planner: one object per shape and loss)
-        if id(table) not in self._plans:
-            plan = _protection.place(table, {"snapshot": self.units}, chunk=self.chunk)
-            _protection.validate_plan(plan)
-            self._plans[id(table)] = (table, plan)
-        return self._plans[id(table)][1]
+        return self.ex.protection_plan()
+
+    @property
+    def executed(self) -> dict:
+        """The last step's dispatches per domain, protection pieces included (the executor's log)."""
+        return self.ex.executed
 
     def _pieces(self) -> int:
         return max(1, int(np.ceil(self.units / self.chunk - 1e-9)))
@@ -81,7 +80,6 @@ class BubbleCheckpoints:
     def begin(self, step: int) -> None:
         """Before step ``step + 1`` is dispatched (also when it is redone): the parts still
         to take of checkpoint ``step``, if it is one."""
-        self.executed = {d: [] for d in self.ex.table.order}
         if self.pending is not None and self.pending[0] != step:
             self.pending = None
         if step and step % self.every == 0 and self.pending is None and step not in self.committed:
@@ -103,9 +101,6 @@ class BubbleCheckpoints:
         for op in self._plan().dispatch(domain):
             if op.before == index and op.kind == "snapshot":
                 self._take(domain, op.stage, op.chunk % per, op.chunks)
-
-    def op(self, domain, op) -> None:
-        self.executed.setdefault(domain, []).append(("op", op.kind, op.replica, op.microbatch))
 
     def end(self) -> None:
         """After the step's update is dispatched: whatever the plan left (pieces of a stage
@@ -131,7 +126,7 @@ class BubbleCheckpoints:
                 x.copy_to_host_async()
             parts[s][j] = (domain, chunk)
         if taken:  # (a step redone after a failure finds most pieces already on the host)
-            self.executed.setdefault(domain, []).append(("snapshot", s, taken[0], len(taken))
+            self.ex.executed.setdefault(domain, []).append(("snapshot", s, taken[0], len(taken))
                                                         + (("spill",) if spill else ()))
 
     def _drop_lost(self) -> None:

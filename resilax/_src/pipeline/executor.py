@@ -61,6 +61,8 @@ from resilax._src.protect.checksum import tree_checksums
 
 
 _DEFAULT = object()
+_CHUNK = 0.25  # the protection plan's pieces, in cost units
+_BUDGET = 0.01  # the share of the step an "auto" protection cadence may add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +130,12 @@ class PipelineExecutor:
         or at the step's end (``"end"``); ``checkpoint_units``: one stage's snapshot in units
         of one forward op (its bytes over the host link's bandwidth, over an F op's time:
         `protection.work_units`); `restore` reads them.
+      peer_every, peer_units: a peer copy of every stage every ``peer_every`` steps (0: none;
+        ``"auto"``: the fewest steps that keep the copies within 1% of the step, idle time
+        counted free), dispatched in the bubbles of the next step to a domain of another
+        stage (`peers.BubblePeers`), so a stage whose every replica is lost comes back from it
+        at `rejoin`; ``peer_units``: one stage's copy in units of one forward op (its bytes
+        over the link between domains, over an F op's time).
       faults: chaos testing, as `resilax.FaultPlan` (or its strings): ``fail_slice@N[:phase]/K``
         and ``rejoin@N/K`` with ``K = r * stages + s`` (phases ``before_step``, ``after_step``,
         ``mid_step``: half of step ``N + 1``'s ops dispatched, ``during_save``: right after
@@ -144,7 +152,8 @@ class PipelineExecutor:
                  replicas: int | None = None, stages: int | None = None, schedule: str = "zb-h1",
                  on_failure: str = "reroute", seed: int = 0, devices=None, lost=(), faults=(),
                  anomaly=_DEFAULT, checkpoint_dir: str | None = None, checkpoint_every: int | str = 0,
-                 checkpoint_placement: str = "bubbles", checkpoint_units: float = 1.0):
+                 checkpoint_placement: str = "bubbles", checkpoint_units: float = 1.0,
+                 peer_every: int | str = 0, peer_units: float = 1.0):
         where = "resilax.PipelineExecutor"
         from resilax._src.config import AnomalyConfig
         from resilax._src.protect import anomaly as _anomaly
@@ -197,7 +206,21 @@ class PipelineExecutor:
         self._exe = _programs(model, tx, self.L, self.k, stages, anomaly)
         self._ckpt = None  # (directory, orbax CheckpointManager) of the save in flight
         self.faults = _check_faults(faults, replicas * stages)
-        self.bubbles = None
+        self.bubbles = self.peer_copies = None
+        self.executed: dict = {}  # domain -> [("op", kind, v, m) | ("snapshot" | "peer", stage, piece, count, ...)]
+        self._plans: dict = {}
+        self._work = {}  # each stage's protection work per protected step, in cost units (one F op = 1)
+        for name, every, units, kind in (("checkpoint", checkpoint_every, checkpoint_units, "snapshot"),
+                                         ("peer", peer_every, peer_units, "peer")):
+            if every != "auto" and not (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
+                raise PipelineError(f"{where}: {name}_every must be an int >= 0 or 'auto', but got {every!r}")
+            if every and not (isinstance(units, (int, float)) and units > 0):
+                raise PipelineError(f"{where}: {name}_units must be > 0 (cost units), but got {units!r}")
+            if every:
+                self._work[kind] = float(units)
+        if peer_every and stages < 2:
+            raise PipelineError(f"{where}: peer copies go to a domain of another stage, so they need stages >= 2, "
+                                f"but stages={stages}")
         if checkpoint_every:
             from resilax._src.pipeline.bubbles import BubbleCheckpoints
 
@@ -205,13 +228,40 @@ class PipelineExecutor:
                 raise PipelineError(f"{where}: checkpoint_every={checkpoint_every} needs a checkpoint_dir")
             try:
                 self.bubbles = BubbleCheckpoints(self, checkpoint_dir, checkpoint_every,
-                                                 placement=checkpoint_placement, units=checkpoint_units)
+                                                 placement=checkpoint_placement, units=checkpoint_units,
+                                                 chunk=_CHUNK)
             except ValueError as e:
                 raise PipelineError(str(e)) from None
+        if peer_every:
+            from resilax._src.pipeline import protection as _protection
+            from resilax._src.pipeline.peers import BubblePeers
+
+            if peer_every == "auto":  # the fewest steps between copies that add <= 1%, bubbles counted free
+                c = _protection.cadence(self.protection_plan(), _BUDGET)
+                if c.every is None:
+                    raise PipelineError(f"{where}: no peer copy cadence keeps {peer_units} units of copy work per "
+                                        f"stage within {_BUDGET:.0%} of the step")
+                peer_every = c.every
+                self.events.append({"kind": "peer_cadence", "every": c.every, "overhead": c.overhead,
+                                    "bubbles": c.bubbles})
+            self.peer_copies = BubblePeers(self, peer_every, units=peer_units, chunk=_CHUNK)
         for d in lost:
             self.fail_domain(d)
 
     # ------------------------------------------------------------------ public
+    def protection_plan(self):
+        """The `protection.ProtectionPlan` of the table in use with every protection this
+        executor runs (``snapshot``: checkpoints, ``peer``: peer copies), validated: its ops
+        sit in idle time only. One plan per table (tables are cached by the planner)."""
+        from resilax._src.pipeline import protection as _protection
+
+        table = self.table
+        if id(table) not in self._plans:
+            plan = _protection.place(table, self._work, chunk=_CHUNK)
+            _protection.validate_plan(plan)
+            self._plans[id(table)] = (table, plan)
+        return self._plans[id(table)][1]
+
     def __call__(self, batch, *, fail_at: tuple[int, tuple[int, int]] | None = None):
         """One step on ``batch`` (a pytree of host arrays with leading dimension divisible by
         ``D * M``). ``fail_at=(i, (r, s))``: domain ``(r, s)`` is lost before the step's
@@ -232,6 +282,11 @@ class PipelineExecutor:
         key = jax.random.fold_in(jax.random.key(self.seed), n)
         mbs = self._microbatches(batch)
         while True:
+            if self.table is None:
+                gone = [s for s in range(self.S) if not any(d[1] == s for d in self.state)]
+                raise StateLostError(f"resilax.PipelineExecutor: stage(s) {gone} have no live domain; their state is in "
+                                     f"peer copies: rejoin a domain of each (rejoin((r, s))), then feed the batch of "
+                                     f"the step rejoin returns")
             try:
                 metrics = self._step(key, mbs, fail_at)
                 break
@@ -262,25 +317,41 @@ class PipelineExecutor:
         d = tuple(domain)
         if d not in self.devices or d in self.lost:
             raise PipelineError(f"resilax.PipelineExecutor.fail_domain: {d} is not a live domain")
-        jax.block_until_ready((self.state, attempt.arrays() if attempt else []))  # work in flight ends first
+        copies = self.peer_copies.arrays() if self.peer_copies is not None else []
+        jax.block_until_ready((self.state, attempt.arrays() if attempt else [], copies))  # work in flight ends first
         dev = self.devices[d]
         for x in jax.tree.leaves((self.state.pop(d), self.guard.pop(d))) + (attempt.arrays() if attempt else []):
             if isinstance(x, jax.Array) and not x.is_deleted() and dev in x.devices():
                 x.delete()
+        if self.peer_copies is not None:
+            self.peer_copies.lost(d)
         self.lost.add(d)
         self._replan(f"lost domain {d}")
 
-    def rejoin(self, domain) -> None:
-        """Domain ``(r, s)`` is back: its stage's state is copied from a live peer (bitwise)
-        and the healthy table (or the one for what is still lost) is used again."""
+    def rejoin(self, domain) -> int:
+        """Domain ``(r, s)`` is back: its stage's state is copied from a live replica of the
+        stage (bitwise), or, when none is left, from the stage's peer copy (`peers`), and the
+        healthy table (or the one for what is still lost) is used again. Returns the step the
+        job continues from: ``step_no``, or an earlier one when the peer copy of the current
+        step was not complete (every stage went back to the newest complete copies; feed the
+        batches from that step again). Raises StateLostError when no copy holds the stage."""
         d = tuple(domain)
         if d not in self.lost:
             raise PipelineError(f"resilax.PipelineExecutor.rejoin: {d} is not a lost domain")
-        peer = next(p for p in sorted(self.state) if p[1] == d[1])
-        self.state[d] = jax.device_put(self.state[peer], self.devices[d])
-        self.guard[d] = jax.device_put(self.guard[peer], self.devices[d])
+        peer = next((p for p in sorted(self.state) if p[1] == d[1]), None)
+        if peer is not None:
+            self.state[d] = jax.device_put(self.state[peer], self.devices[d])
+            self.guard[d] = jax.device_put(self.guard[peer], self.devices[d])
+            why = f"domain {d} rejoined from {peer}"
+        elif self.peer_copies is not None:
+            step = self.peer_copies.restore(d)
+            why = f"domain {d} rejoined from its stage's peer copy of step {step}"
+        else:
+            raise StateLostError(f"resilax.PipelineExecutor.rejoin: no live domain and no peer copy holds stage "
+                                 f"{d[1]}; restore a checkpoint")
         self.lost.discard(d)
-        self._replan(f"domain {d} rejoined from {peer}")
+        self._replan(why)
+        return self.step_no
 
     def stage_state(self, s: int):
         """Stage ``s``'s ``(params, optimizer state)`` from a live replica."""
@@ -346,6 +417,8 @@ class PipelineExecutor:
                     self.state[d] = jax.device_put(got["state"][f"stage_{d[1]:03d}"], self.devices[d])
                     self.guard[d] = jax.device_put(got["state"]["guard"], self.devices[d])
                 self.step_no = step
+                if self.peer_copies is not None:
+                    self.peer_copies.reset()
                 return step
         raise CorruptCheckpointError(f"resilax.PipelineExecutor.restore: no checkpoint under {directory!r} matches "
                                      f"its checksums (steps tried: {steps})")
@@ -363,6 +436,10 @@ class PipelineExecutor:
                                      f"a checkpoint") from None
         else:
             gone = [s for s in range(self.S) if all((r, s) in lost for r in range(self.D))]
+            if gone and self.peer_copies is not None and self.peer_copies.covers(gone):
+                self.table = None  # no step runs until a domain of each stage in `gone` rejoins
+                self.events.append({"kind": "wait_rejoin", "step": self.step_no, "stages": gone, "why": why})
+                return
             if gone:
                 self.events.append({"kind": "reroute_impossible", "step": self.step_no, "stages": gone})
                 raise StateLostError(f"resilax.PipelineExecutor: {why}: every replica of stage(s) {gone} is lost, "
@@ -385,9 +462,11 @@ class PipelineExecutor:
         S, ex, at = self.S, self._exe, _Attempt()
         put = jax.device_put
         keys = {}
-        bub, pos = self.bubbles, dict.fromkeys(self.table.order, 0)
-        if bub is not None:
-            bub.begin(self.step_no)
+        prot, pos = [p for p in (self.bubbles, self.peer_copies) if p is not None], dict.fromkeys(self.table.order, 0)
+        if prot:
+            self.executed = {d: [] for d in self.table.order}
+        for p in prot:
+            p.begin(self.step_no)
         for i, (d, op) in enumerate(self.table.dispatch_order()):
             if fail_at is not None and fail_at[0] == i:
                 if fail_at[1] is None:  # kill_process mid-step: no cleanup, no flush
@@ -396,9 +475,10 @@ class PipelineExecutor:
                 self.events.append({"kind": "fail", "step": self.step_no, "domain": tuple(fail_at[1]), "op": i})
                 self.fail_domain(fail_at[1], attempt=at)
                 raise _Abandon()
-            if bub is not None:  # protection pieces planned into this domain's idle time
-                bub.before(d, pos[d])
-                bub.op(d, op)
+            for p in prot:  # protection pieces planned into this domain's idle time
+                p.before(d, pos[d])
+            if prot:
+                self.executed[d].append(("op", op.kind, op.replica, op.microbatch))
             pos[d] += 1
             dev, (p, _) = self.devices[d], self.state[d]
             v, m, s = op.replica, op.microbatch, op.stage
@@ -427,12 +507,12 @@ class PipelineExecutor:
                         at.cts[(v, m, s - 1)] = dx
                 self._accumulate(at, v, m, s, dw)
             at.dispatches += 1
-        if bub is not None:
+        for p in prot:
             for d, n in pos.items():
-                bub.before(d, n)  # pieces planned before the domain's update
+                p.before(d, n)  # pieces planned before the domain's update
         out = self._update(at)
-        if bub is not None:
-            bub.end()
+        for p in prot:
+            p.end()
         return out
 
     def _accumulate(self, at, v, m, s, dw):
