@@ -28,8 +28,9 @@ Model (a conservative one): a protection op occupies its domain like any op (one
 no overlap with compute), although a device-to-host copy and a NIC transfer use engines
 that compute does not; every live domain of stage s runs stage s's work; the kinds of one
 domain run one after the other in the order given (``snapshot`` before ``peer``: the peer
-copy sends the host snapshot). Nothing here runs JAX: the executor does not dispatch these
-ops yet, it would consume :meth:`ProtectionPlan.dispatch`.
+copy sends the host snapshot). Nothing here runs JAX: `PipelineExecutor` dispatches the
+``snapshot`` (checkpoint parts) and ``peer`` ops of :meth:`ProtectionPlan.dispatch`
+(`bubbles`, `peers`); the executor keeps no record log, so it has no ``log`` ops.
 """
 
 from __future__ import annotations
