@@ -62,7 +62,7 @@ def test_copies_go_where_the_plan_put_them_and_a_lost_stage_comes_back_from_its_
             d = (0, s)
             ops = ref_executed[step][d]
             got = [sum(o[0] == "op" for o in ops[:i]) for i, o in enumerate(ops) if o[0] == "peer"]
-            want = [o.before for o in plan.dispatch(d) if o.kind == "peer"]
+            want = [o.before for o in plan.steady(d, 0) if o.kind == "peer"]
             assert got == want and got, (d, ops, want)
             assert {o[4] for o in ops if o[0] == "peer"} == {(0, (s + 1) % 4)}  # a domain of another stage
             assert sum(o[3] for o in ops if o[0] == "peer") == ref.peer_copies._per()  # the whole stage
@@ -130,3 +130,23 @@ def test_an_auto_cadence_counts_the_bubbles_as_free():
     plan = protection.place(big.table, {"peer": 8.0}, chunk=0.25)
     assert big.peer_copies.every == protection.cadence(plan, 0.01).every > 1
     assert protection.cadence(plan, 0.01, bubbles=False).every > big.peer_copies.every
+
+
+def test_a_copy_that_does_not_fit_one_steps_bubbles_takes_the_next_ones():
+    """Copies every 2 steps of 6 units per stage (24 pieces; a step's bubbles hold 20): the
+    plan spreads them over the bubbles of the 2 steps after the copied step, and the
+    executor dispatches them there."""
+    ex = _ex(1, peer_every=2, peer_units=6.0)
+    plan = ex.protection_plan()
+    assert plan.every == 2 and not any(plan.spill.values())
+    protection.validate_plan(plan)
+    _, executed = _train(ex)
+    for s in range(4):
+        d = (0, s)
+        for offset, step in ((0, 3), (1, 4), (0, 5)):  # step 2's copy goes out in steps 3 and 4, step 4's from 5
+            ops = executed[step][d]
+            got = [(sum(o[0] == "op" for o in ops[:i]), o[3]) for i, o in enumerate(ops) if o[0] == "peer"]
+            want = [(o.before, o.chunks) for o in plan.steady(d, offset) if o.kind == "peer"]
+            assert got == want, (d, offset, got, want)
+        assert sum(o[3] for k in (3, 4) for o in executed[k][d] if o[0] == "peer") == 24
+    assert ex.peer_copies.base == 2  # step 4's copy is complete only once step 6's pieces are out too

@@ -79,8 +79,9 @@ class BubbleCheckpoints:
     # ---------------------------------------------------------------- per step
     def begin(self, step: int) -> None:
         """Before step ``step + 1`` is dispatched (also when it is redone): the parts still
-        to take of checkpoint ``step``, if it is one."""
-        if self.pending is not None and self.pending[0] != step:
+        to take of checkpoint ``step``, if it is one, or of the one whose window (the plan's
+        ``every`` steps after it) is still open."""
+        if self.pending is not None and not 0 <= step - self.pending[0] < self.ex._plan_every:
             self.pending = None
         if step and step % self.every == 0 and self.pending is None and step not in self.committed:
             self.pending = (step, {s: {} for s in range(self.ex.S)}, dict(self.ex.state), dict(self.ex.guard))
@@ -98,21 +99,24 @@ class BubbleCheckpoints:
         if domain != self._source(domain[1]):
             return
         per = self._pieces()
-        for op in self._plan().dispatch(domain):
+        for op in self._plan().steady(domain, self.ex.step_no - self.pending[0]):
             if op.before == index and op.kind == "snapshot":
                 self._take(domain, op.stage, op.chunk % per, op.chunks)
 
     def end(self) -> None:
-        """After the step's update is dispatched: whatever the plan left (pieces of a stage
-        whose source changed) is taken now, then checkpoint ``k`` is written (the host waits
-        for the parts' copies here, while the device runs the step)."""
+        """After the step's update is dispatched: in the last step of the window, whatever
+        the plan left (pieces of a stage whose source changed) is taken now; once every part
+        is taken checkpoint ``k`` is written (the host waits for the parts' copies here, while
+        the device runs the step)."""
         if self.pending is None:
             return
-        for s in range(self.ex.S):
-            missing = [j for j in range(self._pieces()) if j not in self.pending[1][s]]
-            if missing:
-                self._take(self._source(s), s, missing[0], len(missing), spill=True)
-        self._commit()
+        if self.ex.step_no - self.pending[0] >= self.ex._plan_every - 1:
+            for s in range(self.ex.S):
+                missing = [j for j in range(self._pieces()) if j not in self.pending[1][s]]
+                if missing:
+                    self._take(self._source(s), s, missing[0], len(missing), spill=True)
+        if all(len(self.pending[1][s]) == self._pieces() for s in range(self.ex.S)):
+            self._commit()
 
     # ---------------------------------------------------------------- parts
     def _take(self, domain, s, first, count, spill=False) -> None:
@@ -169,7 +173,15 @@ class BubbleCheckpoints:
 
     def flush(self, step: int) -> None:
         """At the end of a run: checkpoint ``step`` (if it is one and not written yet), its
-        parts taken now."""
+        parts taken now; so is the rest of one whose window is still open."""
+        if any(not any(d[1] == s for d in self.ex.state) for s in range(self.ex.S)):
+            self.pending = None  # a stage without a live domain (waiting for a rejoin): nothing to write
+            return
+        if self.pending is not None and self.pending[0] != step:
+            self._drop_lost()
+            for s in range(self.ex.S):
+                self._take(self._source(s), s, 0, self._pieces(), spill=True)
+            self._commit()
         if step and step % self.every == 0 and step not in self.committed:
             if self.pending is None or self.pending[0] != step:
                 self.pending = (step, {s: {} for s in range(self.ex.S)}, dict(self.ex.state), dict(self.ex.guard))

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from typing import Any, Callable
 
@@ -209,6 +210,7 @@ class PipelineExecutor:
         self.bubbles = self.peer_copies = None
         self.executed: dict = {}  # domain -> [("op", kind, v, m) | ("snapshot" | "peer", stage, piece, count, ...)]
         self._plans: dict = {}
+        self._plan_every = 1
         self._work = {}  # each stage's protection work per protected step, in cost units (one F op = 1)
         for name, every, units, kind in (("checkpoint", checkpoint_every, checkpoint_units, "snapshot"),
                                          ("peer", peer_every, peer_units, "peer")):
@@ -245,22 +247,25 @@ class PipelineExecutor:
                 self.events.append({"kind": "peer_cadence", "every": c.every, "overhead": c.overhead,
                                     "bubbles": c.bubbles})
             self.peer_copies = BubblePeers(self, peer_every, units=peer_units, chunk=_CHUNK)
+        self._plan_every = math.gcd(*[p.every for p in (self.bubbles, self.peer_copies) if p is not None] or [1])
         for d in lost:
             self.fail_domain(d)
 
     # ------------------------------------------------------------------ public
-    def protection_plan(self):
+    def protection_plan(self, every: int | None = None):
         """The `protection.ProtectionPlan` of the table in use with every protection this
         executor runs (``snapshot``: checkpoints, ``peer``: peer copies), validated: its ops
-        sit in idle time only. One plan per table (tables are cached by the planner)."""
+        sit in idle time only. ``every`` (default: the greatest common divisor of the
+        checkpoint and peer cadences, so both copy on the plan's protected steps): a copy's
+        pieces may use the bubbles of that many steps. One plan per table and cadence."""
         from resilax._src.pipeline import protection as _protection
 
-        table = self.table
-        if id(table) not in self._plans:
-            plan = _protection.place(table, self._work, chunk=_CHUNK)
+        table, every = self.table, every or self._plan_every
+        if (id(table), every) not in self._plans:
+            plan = _protection.place(table, self._work, chunk=_CHUNK, every=every)
             _protection.validate_plan(plan)
-            self._plans[id(table)] = (table, plan)
-        return self._plans[id(table)][1]
+            self._plans[(id(table), every)] = (table, plan)
+        return self._plans[(id(table), every)][1]
 
     def __call__(self, batch, *, fail_at: tuple[int, tuple[int, int]] | None = None):
         """One step on ``batch`` (a pytree of host arrays with leading dimension divisible by

@@ -82,8 +82,10 @@ class BubblePeers:
 
     # ---------------------------------------------------------------- per step
     def begin(self, step: int) -> None:
-        """Before step ``step + 1`` is dispatched (also when it is redone)."""
-        if self.pending is not None and self.pending[0] != step:
+        """Before step ``step + 1`` is dispatched (also when it is redone): a copy of step
+        ``step`` if it is a copy step; one whose window (the plan's ``every`` steps after its
+        step) is still open goes on."""
+        if self.pending is not None and not 0 <= step - self.pending[0] < self.ex._plan_every:
             self.pending = None
         if step % self.every == 0 and step != self.base and self.pending is None:
             self.copies.setdefault(step, {s: {} for s in range(self.ex.S)})
@@ -96,24 +98,29 @@ class BubblePeers:
         """Runs ``domain``'s planned copy pieces due right before its item ``index``."""
         if self.pending is None or domain != self._source(domain[1]):
             return
-        for op in self.ex.protection_plan().dispatch(domain):
+        for op in self.ex.protection_plan().steady(domain, self.ex.step_no - self.pending[0]):
             if op.before == index and op.kind == "peer":
                 self._take(domain, op.stage, op.chunk % self._per(), op.chunks)
 
     def end(self) -> None:
-        """After the step's update is dispatched: pieces the plan did not place (a stage whose
-        source changed) are taken now; a step whose every stage is copied becomes ``base``."""
+        """After the step's update is dispatched: in the last step of the window, pieces the
+        plan did not place (a stage whose source changed) are taken now; a step whose every
+        stage is copied becomes ``base``."""
         if self.pending is None:
             return
         k = self.pending[0]
-        for s in range(self.ex.S):
-            missing = [j for j in range(self._per()) if j not in self.copies[k][s]]
-            src = self._source(s)
-            if missing and src is not None:
-                self._take(src, s, missing[0], len(missing), spill=True)
+        last = self.ex.step_no - k >= self.ex._plan_every - 1
+        if last:
+            for s in range(self.ex.S):
+                missing = [j for j in range(self._per()) if j not in self.copies[k][s]]
+                src = self._source(s)
+                if missing and src is not None:
+                    self._take(src, s, missing[0], len(missing), spill=True)
         if all(self.complete(k, s) for s in range(self.ex.S)):
             self._new_base(k)
             self.pending = None
+        elif last:
+            self.pending = None  # a stage without a source: this copy stays incomplete
 
     def _new_base(self, k: int) -> None:
         self._drop(lambda st: st != k)
