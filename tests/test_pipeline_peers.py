@@ -65,7 +65,7 @@ def test_copies_go_where_the_plan_put_them_and_a_lost_stage_comes_back_from_its_
             want = [o.before for o in plan.steady(d, 0) if o.kind == "peer"]
             assert got == want and got, (d, ops, want)
             assert {o[4] for o in ops if o[0] == "peer"} == {(0, (s + 1) % 4)}  # a domain of another stage
-            assert sum(o[3] for o in ops if o[0] == "peer") == ref.peer_copies._per()  # the whole stage
+            assert sum(o[3] for o in ops if o[0] == "peer") == ref.pieces("peer", s)  # the whole stage
     # (0, 2) is lost halfway through step 3, after its copy of step 2 went out
     ex = _ex(1, peer_every=1)
     kept, _ = _train(ex, fail=(2, len(ex.table.dispatch_order()) // 2, (0, 2)), rejoin=(0, 2))
@@ -150,3 +150,27 @@ def test_a_copy_that_does_not_fit_one_steps_bubbles_takes_the_next_ones():
             assert got == want, (d, offset, got, want)
         assert sum(o[3] for k in (3, 4) for o in executed[k][d] if o[0] == "peer") == 24
     assert ex.peer_copies.base == 2  # step 4's copy is complete only once step 6's pieces are out too
+
+
+def test_calibrate_plans_with_measured_costs_and_the_executor_follows_that_plan(one_replica):
+    """The op costs and each stage's copy work are timed on this machine's devices; the plan
+    (and the auto cadence) uses them, the executor dispatches that plan, and the maths stays
+    the same bits."""
+    _, ref_kept, _ = one_replica
+    ex = _ex(1, peer_every="auto")
+    got = ex.calibrate(BATCHES[0], repeats=3)
+    assert got["costs"]["F"] == 1.0 and all(v > 0 for v in got["costs"].values())
+    assert all(got["work"][s]["peer"] > 0 for s in range(4))
+    plan = ex.protection_plan()
+    assert dict(plan.costs) == {**plan.costs, **got["costs"]}
+    assert {s: dict(w) for s, w in plan.work.items()} == {s: {"peer": got["work"][s]["peer"]} for s in range(4)}
+    protection.validate_plan(plan)
+    want_every = protection.cadence(protection.place(ex.table, {s: {"peer": got["work"][s]["peer"]} for s in range(4)},
+                                                     costs=got["costs"], chunk=0.25), 0.01).every
+    assert ex.peer_copies.every == got["every"] == want_every
+    kept, executed = _train(ex)
+    for s in range(4):  # the copy of step 0 goes out during step 1, as the measured plan says
+        ops = executed[1][(0, s)]
+        got_at = [(sum(o[0] == "op" for o in ops[:i]), o[3]) for i, o in enumerate(ops) if o[0] == "peer"]
+        assert got_at == [(o.before, o.chunks) for o in plan.steady((0, s), 0) if o.kind == "peer"], (s, ops)
+    assert _equal(kept[STEPS], ref_kept[STEPS])

@@ -70,8 +70,8 @@ class BubbleCheckpoints:
         """The last step's dispatches per domain, protection pieces included (the executor's log)."""
         return self.ex.executed
 
-    def _pieces(self) -> int:
-        return max(1, int(np.ceil(self.units / self.chunk - 1e-9)))
+    def _pieces(self, s: int) -> int:
+        return self.ex.pieces("snapshot", s)
 
     def _source(self, s):
         return min(d for d in self.ex.state if d[1] == s)
@@ -89,7 +89,7 @@ class BubbleCheckpoints:
             self._drop_lost()
             if self.placement == "end":
                 for s in range(self.ex.S):
-                    self._take(self._source(s), s, 0, self._pieces())
+                    self._take(self._source(s), s, 0, self._pieces(s))
                 self._commit()
 
     def before(self, domain, index: int) -> None:
@@ -98,10 +98,9 @@ class BubbleCheckpoints:
             return
         if domain != self._source(domain[1]):
             return
-        per = self._pieces()
         for op in self._plan().steady(domain, self.ex.step_no - self.pending[0]):
             if op.before == index and op.kind == "snapshot":
-                self._take(domain, op.stage, op.chunk % per, op.chunks)
+                self._take(domain, op.stage, op.chunk % self._pieces(op.stage), op.chunks)
 
     def end(self) -> None:
         """After the step's update is dispatched: in the last step of the window, whatever
@@ -112,17 +111,17 @@ class BubbleCheckpoints:
             return
         if self.ex.step_no - self.pending[0] >= self.ex._plan_every - 1:
             for s in range(self.ex.S):
-                missing = [j for j in range(self._pieces()) if j not in self.pending[1][s]]
+                missing = [j for j in range(self._pieces(s)) if j not in self.pending[1][s]]
                 if missing:
                     self._take(self._source(s), s, missing[0], len(missing), spill=True)
-        if all(len(self.pending[1][s]) == self._pieces() for s in range(self.ex.S)):
+        if all(len(self.pending[1][s]) == self._pieces(s) for s in range(self.ex.S)):
             self._commit()
 
     # ---------------------------------------------------------------- parts
     def _take(self, domain, s, first, count, spill=False) -> None:
         k, parts, state, guard = self.pending
         leaves = jax.tree.leaves(state[domain])
-        per = self._pieces()
+        per = self._pieces(s)
         taken = [j for j in range(first, min(first + count, per)) if j not in parts[s]]
         for j in taken:
             chunk = leaves[j::per]
@@ -156,7 +155,7 @@ class BubbleCheckpoints:
         for s in range(self.ex.S):
             src = self._source(s)
             treedef = jax.tree.structure(state[src])
-            per, n = self._pieces(), len(jax.tree.leaves(state[src]))
+            per, n = self._pieces(s), len(jax.tree.leaves(state[src]))
             host = [None] * n
             for j, (_, chunk) in parts[s].items():
                 for i, x in zip(range(j, n, per), chunk):
@@ -180,14 +179,14 @@ class BubbleCheckpoints:
         if self.pending is not None and self.pending[0] != step:
             self._drop_lost()
             for s in range(self.ex.S):
-                self._take(self._source(s), s, 0, self._pieces(), spill=True)
+                self._take(self._source(s), s, 0, self._pieces(s), spill=True)
             self._commit()
         if step and step % self.every == 0 and step not in self.committed:
             if self.pending is None or self.pending[0] != step:
                 self.pending = (step, {s: {} for s in range(self.ex.S)}, dict(self.ex.state), dict(self.ex.guard))
             self._drop_lost()
             for s in range(self.ex.S):
-                self._take(self._source(s), s, 0, self._pieces(), spill=True)
+                self._take(self._source(s), s, 0, self._pieces(s), spill=True)
             self._commit()
 
     def close(self) -> None:

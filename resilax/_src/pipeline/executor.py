@@ -211,7 +211,9 @@ class PipelineExecutor:
         self.executed: dict = {}  # domain -> [("op", kind, v, m) | ("snapshot" | "peer", stage, piece, count, ...)]
         self._plans: dict = {}
         self._plan_every = 1
-        self._work = {}  # each stage's protection work per protected step, in cost units (one F op = 1)
+        self._work = {s: {} for s in range(stages)}  # stage -> {kind: units per protected step}, one F op = 1
+        self._costs = None  # op costs of the plan (None: unit ones; `calibrate` measures them)
+        self._auto = set()  # the kinds whose cadence is "auto"
         for name, every, units, kind in (("checkpoint", checkpoint_every, checkpoint_units, "snapshot"),
                                          ("peer", peer_every, peer_units, "peer")):
             if every != "auto" and not (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
@@ -219,7 +221,10 @@ class PipelineExecutor:
             if every and not (isinstance(units, (int, float)) and units > 0):
                 raise PipelineError(f"{where}: {name}_units must be > 0 (cost units), but got {units!r}")
             if every:
-                self._work[kind] = float(units)
+                for w in self._work.values():
+                    w[kind] = float(units)
+            if every == "auto":
+                self._auto.add(kind)
         if peer_every and stages < 2:
             raise PipelineError(f"{where}: peer copies go to a domain of another stage, so they need stages >= 2, "
                                 f"but stages={stages}")
@@ -246,7 +251,7 @@ class PipelineExecutor:
                 peer_every = c.every
                 self.events.append({"kind": "peer_cadence", "every": c.every, "overhead": c.overhead,
                                     "bubbles": c.bubbles})
-            self.peer_copies = BubblePeers(self, peer_every, units=peer_units, chunk=_CHUNK)
+            self.peer_copies = BubblePeers(self, peer_every)
         self._plan_every = math.gcd(*[p.every for p in (self.bubbles, self.peer_copies) if p is not None] or [1])
         for d in lost:
             self.fail_domain(d)
@@ -262,10 +267,46 @@ class PipelineExecutor:
 
         table, every = self.table, every or self._plan_every
         if (id(table), every) not in self._plans:
-            plan = _protection.place(table, self._work, chunk=_CHUNK, every=every)
+            plan = _protection.place(table, self._work, costs=self._costs, chunk=_CHUNK, every=every)
             _protection.validate_plan(plan)
             self._plans[(id(table), every)] = (table, plan)
         return self._plans[(id(table), every)][1]
+
+    def pieces(self, kind: str, s: int) -> int:
+        """How many pieces stage ``s``'s ``kind`` work is cut into (the plan's count)."""
+        return max(1, math.ceil(self._work[s].get(kind, 0.0) / _CHUNK - 1e-9))
+
+    def calibrate(self, batch, *, repeats: int = 5) -> dict:
+        """Times each stage's programs on ``batch``'s first micro-batch and each stage's
+        copies (to the host, to its peer copy's keeper), blocking, and plans protection with
+        those costs from then on (op costs relative to F, each stage's work in units of F);
+        an ``"auto"`` cadence is chosen again. Returns what `calibrate.measure` measured.
+        Call it between steps, with no copy in progress (before the first step, or right
+        after a checkpoint or peer copy completed). Raises PipelineError otherwise."""
+        from resilax._src.pipeline import calibrate as _calibrate
+        from resilax._src.pipeline import protection as _protection
+
+        if any(p is not None and p.pending is not None for p in (self.bubbles, self.peer_copies)):
+            raise PipelineError("resilax.PipelineExecutor.calibrate: a checkpoint or peer copy is in progress; "
+                                "call it before the first step or once the copy is complete")
+        got = _calibrate.measure(self, batch, repeats=repeats)
+        self._costs = got["costs"]
+        self._work = {s: {k: max(got["work"][s].get(kind, 0.0), 1e-6) for k, kind in
+                          (("snapshot", "snapshot"), ("peer", "peer")) if k in self._work[s]} for s in range(self.S)}
+        self._plans.clear()
+        if self._auto:
+            c = _protection.cadence(self.protection_plan(every=1), _BUDGET)
+            if c.every is None:
+                raise PipelineError(f"resilax.PipelineExecutor.calibrate: with the measured costs no cadence keeps "
+                                    f"protection within {_BUDGET:.0%} of the step")
+            for kind, p in (("snapshot", self.bubbles), ("peer", self.peer_copies)):
+                if kind in self._auto:
+                    p.every = c.every
+            got["every"] = c.every
+        self._plan_every = math.gcd(*[p.every for p in (self.bubbles, self.peer_copies) if p is not None] or [1])
+        self.events.append({"kind": "calibrated", "step": self.step_no, "costs": dict(got["costs"]),
+                            "every": self._plan_every})
+        return got
 
     def __call__(self, batch, *, fail_at: tuple[int, tuple[int, int]] | None = None):
         """One step on ``batch`` (a pytree of host arrays with leading dimension divisible by

@@ -40,27 +40,28 @@ neighbour's stage on every keeper.
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from resilax._src.errors import StateLostError
 
 
 class BubblePeers:
     """Peer copies of every stage every ``every`` steps (an int >= 1), dispatched in the
-    bubbles of the next step per ``ex.protection_plan()``'s ``peer`` ops; ``units``: one
-    stage's copy in the table's cost units (one F op = 1), ``chunk``: the size of its pieces."""
+    bubbles of the steps after per ``ex.protection_plan()``'s ``peer`` ops, in
+    ``ex.pieces("peer", s)`` pieces per stage."""
 
-    def __init__(self, ex, every: int, *, units: float, chunk: float):
-        self.ex, self.every, self.units, self.chunk = ex, every, units, chunk
+    def __init__(self, ex, every: int):
+        self.ex, self.every = ex, every
         # step -> {stage: {piece: (keeper domain, [device arrays on the keeper's device])}}
         self.copies: dict = {}
         self.treedefs: dict = {}  # stage -> treedef of (params, opt state), guard
+        self.counts: dict = {}  # (step, stage) -> pieces of that copy
         self.base: int | None = None  # newest step whose every stage is fully copied
         self.pending = None  # (step k, {domain: (state, guard)} of step k) while its copies are taken
 
     # ---------------------------------------------------------------- helpers
-    def _per(self) -> int:
-        return max(1, int(np.ceil(self.units / self.chunk - 1e-9)))
+    def _per(self, k: int, s: int) -> int:
+        """Pieces of stage ``s``'s copy of step ``k`` (the plan's count when it began)."""
+        return self.counts[(k, s)]
 
     def _source(self, s):
         live = [d for d in self.ex.state if d[1] == s]
@@ -74,7 +75,7 @@ class BubblePeers:
         return next((d for d in order if d in self.ex.state), None)
 
     def complete(self, step: int, s: int) -> bool:
-        return len(self.copies.get(step, {}).get(s, {})) == self._per()
+        return step in self.copies and len(self.copies[step][s]) == self._per(step, s)
 
     def arrays(self) -> list:
         """Every copy buffer held (what a failure waits for before it deletes anything)."""
@@ -88,7 +89,9 @@ class BubblePeers:
         if self.pending is not None and not 0 <= step - self.pending[0] < self.ex._plan_every:
             self.pending = None
         if step % self.every == 0 and step != self.base and self.pending is None:
-            self.copies.setdefault(step, {s: {} for s in range(self.ex.S)})
+            if step not in self.copies:
+                self.copies[step] = {s: {} for s in range(self.ex.S)}
+                self.counts.update({(step, s): self.ex.pieces("peer", s) for s in range(self.ex.S)})
             self.pending = (step, {d: (self.ex.state[d], self.ex.guard[d]) for d in self.ex.state})
             for s in range(self.ex.S):
                 d = self._source(s)
@@ -100,7 +103,7 @@ class BubblePeers:
             return
         for op in self.ex.protection_plan().steady(domain, self.ex.step_no - self.pending[0]):
             if op.before == index and op.kind == "peer":
-                self._take(domain, op.stage, op.chunk % self._per(), op.chunks)
+                self._take(domain, op.stage, op.chunk % self._per(self.pending[0], op.stage), op.chunks)
 
     def end(self) -> None:
         """After the step's update is dispatched: in the last step of the window, pieces the
@@ -112,7 +115,7 @@ class BubblePeers:
         last = self.ex.step_no - k >= self.ex._plan_every - 1
         if last:
             for s in range(self.ex.S):
-                missing = [j for j in range(self._per()) if j not in self.copies[k][s]]
+                missing = [j for j in range(self._per(k, s)) if j not in self.copies[k][s]]
                 src = self._source(s)
                 if missing and src is not None:
                     self._take(src, s, missing[0], len(missing), spill=True)
@@ -144,7 +147,7 @@ class BubblePeers:
         if keeper is None or src not in refs:
             return
         leaves = jax.tree.leaves(refs[src])
-        per, parts = self._per(), self.copies[k][s]
+        per, parts = self._per(k, s), self.copies[k][s]
         taken = [j for j in range(first, min(first + count, per)) if j not in parts]
         dev = self.ex.devices[keeper]
         for j in taken:
@@ -201,7 +204,7 @@ class BubblePeers:
         return k
 
     def _gather(self, k, s, domain):
-        parts, per = self.copies[k][s], self._per()
+        parts, per = self.copies[k][s], self._per(k, s)
         n = self.treedefs[s].num_leaves
         leaves = [None] * n
         dev = self.ex.devices[domain]
