@@ -74,6 +74,16 @@ def test_copies_go_where_the_plan_put_them_and_a_lost_stage_comes_back_from_its_
     back = next(e for e in ex.events if e["kind"] == "restore_from_peer")
     assert back["step"] == 2 and back["keeper"] == (0, 3)
     assert all(_equal(kept[k], ref_kept[k]) for k in ref_kept)
+    # the same through a fault plan (domain K = replica * 4 + stage): a step that finds the
+    # stage gone raises, the next call's planned rejoin fills it and runs the step
+    ex = _ex(1, peer_every=1, faults=["fail_slice@2:mid_step/2", "rejoin@2:before_step/2"])
+    while ex.step_no < STEPS:
+        try:
+            ex(BATCHES[ex.step_no])
+        except resilax.StateLostError:
+            assert ex.step_no == 2 and (0, 2) in ex.lost
+    assert [e["kind"] for e in ex.events].count("restore_from_peer") == 1
+    assert _equal(ex.params(), ref_kept[STEPS])
 
 
 def test_a_lost_keepers_copies_are_deleted_and_nothing_reads_them():

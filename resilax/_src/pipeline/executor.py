@@ -33,8 +33,13 @@ process sees every device: CPU emulation, one GPU host, Pathways).
   stage ``s`` lives on the other replicas. Its buffers are deleted, the step in flight is
   abandoned (nothing was committed: the live state is replaced only after a step's last
   commit) and redone on the rerouted table, computed ahead. When every replica of a stage
-  is gone, rerouting cannot help and `StateLostError` says so (restore a checkpoint). A
-  domain that comes back (`rejoin`) gets its stage's state copied from a peer.
+  is gone, rerouting cannot help: with peer copies (`peers`) the job waits for a domain of
+  the stage to rejoin and fills it from the copy, else `StateLostError` says to restore a
+  checkpoint. A domain that comes back (`rejoin`) gets its stage's state copied from a
+  live replica of the stage, or from the peer copy.
+- **Protection in the bubbles** (`bubbles`, `peers`): checkpoint parts and peer copies are
+  dispatched into each stage's idle time as `protection.place` plans them
+  (`protection_plan`); `calibrate` measures the plan's costs.
 - **Checkpoints** (`save` / `restore`): one Orbax checkpoint of every stage's state, taken
   from any live replica of each stage, with on-device checksums verified at restore.
 
@@ -143,6 +148,9 @@ class PipelineExecutor:
         the save of step ``N`` returned), ``nan@N`` (step ``N``'s float inputs NaN),
         ``spike@N`` (the loss step ``N``'s verdict sees is 1000x) and ``kill_process@N[:phase]``
         (a real SIGKILL after step ``N``, or halfway through step ``N + 1``'s dispatches).
+        A ``rejoin@N:before_step`` waits for its domain to be lost, so
+        ``["fail_slice@N:mid_step/K", "rejoin@N:before_step/K"]`` brings back a stage's last replica
+        before step ``N + 1`` is tried again.
 
     Raises:
       PipelineError: shapes that do not divide, too few devices, an optimizer that is not
@@ -315,8 +323,17 @@ class PipelineExecutor:
         Returns ``{"loss", "verdict"}``: device scalars, not read on the host (verdict 0:
         applied, 1: skipped for NaN/Inf, 2: skipped for a loss spike)."""
         n = self.step_no
-        for f in self._due(n, ("before_step",), ("fail_slice", "rejoin")):
-            (self.fail_domain if f.kind == "fail_slice" else self.rejoin)(self._domain(f.target))
+        for f in self._due(n, ("before_step",), ("fail_slice",)):
+            self.fail_domain(self._domain(f.target))
+        # a planned rejoin waits for its domain to be lost (one lost in this step's first try
+        # comes back before the step is tried again)
+        for f in self._due(n, ("before_step",), ("rejoin",), lambda f: self._domain(f.target) in self.lost):
+            self.rejoin(self._domain(f.target))
+        self._check_live()
+        if self.step_no != n:  # a rejoin filled a stage from older peer copies: every stage went back
+            raise StateLostError(f"resilax.PipelineExecutor: a rejoin went back to the peer copies of step "
+                                 f"{self.step_no} (step {n}'s were incomplete); feed the batches from step "
+                                 f"{self.step_no} again")
         mid = self._due(n, ("mid_step",), ("fail_slice", "kill_process"))
         if mid and fail_at is None:
             fail_at = (len(self.table.dispatch_order()) // 2,
@@ -328,11 +345,7 @@ class PipelineExecutor:
         key = jax.random.fold_in(jax.random.key(self.seed), n)
         mbs = self._microbatches(batch)
         while True:
-            if self.table is None:
-                gone = [s for s in range(self.S) if not any(d[1] == s for d in self.state)]
-                raise StateLostError(f"resilax.PipelineExecutor: stage(s) {gone} have no live domain; their state is in "
-                                     f"peer copies: rejoin a domain of each (rejoin((r, s))), then feed the batch of "
-                                     f"the step rejoin returns")
+            self._check_live()
             try:
                 metrics = self._step(key, mbs, fail_at)
                 break
@@ -346,10 +359,18 @@ class PipelineExecutor:
             (self.fail_domain if f.kind == "fail_slice" else self.rejoin)(self._domain(f.target))
         return metrics
 
-    def _due(self, step, phases, kinds) -> list:
-        """The planned faults of ``kinds`` at ``step`` and one of ``phases`` (None: any),
-        removed from the plan."""
-        due = [f for f in self.faults if f.step == step and f.kind in kinds and (phases is None or f.phase in phases)]
+    def _check_live(self) -> None:
+        if self.table is None:
+            gone = [s for s in range(self.S) if not any(d[1] == s for d in self.state)]
+            raise StateLostError(f"resilax.PipelineExecutor: stage(s) {gone} have no live domain; their state is in "
+                                 f"peer copies: rejoin a domain of each (rejoin((r, s))), then feed the batch of "
+                                 f"the step rejoin returns")
+
+    def _due(self, step, phases, kinds, ready=lambda f: True) -> list:
+        """The planned faults of ``kinds`` at ``step`` and one of ``phases`` (None: any)
+        that are ``ready``, removed from the plan."""
+        due = [f for f in self.faults if f.step == step and f.kind in kinds and (phases is None or f.phase in phases)
+               and ready(f)]
         self.faults = [f for f in self.faults if f not in due]
         return due
 
