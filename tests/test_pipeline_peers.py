@@ -184,3 +184,13 @@ def test_calibrate_plans_with_measured_costs_and_the_executor_follows_that_plan(
         got_at = [(sum(o[0] == "op" for o in ops[:i]), o[3]) for i, o in enumerate(ops) if o[0] == "peer"]
         assert got_at == [(o.before, o.chunks) for o in plan.steady((0, s), 0) if o.kind == "peer"], (s, ops)
     assert _equal(kept[STEPS], ref_kept[STEPS])
+
+
+def test_the_bench_runs_the_executor_on_its_protection_rows():
+    """`resilax bench pipeline --protection` (measured) runs the executor with a checkpoint and
+    a peer copy every step at the row's work: every piece went where the plan put it."""
+    from resilax.tools.bench_pipeline_measure import protection_check
+
+    got = protection_check(2, 4, 2, "zb-h1", {"snapshot": 0.3, "peer": 0.6}, steps=2)
+    assert got == {"executed_as_planned": True, "pieces_per_step": 4 * (2 + 3), "bitwise_with_protection": True,
+                   "spilled_pieces": 0}

@@ -75,22 +75,29 @@ def protection_row(D: int, S: int, M: int, schedule: str, *, chunk: float = CHUN
     }
 
 
-def bench_protection(configs: Sequence[tuple[int, int, int]], *, chunk: float = CHUNK, budget: float = BUDGET
-                     ) -> dict:
-    """Rows for every config (the issue's first, then the others, without repeats) x schedule."""
+def bench_protection(configs: Sequence[tuple[int, int, int]], *, chunk: float = CHUNK, budget: float = BUDGET,
+                     check=None, check_max_domains: int = 8, check_schedules: Sequence[str] = ("zb-h1",)) -> dict:
+    """Rows for every config (the issue's first, then the others, without repeats) x schedule.
+    ``check(D, S, M, schedule, work) -> dict`` (optional, `bench_pipeline_measure.protection_check`):
+    runs the executor with the row's work on configs of at most ``check_max_domains`` domains
+    and the schedules ``check_schedules``; its keys join the row."""
     seen, rows = set(), []
     for cfg in tuple(PROTECTION_CONFIGS) + tuple(configs):
         if cfg in seen:
             continue
         seen.add(cfg)
         for schedule in ps.SCHEDULES:
-            rows.append(protection_row(*cfg, schedule, chunk=chunk, budget=budget))
+            row = protection_row(*cfg, schedule, chunk=chunk, budget=budget)
+            if check is not None and cfg[0] * cfg[1] <= check_max_domains and schedule in check_schedules:
+                row.update(check(*cfg, schedule, row["work_units"]))
+            rows.append(row)
     sample = assumed_work(rows[0]["healthy_ticks"])
     return {"rows": rows, "chunk_units": chunk, "budget": budget, "every_steps": {"peer": 1, "snapshot": 1},
             "work_sources": sample["sources"], "snapshot_s": sample["snapshot_s"], "peer_s": sample["peer_s"],
             "note": "overheads are protection's added share of the healthy step (steady per-step ticks of the "
-                    "replay); a protection op occupies its domain like any op; PipelineExecutor(checkpoint_every, "
-                    "peer_every) dispatches them as planned"}
+                    "replay); a protection op occupies its domain like any op; executed_as_planned (rows the "
+                    "executor ran, 8 CPU devices): PipelineExecutor(checkpoint_every=1, peer_every=1) with the row's "
+                    "work dispatched every piece where the plan put it"}
 
 
 def print_protection(p: dict) -> None:
