@@ -113,6 +113,12 @@ def print_protection(p: dict) -> None:
               f"{x['max_fit_units']:>6.2f} {x['max_fit_share_of_step']:>7.2%} {every:>15}")
     print("columns: work = units per stage per step; fits = units per stage the bubbles hold every step; "
           f"every = cheapest cadence at <= {p['budget']:.0%} of the step (end placement / bubbles)")
+    for x in p["rows"]:
+        if "executed_as_planned" in x:
+            print(f"executor {x['replicas']}x{x['stages']} M={x['microbatches']} {x['schedule']}, checkpoint + peer copy "
+                  f"every step: {x['pieces_per_step']} pieces per step, "
+                  f"{'all where the plan put them' if x['executed_as_planned'] else 'NOT as planned'}, "
+                  f"{'bitwise' if x['bitwise_with_protection'] else 'NOT bitwise'} vs no protection")
 
 
 def gantt(ax, D: int = 2, S: int = 4, M: int = 8, schedule: str = "zb-h1", work=None) -> None:

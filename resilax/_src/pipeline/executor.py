@@ -299,8 +299,7 @@ class PipelineExecutor:
                                 "call it before the first step or once the copy is complete")
         got = _calibrate.measure(self, batch, repeats=repeats)
         self._costs = got["costs"]
-        self._work = {s: {k: max(got["work"][s].get(kind, 0.0), 1e-6) for k, kind in
-                          (("snapshot", "snapshot"), ("peer", "peer")) if k in self._work[s]} for s in range(self.S)}
+        self._work = {s: {k: max(got["work"][s].get(k, 0.0), 1e-6) for k in self._work[s]} for s in range(self.S)}
         self._plans.clear()
         if self._auto:
             c = _protection.cadence(self.protection_plan(every=1), _BUDGET)
