@@ -492,6 +492,11 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ the step
     def _replan(self, why: str) -> None:
         lost = frozenset(self.lost)
+        gone = [s for s in range(self.S) if all((r, s) in lost for r in range(self.D))]
+        if gone and self.peer_copies is not None and self.peer_copies.covers(gone):
+            self.table = None  # no step runs until a domain of each stage in `gone` rejoins
+            self.events.append({"kind": "wait_rejoin", "step": self.step_no, "stages": gone, "why": why})
+            return
         if not lost:
             self.table = _schedule.healthy(self.schedule, self.D, self.S, self.M)
         elif self.on_failure == "drop":
@@ -501,11 +506,6 @@ class PipelineExecutor:
                 raise StateLostError(f"resilax.PipelineExecutor: {why}: no whole replica is left ({e}); restore "
                                      f"a checkpoint") from None
         else:
-            gone = [s for s in range(self.S) if all((r, s) in lost for r in range(self.D))]
-            if gone and self.peer_copies is not None and self.peer_copies.covers(gone):
-                self.table = None  # no step runs until a domain of each stage in `gone` rejoins
-                self.events.append({"kind": "wait_rejoin", "step": self.step_no, "stages": gone, "why": why})
-                return
             if gone:
                 self.events.append({"kind": "reroute_impossible", "step": self.step_no, "stages": gone})
                 raise StateLostError(f"resilax.PipelineExecutor: {why}: every replica of stage(s) {gone} is lost, "
