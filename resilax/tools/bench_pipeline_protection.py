@@ -7,8 +7,8 @@ step's end (every stage at once after the step's last update) and in each stage'
 after its own update. Pure Python: no JAX.
 
 The work is not measured here (`PipelineExecutor` dispatches these ops on CPU devices, whose
-times mean nothing for a real job); it is derived from the cost model's defaults (:class:`resilax.tools.costmodel.CostModel`, each
-figure with its source): one domain = one stage of one replica of the Llama 3 405B layout
+times mean nothing for a real job); it is derived from the cost model's defaults
+(:class:`resilax.tools.costmodel.CostModel`, each figure with its source): one domain = one stage of one replica of the Llama 3 405B layout
 (16,384 GPUs, 8 per domain), a snapshot copies each GPU's share of the state to its host
 (``bytes_per_device / host_bytes_s``, the GPUs of a domain in parallel), a peer copy sends
 the domain's share over one NIC (``bytes_per_domain / dcn_bytes_s``), and a cost unit is
@@ -115,8 +115,8 @@ def print_protection(p: dict) -> None:
           f"every = cheapest cadence at <= {p['budget']:.0%} of the step (end placement / bubbles)")
     for x in p["rows"]:
         if "executed_as_planned" in x:
-            print(f"executor {x['replicas']}x{x['stages']} M={x['microbatches']} {x['schedule']}, checkpoint + peer copy "
-                  f"every step: {x['pieces_per_step']} pieces per step, "
+            print(f"executor {x['replicas']}x{x['stages']} M={x['microbatches']} {x['schedule']}, checkpoint + "
+                  f"peer copy every step: {x['pieces_per_step']} pieces per step, "
                   f"{'all where the plan put them' if x['executed_as_planned'] else 'NOT as planned'}, "
                   f"{'bitwise' if x['bitwise_with_protection'] else 'NOT bitwise'} vs no protection")
 
