@@ -42,6 +42,8 @@ def main(run_dir, steps, resume, bubbles):
         if ex.step_no == FAIL_AT and not resume and not bubbles:
             ex.fail_domain(LOST)
         jax.block_until_ready(ex(batches[ex.step_no]))
+        if bubbles and ex.step_no == 4 and ex.bubbles._mgr is not None:
+            ex.bubbles._mgr.wait_until_finished()  # checkpoint 2 on disk before the kill, however loaded the host
         if ex.step_no % 2 == 0 and not bubbles:
             ex.save(ckpt)
         with open(os.path.join(run_dir, "progress"), "w") as f:

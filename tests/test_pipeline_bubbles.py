@@ -62,7 +62,7 @@ def test_each_stages_parts_go_where_the_plan_put_them_and_the_checkpoint_restore
         d = (0, s)  # the stage's source: its lowest live replica
         ops = executed[3][d]  # step 3 takes checkpoint 2's parts
         got = [i - n for n, i in enumerate(k for k, o in enumerate(ops) if o[0] == "snapshot")]
-        want = [o.before for o in plan.dispatch(d) if o.kind == "snapshot"]
+        want = [o.before for o in plan.steady(d, 0) if o.kind == "snapshot"]
         assert got == want and got, (d, ops, want)
         assert all(o[0] != "snapshot" for o in executed[3][(1, s)])  # one replica per stage copies
         # every stage but the first starts idle: its part goes before its first op

@@ -117,7 +117,11 @@ def bench_pipeline(configs: Sequence[tuple[int, int, int]] = CONFIGS, *, lost=((
     if protection:
         from resilax.tools.bench_pipeline_protection import bench_protection
 
-        p = bench_protection(configs)
+        check = None
+        if measured is not None:  # the executor is measured: it also runs the protection rows it fits
+            from resilax.tools.bench_pipeline_measure import protection_check as check
+        p = bench_protection(configs, check=check, check_max_domains=measured_max_domains,
+                             check_schedules=measured_schedules)
         extra = {"protection": p.pop("rows"), "protection_assumptions": p}
     return {
         **extra,

@@ -6,9 +6,9 @@ device-to-host snapshot and a peer copy, every step) with
 step's end (every stage at once after the step's last update) and in each stage's idle time
 after its own update. Pure Python: no JAX.
 
-The work is not measured here (the executor does not dispatch protection ops yet); it is
-derived from the cost model's defaults (:class:`resilax.tools.costmodel.CostModel`, each
-figure with its source): one domain = one stage of one replica of the Llama 3 405B layout
+The work is not measured here (`PipelineExecutor` dispatches these ops on CPU devices, whose
+times mean nothing for a real job); it is derived from the cost model's defaults
+(:class:`resilax.tools.costmodel.CostModel`, each figure with its source): one domain = one stage of one replica of the Llama 3 405B layout
 (16,384 GPUs, 8 per domain), a snapshot copies each GPU's share of the state to its host
 (``bytes_per_device / host_bytes_s``, the GPUs of a domain in parallel), a peer copy sends
 the domain's share over one NIC (``bytes_per_domain / dcn_bytes_s``), and a cost unit is
@@ -75,22 +75,29 @@ def protection_row(D: int, S: int, M: int, schedule: str, *, chunk: float = CHUN
     }
 
 
-def bench_protection(configs: Sequence[tuple[int, int, int]], *, chunk: float = CHUNK, budget: float = BUDGET
-                     ) -> dict:
-    """Rows for every config (the issue's first, then the others, without repeats) x schedule."""
+def bench_protection(configs: Sequence[tuple[int, int, int]], *, chunk: float = CHUNK, budget: float = BUDGET,
+                     check=None, check_max_domains: int = 8, check_schedules: Sequence[str] = ("zb-h1",)) -> dict:
+    """Rows for every config (the issue's first, then the others, without repeats) x schedule.
+    ``check(D, S, M, schedule, work) -> dict`` (optional, `bench_pipeline_measure.protection_check`):
+    runs the executor with the row's work on configs of at most ``check_max_domains`` domains
+    and the schedules ``check_schedules``; its keys join the row."""
     seen, rows = set(), []
     for cfg in tuple(PROTECTION_CONFIGS) + tuple(configs):
         if cfg in seen:
             continue
         seen.add(cfg)
         for schedule in ps.SCHEDULES:
-            rows.append(protection_row(*cfg, schedule, chunk=chunk, budget=budget))
+            row = protection_row(*cfg, schedule, chunk=chunk, budget=budget)
+            if check is not None and cfg[0] * cfg[1] <= check_max_domains and schedule in check_schedules:
+                row.update(check(*cfg, schedule, row["work_units"]))
+            rows.append(row)
     sample = assumed_work(rows[0]["healthy_ticks"])
     return {"rows": rows, "chunk_units": chunk, "budget": budget, "every_steps": {"peer": 1, "snapshot": 1},
             "work_sources": sample["sources"], "snapshot_s": sample["snapshot_s"], "peer_s": sample["peer_s"],
             "note": "overheads are protection's added share of the healthy step (steady per-step ticks of the "
-                    "replay); a protection op occupies its domain like any op; the executor does not dispatch "
-                    "these ops yet"}
+                    "replay); a protection op occupies its domain like any op; executed_as_planned (rows the "
+                    "executor ran, 8 CPU devices): PipelineExecutor(checkpoint_every=1, peer_every=1) with the row's "
+                    "work dispatched every piece where the plan put it"}
 
 
 def print_protection(p: dict) -> None:
@@ -106,6 +113,12 @@ def print_protection(p: dict) -> None:
               f"{x['max_fit_units']:>6.2f} {x['max_fit_share_of_step']:>7.2%} {every:>15}")
     print("columns: work = units per stage per step; fits = units per stage the bubbles hold every step; "
           f"every = cheapest cadence at <= {p['budget']:.0%} of the step (end placement / bubbles)")
+    for x in p["rows"]:
+        if "executed_as_planned" in x:
+            print(f"executor {x['replicas']}x{x['stages']} M={x['microbatches']} {x['schedule']}, checkpoint + "
+                  f"peer copy every step: {x['pieces_per_step']} pieces per step, "
+                  f"{'all where the plan put them' if x['executed_as_planned'] else 'NOT as planned'}, "
+                  f"{'bitwise' if x['bitwise_with_protection'] else 'NOT bitwise'} vs no protection")
 
 
 def gantt(ax, D: int = 2, S: int = 4, M: int = 8, schedule: str = "zb-h1", work=None) -> None:

@@ -6,7 +6,8 @@ committed as one Orbax checkpoint (with checksums) once every stage's parts are 
 - **Where.** Stage ``s``'s parts come from one live replica of the stage (the lowest), at the
   points `ProtectionPlan.dispatch` names: right before item ``before`` of that domain's ops
   in step ``k + 1`` (``len(order)``: before its update). The executed order is recorded
-  (`BubbleCheckpoints.executed`), so a test reads where each piece really went.
+  (`PipelineExecutor.executed`), so a test reads where each piece really went. The plan is
+  the executor's (`PipelineExecutor.protection_plan`): with peer copies on, it places both.
 - **Pieces.** A stage's leaves are cut into the plan's pieces round robin (piece ``j`` holds
   leaves ``j, j + P, ...``); a piece's copy is ``copy_to_host_async`` of its leaves, which
   the device runs in stream order, between the stage's ops.
@@ -47,7 +48,6 @@ class BubbleCheckpoints:
             raise ValueError(f"resilax.PipelineExecutor: checkpoint_units must be > 0 (cost units), but got {units!r}")
         self.ex, self.directory, self.placement = ex, os.path.abspath(directory), placement
         self.units, self.chunk = units, chunk
-        self._plans: dict = {}
         self.every = every
         if every == "auto":  # the fewest steps between checkpoints that add <= budget, bubbles counted free
             c = _protection.cadence(self._plan(), budget, bubbles=placement == "bubbles")
@@ -58,21 +58,20 @@ class BubbleCheckpoints:
             ex.events.append({"kind": "checkpoint_cadence", "every": c.every, "overhead": c.overhead,
                               "bubbles": c.bubbles})
         self.pending = None  # (step k, {stage: {piece: (domain, [device arrays])}}, state refs, guard ref)
-        self.executed: dict = {}  # domain -> [("op", kind, v, m) | ("snapshot", stage, first, count), ...] of the last step
         self.committed: list[int] = []
         self._mgr = None
 
     # ---------------------------------------------------------------- planning
     def _plan(self):
-        table = self.ex.table  # (tables are cached by the planner: one object per shape and loss)
-        if id(table) not in self._plans:
-            plan = _protection.place(table, {"snapshot": self.units}, chunk=self.chunk)
-            _protection.validate_plan(plan)
-            self._plans[id(table)] = (table, plan)
-        return self._plans[id(table)][1]
+        return self.ex.protection_plan()
 
-    def _pieces(self) -> int:
-        return max(1, int(np.ceil(self.units / self.chunk - 1e-9)))
+    @property
+    def executed(self) -> dict:
+        """The last step's dispatches per domain, protection pieces included (the executor's log)."""
+        return self.ex.executed
+
+    def _pieces(self, s: int) -> int:
+        return self.ex.pieces("snapshot", s)
 
     def _source(self, s):
         return min(d for d in self.ex.state if d[1] == s)
@@ -80,9 +79,9 @@ class BubbleCheckpoints:
     # ---------------------------------------------------------------- per step
     def begin(self, step: int) -> None:
         """Before step ``step + 1`` is dispatched (also when it is redone): the parts still
-        to take of checkpoint ``step``, if it is one."""
-        self.executed = {d: [] for d in self.ex.table.order}
-        if self.pending is not None and self.pending[0] != step:
+        to take of checkpoint ``step``, if it is one, or of the one whose window (the plan's
+        ``every`` steps after it) is still open."""
+        if self.pending is not None and not 0 <= step - self.pending[0] < self.ex._plan_every:
             self.pending = None
         if step and step % self.every == 0 and self.pending is None and step not in self.committed:
             self.pending = (step, {s: {} for s in range(self.ex.S)}, dict(self.ex.state), dict(self.ex.guard))
@@ -90,7 +89,7 @@ class BubbleCheckpoints:
             self._drop_lost()
             if self.placement == "end":
                 for s in range(self.ex.S):
-                    self._take(self._source(s), s, 0, self._pieces())
+                    self._take(self._source(s), s, 0, self._pieces(s))
                 self._commit()
 
     def before(self, domain, index: int) -> None:
@@ -99,31 +98,30 @@ class BubbleCheckpoints:
             return
         if domain != self._source(domain[1]):
             return
-        per = self._pieces()
-        for op in self._plan().dispatch(domain):
+        for op in self._plan().steady(domain, self.ex.step_no - self.pending[0]):
             if op.before == index and op.kind == "snapshot":
-                self._take(domain, op.stage, op.chunk % per, op.chunks)
-
-    def op(self, domain, op) -> None:
-        self.executed.setdefault(domain, []).append(("op", op.kind, op.replica, op.microbatch))
+                self._take(domain, op.stage, op.chunk % self._pieces(op.stage), op.chunks)
 
     def end(self) -> None:
-        """After the step's update is dispatched: whatever the plan left (pieces of a stage
-        whose source changed) is taken now, then checkpoint ``k`` is written (the host waits
-        for the parts' copies here, while the device runs the step)."""
+        """After the step's update is dispatched: in the last step of the window, whatever
+        the plan left (pieces of a stage whose source changed) is taken now; once every part
+        is taken checkpoint ``k`` is written (the host waits for the parts' copies here, while
+        the device runs the step)."""
         if self.pending is None:
             return
-        for s in range(self.ex.S):
-            missing = [j for j in range(self._pieces()) if j not in self.pending[1][s]]
-            if missing:
-                self._take(self._source(s), s, missing[0], len(missing), spill=True)
-        self._commit()
+        if self.ex.step_no - self.pending[0] >= self.ex._plan_every - 1:
+            for s in range(self.ex.S):
+                missing = [j for j in range(self._pieces(s)) if j not in self.pending[1][s]]
+                if missing:
+                    self._take(self._source(s), s, missing[0], len(missing), spill=True)
+        if all(len(self.pending[1][s]) == self._pieces(s) for s in range(self.ex.S)):
+            self._commit()
 
     # ---------------------------------------------------------------- parts
     def _take(self, domain, s, first, count, spill=False) -> None:
         k, parts, state, guard = self.pending
         leaves = jax.tree.leaves(state[domain])
-        per = self._pieces()
+        per = self._pieces(s)
         taken = [j for j in range(first, min(first + count, per)) if j not in parts[s]]
         for j in taken:
             chunk = leaves[j::per]
@@ -131,7 +129,7 @@ class BubbleCheckpoints:
                 x.copy_to_host_async()
             parts[s][j] = (domain, chunk)
         if taken:  # (a step redone after a failure finds most pieces already on the host)
-            self.executed.setdefault(domain, []).append(("snapshot", s, taken[0], len(taken))
+            self.ex.executed.setdefault(domain, []).append(("snapshot", s, taken[0], len(taken))
                                                         + (("spill",) if spill else ()))
 
     def _drop_lost(self) -> None:
@@ -157,7 +155,7 @@ class BubbleCheckpoints:
         for s in range(self.ex.S):
             src = self._source(s)
             treedef = jax.tree.structure(state[src])
-            per, n = self._pieces(), len(jax.tree.leaves(state[src]))
+            per, n = self._pieces(s), len(jax.tree.leaves(state[src]))
             host = [None] * n
             for j, (_, chunk) in parts[s].items():
                 for i, x in zip(range(j, n, per), chunk):
@@ -174,13 +172,21 @@ class BubbleCheckpoints:
 
     def flush(self, step: int) -> None:
         """At the end of a run: checkpoint ``step`` (if it is one and not written yet), its
-        parts taken now."""
+        parts taken now; so is the rest of one whose window is still open."""
+        if any(not any(d[1] == s for d in self.ex.state) for s in range(self.ex.S)):
+            self.pending = None  # a stage without a live domain (waiting for a rejoin): nothing to write
+            return
+        if self.pending is not None and self.pending[0] != step:
+            self._drop_lost()
+            for s in range(self.ex.S):
+                self._take(self._source(s), s, 0, self._pieces(s), spill=True)
+            self._commit()
         if step and step % self.every == 0 and step not in self.committed:
             if self.pending is None or self.pending[0] != step:
                 self.pending = (step, {s: {} for s in range(self.ex.S)}, dict(self.ex.state), dict(self.ex.guard))
             self._drop_lost()
             for s in range(self.ex.S):
-                self._take(self._source(s), s, 0, self._pieces(), spill=True)
+                self._take(self._source(s), s, 0, self._pieces(s), spill=True)
             self._commit()
 
     def close(self) -> None:

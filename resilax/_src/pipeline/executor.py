@@ -33,8 +33,13 @@ process sees every device: CPU emulation, one GPU host, Pathways).
   stage ``s`` lives on the other replicas. Its buffers are deleted, the step in flight is
   abandoned (nothing was committed: the live state is replaced only after a step's last
   commit) and redone on the rerouted table, computed ahead. When every replica of a stage
-  is gone, rerouting cannot help and `StateLostError` says so (restore a checkpoint). A
-  domain that comes back (`rejoin`) gets its stage's state copied from a peer.
+  is gone, rerouting cannot help: with peer copies (`peers`) the job waits for a domain of
+  the stage to rejoin and fills it from the copy, else `StateLostError` says to restore a
+  checkpoint. A domain that comes back (`rejoin`) gets its stage's state copied from a
+  live replica of the stage, or from the peer copy.
+- **Protection in the bubbles** (`bubbles`, `peers`): checkpoint parts and peer copies are
+  dispatched into each stage's idle time as `protection.place` plans them
+  (`protection_plan`); `calibrate` measures the plan's costs.
 - **Checkpoints** (`save` / `restore`): one Orbax checkpoint of every stage's state, taken
   from any live replica of each stage, with on-device checksums verified at restore.
 
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from typing import Any, Callable
 
@@ -61,6 +67,8 @@ from resilax._src.protect.checksum import tree_checksums
 
 
 _DEFAULT = object()
+_CHUNK = 0.25  # the protection plan's pieces, in cost units
+_BUDGET = 0.01  # the share of the step an "auto" protection cadence may add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +136,21 @@ class PipelineExecutor:
         or at the step's end (``"end"``); ``checkpoint_units``: one stage's snapshot in units
         of one forward op (its bytes over the host link's bandwidth, over an F op's time:
         `protection.work_units`); `restore` reads them.
+      peer_every, peer_units: a peer copy of every stage every ``peer_every`` steps (0: none;
+        ``"auto"``: the fewest steps that keep the copies within 1% of the step, idle time
+        counted free), dispatched in the bubbles of the next step to a domain of another
+        stage (`peers.BubblePeers`), so a stage whose every replica is lost comes back from it
+        at `rejoin`; ``peer_units``: one stage's copy in units of one forward op (its bytes
+        over the link between domains, over an F op's time).
       faults: chaos testing, as `resilax.FaultPlan` (or its strings): ``fail_slice@N[:phase]/K``
         and ``rejoin@N/K`` with ``K = r * stages + s`` (phases ``before_step``, ``after_step``,
         ``mid_step``: half of step ``N + 1``'s ops dispatched, ``during_save``: right after
         the save of step ``N`` returned), ``nan@N`` (step ``N``'s float inputs NaN),
         ``spike@N`` (the loss step ``N``'s verdict sees is 1000x) and ``kill_process@N[:phase]``
         (a real SIGKILL after step ``N``, or halfway through step ``N + 1``'s dispatches).
+        A ``rejoin@N:before_step`` waits for its domain to be lost, so
+        ``["fail_slice@N:mid_step/K", "rejoin@N:before_step/K"]`` brings back a stage's last replica
+        before step ``N + 1`` is tried again.
 
     Raises:
       PipelineError: shapes that do not divide, too few devices, an optimizer that is not
@@ -144,7 +161,8 @@ class PipelineExecutor:
                  replicas: int | None = None, stages: int | None = None, schedule: str = "zb-h1",
                  on_failure: str = "reroute", seed: int = 0, devices=None, lost=(), faults=(),
                  anomaly=_DEFAULT, checkpoint_dir: str | None = None, checkpoint_every: int | str = 0,
-                 checkpoint_placement: str = "bubbles", checkpoint_units: float = 1.0):
+                 checkpoint_placement: str = "bubbles", checkpoint_units: float = 1.0,
+                 peer_every: int | str = 0, peer_units: float = 1.0):
         where = "resilax.PipelineExecutor"
         from resilax._src.config import AnomalyConfig
         from resilax._src.protect import anomaly as _anomaly
@@ -197,7 +215,27 @@ class PipelineExecutor:
         self._exe = _programs(model, tx, self.L, self.k, stages, anomaly)
         self._ckpt = None  # (directory, orbax CheckpointManager) of the save in flight
         self.faults = _check_faults(faults, replicas * stages)
-        self.bubbles = None
+        self.bubbles = self.peer_copies = None
+        self.executed: dict = {}  # domain -> [("op", kind, v, m) | ("snapshot" | "peer", stage, piece, count, ...)]
+        self._plans: dict = {}
+        self._plan_every = 1
+        self._work = {s: {} for s in range(stages)}  # stage -> {kind: units per protected step}, one F op = 1
+        self._costs = None  # op costs of the plan (None: unit ones; `calibrate` measures them)
+        self._auto = set()  # the kinds whose cadence is "auto"
+        for name, every, units, kind in (("checkpoint", checkpoint_every, checkpoint_units, "snapshot"),
+                                         ("peer", peer_every, peer_units, "peer")):
+            if every != "auto" and not (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
+                raise PipelineError(f"{where}: {name}_every must be an int >= 0 or 'auto', but got {every!r}")
+            if every and not (isinstance(units, (int, float)) and units > 0):
+                raise PipelineError(f"{where}: {name}_units must be > 0 (cost units), but got {units!r}")
+            if every:
+                for w in self._work.values():
+                    w[kind] = float(units)
+            if every == "auto":
+                self._auto.add(kind)
+        if peer_every and stages < 2:
+            raise PipelineError(f"{where}: peer copies go to a domain of another stage, so they need stages >= 2, "
+                                f"but stages={stages}")
         if checkpoint_every:
             from resilax._src.pipeline.bubbles import BubbleCheckpoints
 
@@ -205,13 +243,78 @@ class PipelineExecutor:
                 raise PipelineError(f"{where}: checkpoint_every={checkpoint_every} needs a checkpoint_dir")
             try:
                 self.bubbles = BubbleCheckpoints(self, checkpoint_dir, checkpoint_every,
-                                                 placement=checkpoint_placement, units=checkpoint_units)
+                                                 placement=checkpoint_placement, units=checkpoint_units,
+                                                 chunk=_CHUNK)
             except ValueError as e:
                 raise PipelineError(str(e)) from None
+        if peer_every:
+            from resilax._src.pipeline import protection as _protection
+            from resilax._src.pipeline.peers import BubblePeers
+
+            if peer_every == "auto":  # the fewest steps between copies that add <= 1%, bubbles counted free
+                c = _protection.cadence(self.protection_plan(), _BUDGET)
+                if c.every is None:
+                    raise PipelineError(f"{where}: no peer copy cadence keeps {peer_units} units of copy work per "
+                                        f"stage within {_BUDGET:.0%} of the step")
+                peer_every = c.every
+                self.events.append({"kind": "peer_cadence", "every": c.every, "overhead": c.overhead,
+                                    "bubbles": c.bubbles})
+            self.peer_copies = BubblePeers(self, peer_every)
+        self._plan_every = math.gcd(*[p.every for p in (self.bubbles, self.peer_copies) if p is not None] or [1])
         for d in lost:
             self.fail_domain(d)
 
     # ------------------------------------------------------------------ public
+    def protection_plan(self, every: int | None = None):
+        """The `protection.ProtectionPlan` of the table in use with every protection this
+        executor runs (``snapshot``: checkpoints, ``peer``: peer copies), validated: its ops
+        sit in idle time only. ``every`` (default: the greatest common divisor of the
+        checkpoint and peer cadences, so both copy on the plan's protected steps): a copy's
+        pieces may use the bubbles of that many steps. One plan per table and cadence."""
+        from resilax._src.pipeline import protection as _protection
+
+        table, every = self.table, every or self._plan_every
+        if (id(table), every) not in self._plans:
+            plan = _protection.place(table, self._work, costs=self._costs, chunk=_CHUNK, every=every)
+            _protection.validate_plan(plan)
+            self._plans[(id(table), every)] = (table, plan)
+        return self._plans[(id(table), every)][1]
+
+    def pieces(self, kind: str, s: int) -> int:
+        """How many pieces stage ``s``'s ``kind`` work is cut into (the plan's count)."""
+        return max(1, math.ceil(self._work[s].get(kind, 0.0) / _CHUNK - 1e-9))
+
+    def calibrate(self, batch, *, repeats: int = 5) -> dict:
+        """Times each stage's programs on ``batch``'s first micro-batch and each stage's
+        copies (to the host, to its peer copy's keeper), blocking, and plans protection with
+        those costs from then on (op costs relative to F, each stage's work in units of F);
+        an ``"auto"`` cadence is chosen again. Returns what `calibrate.measure` measured.
+        Call it between steps, with no copy in progress (before the first step, or right
+        after a checkpoint or peer copy completed). Raises PipelineError otherwise."""
+        from resilax._src.pipeline import calibrate as _calibrate
+        from resilax._src.pipeline import protection as _protection
+
+        if any(p is not None and p.pending is not None for p in (self.bubbles, self.peer_copies)):
+            raise PipelineError("resilax.PipelineExecutor.calibrate: a checkpoint or peer copy is in progress; "
+                                "call it before the first step or once the copy is complete")
+        got = _calibrate.measure(self, batch, repeats=repeats)
+        self._costs = got["costs"]
+        self._work = {s: {k: max(got["work"][s].get(k, 0.0), 1e-6) for k in self._work[s]} for s in range(self.S)}
+        self._plans.clear()
+        if self._auto:
+            c = _protection.cadence(self.protection_plan(every=1), _BUDGET)
+            if c.every is None:
+                raise PipelineError(f"resilax.PipelineExecutor.calibrate: with the measured costs no cadence keeps "
+                                    f"protection within {_BUDGET:.0%} of the step")
+            for kind, p in (("snapshot", self.bubbles), ("peer", self.peer_copies)):
+                if kind in self._auto:
+                    p.every = c.every
+            got["every"] = c.every
+        self._plan_every = math.gcd(*[p.every for p in (self.bubbles, self.peer_copies) if p is not None] or [1])
+        self.events.append({"kind": "calibrated", "step": self.step_no, "costs": dict(got["costs"]),
+                            "every": self._plan_every})
+        return got
+
     def __call__(self, batch, *, fail_at: tuple[int, tuple[int, int]] | None = None):
         """One step on ``batch`` (a pytree of host arrays with leading dimension divisible by
         ``D * M``). ``fail_at=(i, (r, s))``: domain ``(r, s)`` is lost before the step's
@@ -219,8 +322,17 @@ class PipelineExecutor:
         Returns ``{"loss", "verdict"}``: device scalars, not read on the host (verdict 0:
         applied, 1: skipped for NaN/Inf, 2: skipped for a loss spike)."""
         n = self.step_no
-        for f in self._due(n, ("before_step",), ("fail_slice", "rejoin")):
-            (self.fail_domain if f.kind == "fail_slice" else self.rejoin)(self._domain(f.target))
+        for f in self._due(n, ("before_step",), ("fail_slice",)):
+            self.fail_domain(self._domain(f.target))
+        # a planned rejoin waits for its domain to be lost (one lost in this step's first try
+        # comes back before the step is tried again)
+        for f in self._due(n, ("before_step",), ("rejoin",), lambda f: self._domain(f.target) in self.lost):
+            self.rejoin(self._domain(f.target))
+        self._check_live()
+        if self.step_no != n:  # a rejoin filled a stage from older peer copies: every stage went back
+            raise StateLostError(f"resilax.PipelineExecutor: a rejoin went back to the peer copies of step "
+                                 f"{self.step_no} (step {n}'s were incomplete); feed the batches from step "
+                                 f"{self.step_no} again")
         mid = self._due(n, ("mid_step",), ("fail_slice", "kill_process"))
         if mid and fail_at is None:
             fail_at = (len(self.table.dispatch_order()) // 2,
@@ -232,6 +344,7 @@ class PipelineExecutor:
         key = jax.random.fold_in(jax.random.key(self.seed), n)
         mbs = self._microbatches(batch)
         while True:
+            self._check_live()
             try:
                 metrics = self._step(key, mbs, fail_at)
                 break
@@ -245,10 +358,18 @@ class PipelineExecutor:
             (self.fail_domain if f.kind == "fail_slice" else self.rejoin)(self._domain(f.target))
         return metrics
 
-    def _due(self, step, phases, kinds) -> list:
-        """The planned faults of ``kinds`` at ``step`` and one of ``phases`` (None: any),
-        removed from the plan."""
-        due = [f for f in self.faults if f.step == step and f.kind in kinds and (phases is None or f.phase in phases)]
+    def _check_live(self) -> None:
+        if self.table is None:
+            gone = [s for s in range(self.S) if not any(d[1] == s for d in self.state)]
+            raise StateLostError(f"resilax.PipelineExecutor: stage(s) {gone} have no live domain; their state is in "
+                                 f"peer copies: rejoin a domain of each (rejoin((r, s))), then feed the batch of "
+                                 f"the step rejoin returns")
+
+    def _due(self, step, phases, kinds, ready=lambda f: True) -> list:
+        """The planned faults of ``kinds`` at ``step`` and one of ``phases`` (None: any)
+        that are ``ready``, removed from the plan."""
+        due = [f for f in self.faults if f.step == step and f.kind in kinds and (phases is None or f.phase in phases)
+               and ready(f)]
         self.faults = [f for f in self.faults if f not in due]
         return due
 
@@ -262,25 +383,41 @@ class PipelineExecutor:
         d = tuple(domain)
         if d not in self.devices or d in self.lost:
             raise PipelineError(f"resilax.PipelineExecutor.fail_domain: {d} is not a live domain")
-        jax.block_until_ready((self.state, attempt.arrays() if attempt else []))  # work in flight ends first
+        copies = self.peer_copies.arrays() if self.peer_copies is not None else []
+        jax.block_until_ready((self.state, attempt.arrays() if attempt else [], copies))  # work in flight ends first
         dev = self.devices[d]
         for x in jax.tree.leaves((self.state.pop(d), self.guard.pop(d))) + (attempt.arrays() if attempt else []):
             if isinstance(x, jax.Array) and not x.is_deleted() and dev in x.devices():
                 x.delete()
+        if self.peer_copies is not None:
+            self.peer_copies.lost(d)
         self.lost.add(d)
         self._replan(f"lost domain {d}")
 
-    def rejoin(self, domain) -> None:
-        """Domain ``(r, s)`` is back: its stage's state is copied from a live peer (bitwise)
-        and the healthy table (or the one for what is still lost) is used again."""
+    def rejoin(self, domain) -> int:
+        """Domain ``(r, s)`` is back: its stage's state is copied from a live replica of the
+        stage (bitwise), or, when none is left, from the stage's peer copy (`peers`), and the
+        healthy table (or the one for what is still lost) is used again. Returns the step the
+        job continues from: ``step_no``, or an earlier one when the peer copy of the current
+        step was not complete (every stage went back to the newest complete copies; feed the
+        batches from that step again). Raises StateLostError when no copy holds the stage."""
         d = tuple(domain)
         if d not in self.lost:
             raise PipelineError(f"resilax.PipelineExecutor.rejoin: {d} is not a lost domain")
-        peer = next(p for p in sorted(self.state) if p[1] == d[1])
-        self.state[d] = jax.device_put(self.state[peer], self.devices[d])
-        self.guard[d] = jax.device_put(self.guard[peer], self.devices[d])
+        peer = next((p for p in sorted(self.state) if p[1] == d[1]), None)
+        if peer is not None:
+            self.state[d] = jax.device_put(self.state[peer], self.devices[d])
+            self.guard[d] = jax.device_put(self.guard[peer], self.devices[d])
+            why = f"domain {d} rejoined from {peer}"
+        elif self.peer_copies is not None:
+            step = self.peer_copies.restore(d)
+            why = f"domain {d} rejoined from its stage's peer copy of step {step}"
+        else:
+            raise StateLostError(f"resilax.PipelineExecutor.rejoin: no live domain and no peer copy holds stage "
+                                 f"{d[1]}; restore a checkpoint")
         self.lost.discard(d)
-        self._replan(f"domain {d} rejoined from {peer}")
+        self._replan(why)
+        return self.step_no
 
     def stage_state(self, s: int):
         """Stage ``s``'s ``(params, optimizer state)`` from a live replica."""
@@ -346,6 +483,8 @@ class PipelineExecutor:
                     self.state[d] = jax.device_put(got["state"][f"stage_{d[1]:03d}"], self.devices[d])
                     self.guard[d] = jax.device_put(got["state"]["guard"], self.devices[d])
                 self.step_no = step
+                if self.peer_copies is not None:
+                    self.peer_copies.reset()
                 return step
         raise CorruptCheckpointError(f"resilax.PipelineExecutor.restore: no checkpoint under {directory!r} matches "
                                      f"its checksums (steps tried: {steps})")
@@ -353,6 +492,11 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ the step
     def _replan(self, why: str) -> None:
         lost = frozenset(self.lost)
+        gone = [s for s in range(self.S) if all((r, s) in lost for r in range(self.D))]
+        if gone and self.peer_copies is not None and self.peer_copies.covers(gone):
+            self.table = None  # no step runs until a domain of each stage in `gone` rejoins
+            self.events.append({"kind": "wait_rejoin", "step": self.step_no, "stages": gone, "why": why})
+            return
         if not lost:
             self.table = _schedule.healthy(self.schedule, self.D, self.S, self.M)
         elif self.on_failure == "drop":
@@ -362,7 +506,6 @@ class PipelineExecutor:
                 raise StateLostError(f"resilax.PipelineExecutor: {why}: no whole replica is left ({e}); restore "
                                      f"a checkpoint") from None
         else:
-            gone = [s for s in range(self.S) if all((r, s) in lost for r in range(self.D))]
             if gone:
                 self.events.append({"kind": "reroute_impossible", "step": self.step_no, "stages": gone})
                 raise StateLostError(f"resilax.PipelineExecutor: {why}: every replica of stage(s) {gone} is lost, "
@@ -385,9 +528,11 @@ class PipelineExecutor:
         S, ex, at = self.S, self._exe, _Attempt()
         put = jax.device_put
         keys = {}
-        bub, pos = self.bubbles, dict.fromkeys(self.table.order, 0)
-        if bub is not None:
-            bub.begin(self.step_no)
+        prot, pos = [p for p in (self.bubbles, self.peer_copies) if p is not None], dict.fromkeys(self.table.order, 0)
+        if prot:
+            self.executed = {d: [] for d in self.table.order}
+        for p in prot:
+            p.begin(self.step_no)
         for i, (d, op) in enumerate(self.table.dispatch_order()):
             if fail_at is not None and fail_at[0] == i:
                 if fail_at[1] is None:  # kill_process mid-step: no cleanup, no flush
@@ -396,9 +541,10 @@ class PipelineExecutor:
                 self.events.append({"kind": "fail", "step": self.step_no, "domain": tuple(fail_at[1]), "op": i})
                 self.fail_domain(fail_at[1], attempt=at)
                 raise _Abandon()
-            if bub is not None:  # protection pieces planned into this domain's idle time
-                bub.before(d, pos[d])
-                bub.op(d, op)
+            for p in prot:  # protection pieces planned into this domain's idle time
+                p.before(d, pos[d])
+            if prot:
+                self.executed[d].append(("op", op.kind, op.replica, op.microbatch))
             pos[d] += 1
             dev, (p, _) = self.devices[d], self.state[d]
             v, m, s = op.replica, op.microbatch, op.stage
@@ -427,12 +573,12 @@ class PipelineExecutor:
                         at.cts[(v, m, s - 1)] = dx
                 self._accumulate(at, v, m, s, dw)
             at.dispatches += 1
-        if bub is not None:
+        for p in prot:
             for d, n in pos.items():
-                bub.before(d, n)  # pieces planned before the domain's update
+                p.before(d, n)  # pieces planned before the domain's update
         out = self._update(at)
-        if bub is not None:
-            bub.end()
+        for p in prot:
+            p.end()
         return out
 
     def _accumulate(self, at, v, m, s, dw):

@@ -28,8 +28,9 @@ Model (a conservative one): a protection op occupies its domain like any op (one
 no overlap with compute), although a device-to-host copy and a NIC transfer use engines
 that compute does not; every live domain of stage s runs stage s's work; the kinds of one
 domain run one after the other in the order given (``snapshot`` before ``peer``: the peer
-copy sends the host snapshot). Nothing here runs JAX: the executor does not dispatch these
-ops yet, it would consume :meth:`ProtectionPlan.dispatch`.
+copy sends the host snapshot). Nothing here runs JAX: `PipelineExecutor` dispatches the
+``snapshot`` (checkpoint parts) and ``peer`` ops of :meth:`ProtectionPlan.dispatch`
+(`bubbles`, `peers`); the executor keeps no record log, so it has no ``log`` ops.
 """
 
 from __future__ import annotations
@@ -138,6 +139,17 @@ class ProtectionPlan:
         if cycle is None:
             cycle = max((o.cycle for o in ops), default=0)
         return tuple(o for o in ops if o.cycle == cycle)
+
+    def steady(self, domain, offset: int = 0) -> tuple[ProtectionOp, ...]:
+        """The executor's view with a cadence: ``domain``'s ops of a steady protected step
+        ``k``'s work that run while step ``k + offset + 1`` runs (``0 <= offset < every``),
+        each right before item ``op.before`` of that step; in the last one, what did not fit
+        (``spill``) runs before its update. With ``every == 1``, :meth:`dispatch`'s ops.
+        Raises ValueError on an offset out of range."""
+        if not (isinstance(offset, int) and 0 <= offset < self.every):
+            raise ValueError(f"pipeline protection plan expects 0 <= offset < every ({self.every}), but got {offset!r}")
+        k = (self.steps - 1 - self.every) // self.every * self.every  # the last protected step simulated whole
+        return tuple(o for o in self.ops.get(tuple(domain), ()) if o.step == k and o.cycle == k + offset)
 
 
 def _share(t: float, base: float) -> float:
