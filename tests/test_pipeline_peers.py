@@ -135,11 +135,13 @@ def test_with_one_replica_a_stage_lost_while_its_copy_is_pending_falls_back_to_t
 
 def test_an_auto_cadence_counts_the_bubbles_as_free():
     small = _ex(1, peer_every="auto", peer_units=0.5)
-    big = _ex(1, peer_every="auto", peer_units=8.0)
+    big = _ex(1, peers=resilax.PeersConfig(every="auto"), peer_units=8.0)  # the same cadence, named as for wrap
     assert small.peer_copies.every == 1
     plan = protection.place(big.table, {"peer": 8.0}, chunk=0.25)
     assert big.peer_copies.every == protection.cadence(plan, 0.01).every > 1
     assert protection.cadence(plan, 0.01, bubbles=False).every > big.peer_copies.every
+    with pytest.raises(resilax.PipelineError, match="not both"):
+        _ex(1, peers=resilax.PeersConfig(every=2), peer_every=1)
 
 
 def test_a_copy_that_does_not_fit_one_steps_bubbles_takes_the_next_ones():

@@ -142,6 +142,9 @@ class PipelineExecutor:
         stage (`peers.BubblePeers`), so a stage whose every replica is lost comes back from it
         at `rejoin`; ``peer_units``: one stage's copy in units of one forward op (its bytes
         over the link between domains, over an F op's time).
+      peers: a `resilax.PeersConfig` instead of ``peer_every``: its ``every`` (a number of
+        steps, or ``"auto"`` as above) sets the cadence; its other fields are for
+        `resilax.wrap`'s ring copies and must stay at their defaults here.
       faults: chaos testing, as `resilax.FaultPlan` (or its strings): ``fail_slice@N[:phase]/K``
         and ``rejoin@N/K`` with ``K = r * stages + s`` (phases ``before_step``, ``after_step``,
         ``mid_step``: half of step ``N + 1``'s ops dispatched, ``during_save``: right after
@@ -162,9 +165,18 @@ class PipelineExecutor:
                  on_failure: str = "reroute", seed: int = 0, devices=None, lost=(), faults=(),
                  anomaly=_DEFAULT, checkpoint_dir: str | None = None, checkpoint_every: int | str = 0,
                  checkpoint_placement: str = "bubbles", checkpoint_units: float = 1.0,
-                 peer_every: int | str = 0, peer_units: float = 1.0):
+                 peer_every: int | str = 0, peer_units: float = 1.0, peers=None):
         where = "resilax.PipelineExecutor"
-        from resilax._src.config import AnomalyConfig
+        from resilax._src.config import AnomalyConfig, PeersConfig
+        if peers is not None:
+            if not isinstance(peers, PeersConfig):
+                raise PipelineError(f"{where}: peers must be a resilax.PeersConfig, but got {type(peers).__name__}")
+            other = {f: getattr(peers, f) for f in ("log_entries_between", "budget", "max_every")
+                     if getattr(peers, f) != getattr(PeersConfig(), f)}
+            if other or peer_every:
+                raise PipelineError(f"{where}: give peer_every or peers=PeersConfig(every=...), not both; the executor "
+                                    f"reads only PeersConfig.every (it also got {other or {'peer_every': peer_every}})")
+            peer_every = peers.every
         from resilax._src.protect import anomaly as _anomaly
 
         anomaly = AnomalyConfig() if anomaly is _DEFAULT else anomaly
