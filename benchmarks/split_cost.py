@@ -61,7 +61,7 @@ def measure(layout_name: str, steps: int, quiet: bool) -> dict:
     w = resilax.wrap(ex.train_step, topology=topo, state_sharding=specs, config=resilax.Config(log=None, peers=None))
     s = w.init(template)
     s, _ = w(s, batches[0])
-    prog, guard = w.program, w.guard
+    prog, guard = w._program, w._guard
     split = prog.spec.split
     state_sh, batch_sh, rep = prog.state_sh, prog.batch_sh, prog.rep
     zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), prog.spec.abstract_batch)

@@ -52,9 +52,9 @@ def main(config, tmp):
     for _ in range(3):  # compile, and the first step's one-off work
         s, m = step(s, batch)
     jax.block_until_ready(s)
-    plain = jax.jit(heavy_step, in_shardings=(step.program.state_sh, NamedSharding(step.mesh, bspec)),
+    plain = jax.jit(heavy_step, in_shardings=(step._program.state_sh, NamedSharding(step.mesh, bspec)),
                     donate_argnums=0)  # resilax.record outside a wrapped step: identity
-    ps = jax.device_put(dict(state), step.program.state_sh)
+    ps = jax.device_put(dict(state), step._program.state_sh)
     ps, _ = plain(ps, batch)
     jax.block_until_ready(ps)
     fractions = {"plain": [], "resilax": []}

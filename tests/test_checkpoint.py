@@ -470,13 +470,13 @@ def test_a_save_due_while_the_previous_one_writes_waits_and_says_so(tmp_path):
         assert not [e for e in step.events if e.kind == "checkpoint_wait"]
         gate = threading.Event()
         step.checkpoints.after_commit(lambda: gate.wait(0.5))  # the previous save "still writing"
-        before = step.goodput_recorder.totals()["checkpoint_save"]
+        before = step._goodput_recorder.totals()["checkpoint_save"]
         for _ in range(2):
             s, _ = step(s, next(data))  # step 4's save is due while it writes
         ev = [e for e in step.events if e.kind == "checkpoint_wait"]
         assert len(ev) == 1 and ev[0].step == 4 and ev[0].fields["previous"] == 2
         assert ev[0].fields["seconds"] > 0.2
-        assert step.goodput_recorder.totals()["checkpoint_save"] - before >= ev[0].fields["seconds"] * 0.9
+        assert step._goodput_recorder.totals()["checkpoint_save"] - before >= ev[0].fields["seconds"] * 0.9
 
 
 def test_a_plain_orbax_save_beside_resilax_waits_for_the_lock_and_returns_committed(tmp_path):

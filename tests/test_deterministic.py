@@ -51,12 +51,12 @@ def test_recorded_values_cross_packed_between_domains_and_the_bits_are_those_of_
     cfg = resilax.Config(deterministic=resilax.DeterministicConfig(),
                          verify=resilax.VerifyConfig())  # the cross-check reads `last_replica0`
     got, step, _, mets = _run(name, ["fail_slice@3:after_step/1"], config=cfg)
-    assert step.program.xfer and len(step.program.doms) == 1  # packed on the mesh it ended on
+    assert step._program.xfer and len(step._program.doms) == 1  # packed on the mesh it ended on
     checks = [e.fields for e in step.events if e.kind == "crosscheck"]
     assert checks and checks[0]["checked"] and checks[0]["differing"] == []
     monkeypatch.setattr(det.DeterministicProgram, "packs_transfer", False)
     ref, ref_step, _, ref_mets = _run(name, ["fail_slice@3:after_step/1"], config=cfg)
-    assert not ref_step.program.xfer
+    assert not ref_step._program.xfer
     assert tree_rel_diff(got, ref) == 0.0
     for a, b in zip(mets, ref_mets):
         assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -82,7 +82,7 @@ def test_state_is_replicated_across_domains_and_no_peer_copies_are_made():
     for leaf in jax.tree.leaves(state):
         assert "data" not in str(leaf.sharding.spec), leaf.sharding
     state, _ = step(state, case.make_batches(1)[0])
-    assert not step.program.protects and step.program.deterministic
+    assert not step._program.protects and step._program.deterministic
     step.close()
 
 

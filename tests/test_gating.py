@@ -115,7 +115,7 @@ def test_the_wrapped_steps_update_program_holds_no_copy_of_the_moments():
     step = resilax.wrap(gpt.train_step, topology=resilax.Topology.load("cpu-2x4"), rng=True, config=resilax.Config())
     s = step.init(st)
     s, _ = step(s, gpt.batches(gpt.SIZES["tiny"], 1)[0])
-    temp = step.program.update(None).memory_analysis().temp_size_in_bytes
+    temp = step._program.update(None).memory_analysis().temp_size_in_bytes
     plain = jax.jit(_update, donate_argnums=0).lower(st, st.params).compile().memory_analysis().temp_size_in_bytes
     moments = 2 * sum(x.nbytes for x in jax.tree.leaves(st.params))
     assert temp < moments and temp <= plain + (64 << 10), (temp, plain, moments)
@@ -154,7 +154,7 @@ def test_a_non_finite_value_in_one_leaf_skips_the_step(where):
     clean = {"x": np.ones((8,), np.float32), "poison": np.ones((8,), np.float32)}
     s, _ = w(s, clean)
     # the small leaves do cross packed, the large one does not (order: sorted keys)
-    assert [slot is None for slot in w.program.rec_layout.slots] == [True, False, False, False]
+    assert [slot is None for slot in w._program.rec_layout.slots] == [True, False, False, False]
     for bad in (np.nan, np.inf):
         before = jax.tree.map(np.asarray, s)
         s, _ = w(s, dict(clean, poison=np.full((8,), bad, np.float32)))

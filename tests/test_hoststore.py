@@ -23,7 +23,7 @@ def _run(step, mesh):
     ev = []
     run = types.SimpleNamespace(step=step, live=live, guard=guard, data_position={"kind": "json", "value": {"i": step}},
                                 data=None, events=ev)
-    run.event = lambda kind, step, **f: ev.append((kind, step, f))
+    run._event = lambda kind, step, **f: ev.append((kind, step, f))
     return run
 
 
@@ -82,7 +82,7 @@ def test_a_corrupt_copy_is_not_used_and_the_mirror_is(tmp_path, mesh):
     raw[-40] ^= 0xFF
     f.write_bytes(bytes(raw))
     assert hsf.read(tmp_path / "host0" / "own", 7) is None
-    tmpl = jax.tree.leaves((run.live, run.guard))
+    tmpl = jax.tree.leaves((run._live, run._guard))
     _, _, src = stores[0].restore(7, tmpl, [x.sharding for x in tmpl])
     assert src.endswith("host1/mirror")
     (tmp_path / "host1" / "mirror" / "step7.json").unlink()  # uncommitted: not offered
@@ -98,10 +98,10 @@ def test_resume_keeps_the_checkpoint_state_unless_every_process_agrees(tmp_path,
     store.after_step(_run(5, mesh), None)
     store.flush()
     run = _run(2, mesh)
-    before = run.live
-    out = hs.resume(run, store, run.live, 5, agree=lambda ok: False)
+    before = run._live
+    out = hs.resume(run, store, run._live, 5, agree=lambda ok: False)
     assert out is before and run.step == 2 and run.events[-1][0] == "host_store_skipped"
-    out = hs.resume(run, store, run.live, 5, agree=lambda ok: ok)
+    out = hs.resume(run, store, run._live, 5, agree=lambda ok: ok)
     assert run.step == 5 and run.events[-1][0] == "restore" and run.events[-1][2]["source"] == "host_store"
     assert np.array_equal(np.asarray(out["w"]), np.asarray(_run(5, mesh).live["w"]))
     assert out["w"].sharding == before["w"].sharding
@@ -117,11 +117,11 @@ def test_a_restored_state_is_stored_again_at_once(tmp_path, mesh):
     a.flush()
     shutil.rmtree(tmp_path / "a" / "host0")  # host 0 died: its shards live on in host 1's mirror
     run = _run(2, mesh)
-    hs.resume(run, a, run.live, 5, agree=lambda ok: ok)
+    hs.resume(run, a, run._live, 5, agree=lambda ok: ok)
     assert run.step == 5 and hsf.committed_steps(tmp_path / "a" / "host0" / "own") == [5]
     b = hs.HostStore(str(tmp_path / "b"), 1, 2)
     run = _run(3, mesh)
-    b.start(run, run.live)  # e.g. after a checkpoint restore at step 3
+    b.start(run, run._live)  # e.g. after a checkpoint restore at step 3
     assert hsf.committed_steps(tmp_path / "b" / "host1" / "own") == [3]
     assert hsf.committed_steps(tmp_path / "b" / "host0" / "mirror") == [3]
 
@@ -329,13 +329,13 @@ def test_a_stored_step_is_written_off_the_step_path_from_a_copy_the_next_step_ca
 
     store = hs.HostStore(str(tmp_path), 0, 1)
     run = _run(6, mesh)
-    want = {k: np.asarray(v) for k, v in run.live.items()}
+    want = {k: np.asarray(v) for k, v in run._live.items()}
     nan = jax.device_put(jnp.int32(anomaly.NONFINITE))
     snap = {"through": 5, "counts": {"nonfinite": 0, "spike": 0}, "skipped": {2: anomaly.SPIKE},
             "pending": [(4, jax.device_put(jnp.int32(anomaly.OK))), (5, nan)]}
     store._verdicts = lambda: snap
     store.after_step(run, None)
-    for x in run.live.values():
+    for x in run._live.values():
         x.delete()  # what the next step's donation does
     store.flush()
     got, meta = hsf.read(tmp_path / "host0" / "own", 6)

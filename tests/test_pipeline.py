@@ -102,7 +102,7 @@ def test_microbatches_only_when_memory_requires_each_with_its_own_stream():
     ev = recovery(step)[0]
     m = ev.fields["microbatches"]
     assert m > 1  # steps 3.. run on one slice in m microbatches
-    assert step.program.memory[m] <= int(prog_bytes * 0.9) < step.program.memory[1]
+    assert step._program.memory[m] <= int(prog_bytes * 0.9) < step._program.memory[1]
     assert all(np.isfinite(m_["loss"]) for m_ in mets)
 
     batch = case.make_batches(STEPS)[3]
@@ -128,13 +128,13 @@ def test_microbatches_only_when_memory_requires_each_with_its_own_stream():
 def _grad_bytes_on_half_mesh(name):
     """The global-batch grad program's footprint on one slice (what the cap is compared with)."""
     got, step, _, _ = run(name, ["fail_slice@2:mid_step/1"])
-    return max(step.program.memory.values()) if step.program.memory else _footprint(step)
+    return max(step._program.memory.values()) if step._program.memory else _footprint(step)
 
 
 def _footprint(step):
     from resilax._src.step.program import _footprint as fp
 
-    return fp(step.program.grad(False))
+    return fp(step._program.grad(False))
 
 
 # ------------------------------------------------------------ 2: weighted means
@@ -287,7 +287,7 @@ def test_peer_replay_of_batchnorm_between_copies_is_bitwise(packed, monkeypatch)
         monkeypatch.setattr(Program, "PACK_LEAF_BYTES", 0 if not packed else 512)
     cfg = resilax.Config(peers=resilax.PeersConfig(every=3))
     got, step, kept, _ = run("batchnorm_mlp", ["fail_slice@5:after_step/0"], config=cfg, keep=(5,))
-    slots = step.program.rec_layout.slots if packed else [None]
+    slots = step._program.rec_layout.slots if packed else [None]
     assert (None in slots) == (packed is not True) and any(slots) == bool(packed), slots
     ev = recovery(step)[0]
     assert ev.fields["source"] == "peer" and ev.fields["restored_step"] == 3 and ev.fields["steps_replayed"] == 2
@@ -303,7 +303,7 @@ def test_goodput_opens_protection_recovery_replay_detection():
     for bucket in ("protection", "recovery", "replay"):
         assert g[bucket] > 0, (bucket, g)
     assert g["detection"] >= 0
-    assert abs(sum(g.values()) - step.goodput_recorder.wall()) < 1e-2  # two clock reads apart
+    assert abs(sum(g.values()) - step._goodput_recorder.wall()) < 1e-2  # two clock reads apart
 
 
 # ------------------------------------------------------------ 7: the installed package finds its specs
@@ -494,7 +494,7 @@ def test_auto_peer_cadence_is_calibrated_then_recovers():
             set_at, rep = step.step, step.peer_cadence()
             samples = {k: list(v) for k, v in step._peers.cadence.samples.items()}
         if set_at is not None and step.step == set_at + 4:
-            step.fail_domain(1, "after_step")
+            step._fail_domain(1, "after_step")
         if set_at is not None and step.step == set_at + 6:
             break
     step.close()

@@ -191,7 +191,7 @@ def test_copy_batches_decides_whether_the_log_keeps_its_own_copy_of_each_batch()
         given = [next(data) for _ in range(3)]
         for b in given:
             s, _ = step(s, b)
-        kept = step.record_log.batches
+        kept = step._record_log.batches
         assert sorted(kept) and all(k < 3 for k in kept), sorted(kept)
         for k, b in kept.items():
             same = [x is y for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(given[k]))]

@@ -72,7 +72,7 @@ def reference(topo_name, kind):
 def assert_nothing_on_dead_devices(step, state):
     dead = {d for e in step.events if e.kind == "recovery" for d in e.fields["failed_devices"]}
     assert dead
-    held = [x for x in jax.tree.leaves((state, step.guard)) if isinstance(x, jax.Array)]
+    held = [x for x in jax.tree.leaves((state, step._guard)) if isinstance(x, jax.Array)]
     for p in step._protections:  # what each protection holds for the next failure (test-only peek)
         held += p.held()
     assert held
@@ -121,7 +121,7 @@ def capture_rebuilt(monkeypatch):
 
     def recover(self):
         orig(self)
-        REBUILT.append(flat(self.live))
+        REBUILT.append(flat(self._live))
 
     monkeypatch.setattr(ResilientStep, "_do_recover", recover)
 

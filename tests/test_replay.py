@@ -132,7 +132,7 @@ def test_update_only_replay_has_no_dots(tmp_path):
         ev = [e for e in step.events if e.kind == "replay"][-1]
         assert ev.fields["grads_steps"] == 3
         # the executable replay ran is the one training runs after the grad part
-        txt_upd = step.program.update(None).as_text()
+        txt_upd = step._program.update(None).as_text()
         full = jax.jit(step._split.full)
         txt_full = full.lower(s, next(ex.make_iterator(SPEC)), np.uint32(1)).compile().as_text()
     assert txt_full.count(" dot(") >= 3

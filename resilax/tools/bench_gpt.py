@@ -290,7 +290,7 @@ def _update_temp_bytes(plain, wrapped) -> dict:
                             plain.state_sh)
     upd = jax.jit(lambda s, g: s.apply_gradients(grads=g), out_shardings=plain.state_sh, donate_argnums=(0,))
     return {"plain": temp_bytes(upd.lower(abstract, abstract.params).compile()),
-            "default": temp_bytes(wrapped.program.update(None))}
+            "default": temp_bytes(wrapped._program.update(None))}
 
 
 def _state_bytes(state) -> int:

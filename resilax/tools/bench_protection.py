@@ -344,11 +344,11 @@ def _recovery(args, topo, template, batches, layout, tmp, variant):
         if auto and failed_at is None:
             c = step.peer_cadence()
             if c["phase"] == "set" and step.step >= F:
-                cad = step.peers.cadence
+                cad = step._peers.cadence
                 # the anchor (the cadence's first whole copy) is set by the step after the decision
                 if cad.anchor is not None and (step.step - cad.anchor) % cad.every == cad.every - 1:
                     cadence, failed_at = dict(c), step.step
-                    step.fail_domain(1, "after_step")
+                    step._fail_domain(1, "after_step")
     ev = next(e.fields for e in step.events if e.kind == "recovery")
     ahead = [e.fields for e in step.events if e.kind == "compile_ahead"]
     step.close()

@@ -139,7 +139,7 @@ def run(args) -> int:
     plain2.close()
     # ---- 4. device copy (the mesh's peer-copy executable: packed ring permute) vs host copy
     # of the protected leaves (those that live in one domain only)
-    prog = prot.program
+    prog = prot._program
     ring = [x for x, p in zip(jax.tree.leaves(s_prot), jax.tree.leaves(prog.places)) if p == _ring.RING]
     copy_fn = prog.snapshot(local=False)
     jax.block_until_ready(copy_fn(s_prot))

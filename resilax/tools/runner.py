@@ -200,9 +200,9 @@ def train(
                 how = f" (host store: {hs[-1].fields['copy']}; newest checkpoint: {ck[-1] if ck else None})"
             print(f"resumed at step {start_step}{how}, data position restored", flush=True)
         _say(step.events, resuming=True)
-        if step.faults.settled:  # the same plan on a restart: what belonged before the resume is done
+        if step._faults.settled:  # the same plan on a restart: what belonged before the resume is done
             print(f"faults done before this restart (not fired again): "
-                  f"{', '.join(f.spec() for f in step.faults.settled)}", flush=True)
+                  f"{', '.join(f.spec() for f in step._faults.settled)}", flush=True)
         bar = _progress(steps, start_step, progress)
         loss = acc = float("nan")
         last_t, last_s = time.perf_counter(), step.step
@@ -252,10 +252,10 @@ def train(
         "checkpoint_blocking_s": step.checkpoints.blocking_s.total if step.checkpoints else 0.0,
         "events": [e.to_json() for e in step.events],
         # steps whose update was not applied (NaN/Inf or spike), recorded across restarts
-        "skipped_steps": sorted(step.watch.skipped) if step.watch is not None else [],
-        "faults_settled": [f.spec() for f in step.faults.settled],
+        "skipped_steps": sorted(step._watch.skipped) if step._watch is not None else [],
+        "faults_settled": [f.spec() for f in step._faults.settled],
     }
-    hs = step.host_store
+    hs = step._host_store
     if hs is not None:  # under `resilax launch`: what storing (and mirroring) cost the step loop
         summary["host_store"] = {"writes": hs.seconds.count, "seconds": hs.seconds.total,
                                  "median_s": hs.seconds.median(),

@@ -54,7 +54,7 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

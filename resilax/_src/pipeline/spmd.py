@@ -207,8 +207,8 @@ def pipeline_sharding(weights: Any, axis: str = "stage", inner: Any = None):
 
     def spec(w, rest):
         if not np.ndim(w):
-            raise PipelineError(f"resilax.pipeline_sharding: stacked weights need a leading layer dimension, but a "
-                                f"leaf is a scalar")
+            raise PipelineError("resilax.pipeline_sharding: stacked weights need a leading layer dimension, but a "
+                                "leaf is a scalar")
         return P(axis, *(rest or ()))
 
     if inner is None or isinstance(inner, P):

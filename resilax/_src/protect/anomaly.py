@@ -230,7 +230,7 @@ class Watch(Protection):
         # the host: its probes and step deadlines assume the previous step is done when the
         # next is dispatched (with the host running ahead, probes queued behind a running step
         # made a healthy domain look like a straggler in the fresh-clone suite).
-        stop = self.cfg.on_anomaly == "stop" or getattr(run, "liveness", None) is not None
+        stop = self.cfg.on_anomaly == "stop" or getattr(run, "_liveness", None) is not None
         while self._queue:
             step, ok, value = self._queue[0]
             late = len(self._queue) > (1 if stop else self.MAX_LAG)
@@ -271,7 +271,7 @@ class Watch(Protection):
         code = recorded_verdict(verdict, step)
         if code != OK and step not in self.skipped:
             self._note(step, code)
-            run.event("anomaly", step, cause=CAUSES[code], value=None, action="replayed",
+            run._event("anomaly", step, cause=CAUSES[code], value=None, action="replayed",
                       detail="replayed from the record log with its recorded verdict: the update was not applied")
 
     def _note(self, step, code):
@@ -293,9 +293,9 @@ class Watch(Protection):
         v = None if value is None else float(np.asarray(value))
         # events are written as JSON (goodput files): a NaN or Inf value goes as its name
         shown = v if v is None or np.isfinite(v) else str(v)
-        run.event("anomaly", step, cause=cause, value=shown, action=self.cfg.on_anomaly,
+        run._event("anomaly", step, cause=cause, value=shown, action=self.cfg.on_anomaly,
                   detail="the step's update was not applied (state left as it was)")
-        run.goodput_lost_step()
+        run._goodput_lost_step()
         if self.cfg.on_anomaly == "stop":
             raise AnomalyError(
                 f"resilax: step {step} is anomalous ({cause}{'' if v is None else f', {self.cfg.metric} = {v:.6g}'}); "
@@ -327,7 +327,7 @@ class Watch(Protection):
     def restart(self, run, state):
         """The unread verdicts' arrays lost their dead devices' buffers: read a survivor's."""
         self._queue = collections.deque(
-            (step, run.host_replica(ok), None if value is None else run.host_replica(value))
+            (step, run._host_replica(ok), None if value is None else run._host_replica(value))
             for step, ok, value in self._queue)
 
     def held(self):

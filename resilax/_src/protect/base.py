@@ -51,7 +51,7 @@ class Protection:
     name = "protection"
 
     def start(self, run, state) -> None:
-        """The state is placed (or restored) at ``run.step`` on ``run.program``'s mesh."""
+        """The state is placed (or restored) at ``run.step`` on ``run._program``'s mesh."""
 
     def copy_variant(self, run, step_after: int) -> str | None:
         return None

@@ -7,7 +7,8 @@ from __future__ import annotations
 import jax
 
 from resilax._src.protect import base
-from resilax._src.protect.checkpoints import CheckpointStore, collectives
+from resilax._src.protect import checkpoints as _store
+from resilax._src.protect.checkpoints import CheckpointStore
 from resilax._src.protect.checksum import anchor_tree
 from resilax._src.protect.data_state import encode_data_state
 from resilax._src.protect.planner import Candidate, Copy
@@ -29,16 +30,16 @@ class Checkpoints(base.Protection):
         """Warms, off the loop, the programs a save needs: the checksums, the snapshot copy
         (for a state the caller still donates), and the update variants that keep their
         input (the step after a save runs one: the persister reads that state, uncopied)."""
-        prog = run.program
+        prog = run._program
         variants = {None}
-        if run.peers is not None and prog.protects:
-            variants.update(run.peers.variants())
+        if run._peers is not None and prog.protects:
+            variants.update(run._peers.variants())
 
         def keep_variants():
             for v in variants:
                 prog.update(v, keep_input=True)
 
-        self.store.warm(self.tree(state, run.guard), also=keep_variants if prog.spec.donate else None)
+        self.store.warm(self.tree(state, run._guard), also=keep_variants if prog.spec.donate else None)
 
     def restart(self, run, state):
         self.start(run, state)
@@ -55,24 +56,24 @@ class Checkpoints(base.Protection):
         self.paused = (f"processes outside {sorted(alive)} died and the others went on in place; Orbax cannot save "
                        f"without them, so checkpoints resume with the next generation (the host stores keep every "
                        f"step meanwhile)")
-        run.event("checkpoints_paused", run.step, why=self.paused)
+        run._event("checkpoints_paused", run.step, why=self.paused)
 
     def due(self, step_after: int) -> bool:
         return bool(self.cfg.every) and step_after % self.cfg.every == 0 and self.paused is None
 
     def save(self, run, state, *, after_dispatch=None, copy=True) -> float:
-        meta = {"seed": run.config.seed, "topology": run.topology.name, "collectives": collectives()}
-        if run.data is not None:
-            meta["data_state"] = encode_data_state(run.data.get_state())
-        if run.watch is not None:  # the steps skipped so far (reads the newest verdict: the snapshot waits for it anyway)
-            meta["verdicts"] = run.watch.record(run)
-        return self.store.save(run.step, self.tree(state, run.guard), meta, after_dispatch=after_dispatch, copy=copy)
+        meta = {"seed": run.config.seed, "topology": run.topology.name, "collectives": _store.collectives()}
+        if run._data is not None:
+            meta["data_state"] = encode_data_state(run._data.get_state())
+        if run._watch is not None:  # the steps skipped so far (reads the newest verdict: the snapshot waits for it anyway)
+            meta["verdicts"] = run._watch.record(run)
+        return self.store.save(run.step, self.tree(state, run._guard), meta, after_dispatch=after_dispatch, copy=copy)
 
     def candidates(self, run):
         steps = self.store.steps()
         if not steps:
             return []
-        shapes = [x.shape for x in jax.tree.leaves(run.program.spec.abstract_state)]
+        shapes = [x.shape for x in jax.tree.leaves(run._program.spec.abstract_state)]
         storage = tuple(((("all",), (Copy(None, ("checkpoint",)),)),) for _ in shapes)
         return [Candidate("checkpoint", steps[-1], storage)]
 

@@ -126,24 +126,24 @@ class CrossCheck(Protection):
         mesh = dict(prog.mesh.shape)
         if prog.mesh.devices.size == 1:
             self._done.add(prog)
-            run.event("crosscheck", step_no, mesh=mesh, checked=False,
+            run._event("crosscheck", step_no, mesh=mesh, checked=False,
                       reason="a mesh of one device: nothing is partitioned, only fusion differs")
             return
         if jax.process_count() > 1:  # one device cannot read the other processes' shards
             self._done.add(prog)
-            run.event("crosscheck", step_no, mesh=mesh, checked=False,
+            run._event("crosscheck", step_no, mesh=mesh, checked=False,
                       reason="multi-process run: the single-device reference is not built for it yet")
             return
         if prog.m != 1:
             self._done.add(prog)
-            run.event("crosscheck", step_no, mesh=mesh, checked=False,
+            run._event("crosscheck", step_no, mesh=mesh, checked=False,
                       reason=f"{prog.m} microbatches: their random streams differ from the full batch's by design")
             return
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes")) + sum(
             np.asarray(x).nbytes for x in jax.tree.leaves(batch))
         if self.cfg.max_bytes is not None and nbytes > self.cfg.max_bytes:
             self._done.add(prog)
-            run.event("crosscheck", step_no, mesh=mesh, checked=False,
+            run._event("crosscheck", step_no, mesh=mesh, checked=False,
                       reason=f"state + batch {nbytes} bytes > VerifyConfig.max_bytes {self.cfg.max_bytes}")
             return
         split = prog.spec.split
@@ -194,7 +194,7 @@ class CrossCheck(Protection):
             # disagree by a whole example's share (a resumed demo MLP: 1.3% on every hidden leaf,
             # both programs 1.3-1.6% from float64). A miscompile is in the program, not the point.
             pert = _perturbed(state)
-            out = prog.grad(gout.rec_ring is not None, None)(pert, run.guard, prog.put_batch(full), np.uint32(step_no))
+            out = prog.grad(gout.rec_ring is not None, None)(pert, run._guard, prog.put_batch(full), np.uint32(step_no))
             got2 = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(
                 prog.last_replica0 if prog.deterministic else prog.rec_tree(out.rec)))]
             finite = all(np.all(np.isfinite(x)) for x in got2 if np.issubdtype(x.dtype, np.inexact))
@@ -202,7 +202,7 @@ class CrossCheck(Protection):
             del pert, out
             if not again:
                 unconfirmed, bad = [b[0] for b in bad], []
-        run.event("crosscheck", step_no, mesh=mesh, checked=True, differing=[b[0] for b in bad], rtol=tol,
+        run._event("crosscheck", step_no, mesh=mesh, checked=True, differing=[b[0] for b in bad], rtol=tol,
                   compute_dtype=dtype, reduction_length=length, unconfirmed=unconfirmed)
         if not bad:
             return

@@ -116,22 +116,22 @@ class HostStore(base.Protection):
         host from now on, and store the restored step at once."""
         self.drain()
         self.alive = self.writers = sorted(alive)
-        self.write(run.step, state, run.guard, run.data_position)
+        self.write(run.step, state, run._guard, run._data_position)
 
     def after_step(self, run, rec) -> None:
         if run.step % self.every:
             return
-        self.write(run.step, run.live, run.guard, run.data_position, wait=False)
+        self.write(run.step, run._live, run._guard, run._data_position, wait=False)
 
     def start(self, run, state) -> None:
         """Re-protects a restored state at once (own host and the neighbour's mirror): until
         this generation's first stored step, a second death would otherwise find the dead
         hosts' copies gone and fall back to the checkpoint."""
         self.drain()
-        watch = getattr(run, "watch", None)
+        watch = getattr(run, "_watch", None)
         self._verdicts = (lambda: watch.snapshot(run)) if watch is not None else None
         if run.step > 0 and run.step not in committed_steps(self._targets()[0]):
-            self.write(run.step, state, run.guard, run.data_position)
+            self.write(run.step, state, run._guard, run._data_position)
 
     def close(self) -> None:
         self.drain()
@@ -370,25 +370,25 @@ def resume(run, store: HostStore, state, step: int | None, agree):
     if step is None or step <= run.step:
         return state
     t0 = time.perf_counter()
-    tree = (state, run.guard)
+    tree = (state, run._guard)
     leaves, treedef = jax.tree.flatten(tree)
     got = store.restore(step, leaves, [x.sharding for x in leaves])
     if not agree(got is not None):
-        run.event("host_store_skipped", run.step, wanted_step=step,
+        run._event("host_store_skipped", run.step, wanted_step=step,
                   reason="some process could not read back a verified copy of its shards; using the checkpoint")
         return state
     new_leaves, meta, source = got
     state, guard = jax.tree.unflatten(treedef, new_leaves)
     from resilax._src.protect.data_state import decode_data_state
 
-    if run.data is not None and meta.get("data_state") is not None:
-        run.data.set_state(decode_data_state(meta["data_state"]))
-    run.data_position = meta.get("data_state")
-    watch = getattr(run, "watch", None)
+    if run._data is not None and meta.get("data_state") is not None:
+        run._data.set_state(decode_data_state(meta["data_state"]))
+    run._data_position = meta.get("data_state")
+    watch = getattr(run, "_watch", None)
     if watch is not None:
         watch.restored(meta.get("verdicts"))
-    from_step, run.step, run.guard = run.step, step, guard
-    store.write(step, state, guard, run.data_position)  # re-protected before anything else can fail
-    run.event("restore", step, source="host_store", copy=source, from_step=from_step,
+    from_step, run.step, run._guard = run.step, step, guard
+    store.write(step, state, guard, run._data_position)  # re-protected before anything else can fail
+    run._event("restore", step, source="host_store", copy=source, from_step=from_step,
               seconds=time.perf_counter() - t0)
     return state

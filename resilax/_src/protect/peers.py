@@ -51,16 +51,16 @@ class Peers(base.Protection):
         return ("ring",) if self.every == 1 else ("ring+local",)
 
     def copy_variant(self, run, step_after):
-        if not run.program.protects:
+        if not run._program.protects:
             return None
         c = self.cadence
         if c is not None:
             if c.phase == "wait" and c.ready is None:
-                c.ready = run.compile_in_background(run.program, (None,) + self.variants())
-            return c.plan(step_after, background_idle=run.background_idle(), over_cap=run.log_over_cap())
+                c.ready = run._compile_in_background(run._program, (None,) + self.variants())
+            return c.plan(step_after, background_idle=run._background_idle(), over_cap=run._log_over_cap())
         if self.every == 1:
             return "ring"
-        return "ring+local" if step_after % self.every == 0 or run.log_over_cap() else None
+        return "ring+local" if step_after % self.every == 0 or run._log_over_cap() else None
 
     def log_entries(self) -> bool:
         """Whether a step without a copy keeps its record-log device entry (ring-copied)."""
@@ -75,7 +75,7 @@ class Peers(base.Protection):
     def timed(self, run, seconds: float) -> None:
         d = self.cadence.timed(seconds) if self.cadence is not None else None
         if d is not None:
-            run.event("peer_cadence", run.step, mesh=dict(run.program.mesh.shape), **d)
+            run._event("peer_cadence", run.step, mesh=dict(run._program.mesh.shape), **d)
 
     def report(self) -> dict:
         if self.cadence is not None:
@@ -84,19 +84,19 @@ class Peers(base.Protection):
 
     def start(self, run, state):
         """A snapshot of the placed state, so step ``run.step`` is covered from the start."""
-        p = run.program
+        p = run._program
         if not p.protects:
             self.snap = None
             if self.cadence is not None:
                 self.cadence.reset(copies=False)
             return
         ring, local = p.snapshot(local=self.every > 1 or self.cadence is not None)(state)
-        self.snap = Snapshot(run.step, p, local, ring, run.guard)
+        self.snap = Snapshot(run.step, p, local, ring, run._guard)
 
     def after_step(self, run, rec):
         if rec.copy is not None:
             self.snap = Snapshot(rec.step + 1, rec.program, rec.local, rec.ring, rec.gout.guard)
-            run.log_covered(rec.step + 1)
+            run._log_covered(rec.step + 1)
 
     def held(self):
         if self.snap is None:
@@ -110,7 +110,7 @@ class Peers(base.Protection):
         if s.local is None and s.step != run.step:
             return []  # the live state moved on: its local part is gone
         p = s.program
-        local = s.local if s.local is not None else run.live
+        local = s.local if s.local is not None else run._live
         shapes = [x.shape for x in jax.tree.leaves(p.spec.abstract_state)]
         shards = base.leaf_shards(jax.tree.leaves(local), jax.tree.leaves(p.state_sh), shapes,
                                   ring=(p.state_pack, list(s.ring) if s.ring is not None else []))

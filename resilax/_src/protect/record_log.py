@@ -100,15 +100,15 @@ class RecordLog(base.Protection):
             self._anchor = (step, tree if defer else self.sums(tree))
 
     def start(self, run, state):
-        self.anchor(run.step, state, run.guard)
+        self.anchor(run.step, state, run._guard)
         self.device.clear()
         self.pending.clear()
         self.now = run.step
-        self.covered = run.step if self.peers and run.program.protects else self.covered
+        self.covered = run.step if self.peers and run._program.protects else self.covered
         self._trim()
 
     def wants_log_ring(self, run, copy):
-        return self.peers and copy is None and run.program.protects and run.peer_log_entries()
+        return self.peers and copy is None and run._program.protects and run._peer_log_entries()
 
     def device_bytes(self) -> int:
         return sum(e.nbytes for e in self.device.values())
@@ -141,7 +141,7 @@ class RecordLog(base.Protection):
         batch = rec.batch if not self.cfg.copy_batches else jax.tree.map(
             lambda x: x if isinstance(x, jax.Array) else np.array(x, copy=True), rec.batch)
         self.batches[rec.step] = batch
-        if rec.copy is None and self.peers and rec.program.protects and run.peer_log_entries():
+        if rec.copy is None and self.peers and rec.program.protects and run._peer_log_entries():
             leaves = [*g.rec[0], *g.rec[1]] if rec.program.rec_layout is not None else jax.tree.leaves(g.rec)
             nbytes = self._entry_bytes.get(rec.program)
             if nbytes is None:  # per program, not per step: the same shapes every step
@@ -155,8 +155,8 @@ class RecordLog(base.Protection):
             if self._anchor is not None and self._anchor[0] == rec.step:
                 sums, self._anchor = self._anchor[1], None
             multi = jax.process_count() > 1  # no grads entries: no process holds every shard
-            carry = run.data is None and (multi or self._carries_batch(rec.program))
-            grads = not multi and self._take_grads(run, replayable=run.data is not None or carry)
+            carry = run._data is None and (multi or self._carries_batch(rec.program))
+            grads = not multi and self._take_grads(run, replayable=run._data is not None or carry)
             if self.disk.writes():
                 self.disk.append(rec.step, recorded=rec.program.rec_tree(g.rec) if grads else None, state_sums=local(sums),
                                  data_state=rec.data_before, data_next=rec.data_after, batch_sig=self._batch_sig,
@@ -193,7 +193,7 @@ class RecordLog(base.Protection):
             return True
         # the last step's own time: a smoothed one still held the first step's compile many
         # steps later, and at 1% of a compile-inflated step every entry seemed paid for
-        step_s = run.steady_step_s or 0.0
+        step_s = run._steady_dt or 0.0
         self._step_time += step_s
         cost = self.disk.grads_cost_s
         take = False
@@ -244,7 +244,7 @@ class RecordLog(base.Protection):
         if self.disk is not None:  # waits for the entries in flight first
             self.disk.discard_from(since + 1, f"recorded from corrupted replicas after step {since}; the state was "
                                               f"rebuilt at step {run.step}")
-        if self.peers and run.program.protects:
+        if self.peers and run._program.protects:
             self.covered = run.step  # the peers snapshot the adopted state (`Peers.adopted`)
 
     def checkpointed(self, step: int) -> None:
@@ -324,7 +324,7 @@ class RecordLog(base.Protection):
         replicated scalars, so any live domain has them)."""
         self.device.clear()
         self.pending.clear()
-        self.verdicts = {s: tuple(None if x is None else np.array(run.host_replica(x), copy=True) for x in v)
+        self.verdicts = {s: tuple(None if x is None else np.array(run._host_replica(x), copy=True) for x in v)
                          for s, v in self.verdicts.items()}
         self.now = self.covered = run.step
         if self._anchor is not None:
@@ -335,7 +335,7 @@ class RecordLog(base.Protection):
             step = self._anchor[0]
             self._anchor = None
             if step == run.step:
-                self.anchor(step, state, run.guard)
+                self.anchor(step, state, run._guard)
         self._trim()
 
     def close(self):

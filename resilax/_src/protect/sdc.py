@@ -88,7 +88,7 @@ class SdcCheck(Protection):
         step, each step and check timed), ``set``."""
         if not self.auto or self.phase in ("set", "fixed", "calibrate"):
             return
-        if run.checkpointer is None or run.record_log is None:
+        if run._checkpointer is None or run._record_log is None:
             self.phase, self.every = "fixed", 1
             self.why = ("no checkpoint and record log to rebuild a late find from: the replicas are checked "
                         "before every step")
@@ -123,7 +123,7 @@ class SdcCheck(Protection):
         self.decisions.append(d)
         self.phase, self.every, self._anchor = "set", every, step
         self._reset_cadence()
-        run.event("sdc_cadence", step, mesh=dict(run.program.mesh.shape), **d)
+        run._event("sdc_cadence", step, mesh=dict(run._program.mesh.shape), **d)
 
     def report(self) -> dict:
         out = {"mode": "auto" if self.auto else "fixed", "phase": self.phase, "every": self.every,
@@ -148,7 +148,7 @@ class SdcCheck(Protection):
         if bad or self.phase != "calibrate":  # a recovery (or a rebuild) restarted the cadence
             return
         self._costs.append(time.perf_counter() - t0)
-        self._calibrating = run.background_idle()  # samples with a compile beside them are not the step's
+        self._calibrating = run._background_idle()  # samples with a compile beside them are not the step's
         if not self._calibrating:
             self._costs.pop()
             return
@@ -207,7 +207,7 @@ class SdcCheck(Protection):
         t0 = time.perf_counter()
         self._checked_at = step
         self._checked_refs = [_ref(x) for x in jax.tree.leaves(state)]  # weak: never keeps a state alive
-        prog = run.program
+        prog = run._program
         mesh = prog.mesh
         leaves = jax.tree.leaves(state)
         places = jax.tree.leaves(prog.places)
@@ -216,7 +216,7 @@ class SdcCheck(Protection):
         multi = jax.process_count() > 1  # another process's domain cannot be read here
         if prog not in self._told:
             self._told.add(prog)
-            run.event("sdc_coverage", step, leaves_checked=0 if multi else len(idx), leaves=len(leaves), domains=live,
+            run._event("sdc_coverage", step, leaves_checked=0 if multi else len(idx), leaves=len(leaves), domains=live,
                       **({"reason": "multi-process run: not built yet"} if multi else {}))
         if live < 2 or not idx or multi:
             return []
@@ -233,14 +233,14 @@ class SdcCheck(Protection):
         for d, k in enumerate(keys):
             groups.setdefault(k, []).append(d)
         best = max(groups.values(), key=len)
-        names = run.leaf_names  # a mismatch: only now are the names needed
+        names = run._leaf_names  # a mismatch: only now are the names needed
         differing = sorted({names[idx[j]] for s in sums for j in np.nonzero(np.any(s != sums[best[0]], axis=(0, 2)))[0]})
         late = self._good_at is None or step - self._good_at > 1
         if 2 * len(best) <= live or late:
             # no majority, or it may be wrong too: rebuild the step from the newest
             # checkpoint and the record log, and keep the replicas that match it
             trusted = -1 if self._good_at is None else self._good_at
-            rebuilt = run.rebuilt_state(step, trusted_through=trusted)
+            rebuilt = run._rebuilt_state(step, trusted_through=trusted)
             if rebuilt is not None:
                 witness, guard = rebuilt
                 wl = jax.tree.leaves(witness)
@@ -253,15 +253,15 @@ class SdcCheck(Protection):
                 # from trusted sources only, so the run goes on from it. A domain outvoted
                 # by a strict majority still holds its own corruption on top: it is failed.
                 bad = [alive[d] for d in range(live) if d not in best] if 2 * len(best) > live else []
-                run.adopt(witness, guard, since=trusted)
-                run.event("sdc", step, bad_domains=bad, good_domains=[d for d in alive if d not in bad],
+                run._adopt(witness, guard, since=trusted)
+                run._event("sdc", step, bad_domains=bad, good_domains=[d for d in alive if d not in bad],
                           leaves=differing[:16], decided_by="rebuilt_adopted", trusted_through=trusted,
                           detail="no replica matched the state rebuilt from the newest checkpoint and the record "
                                  "log; the run goes on from the rebuilt state"
                                  + ("" if bad else " (no majority names the bad domain: every domain is kept)"),
                           seconds=time.perf_counter() - t0)
                 for d in bad:
-                    run.fail_domain(d, "sdc")
+                    run._fail_domain(d, "sdc")
                 return bad
         if 2 * len(best) <= live:
             raise SilentDataCorruptionError(
@@ -293,8 +293,8 @@ def _ref(x):
 def _decide(run, step, alive, good, differing, how, t0) -> list[int]:
     """Keeps the replicas at positions ``good``; fails the other domains."""
     bad = [d for i, d in enumerate(alive) if i not in good]
-    run.event("sdc", step, bad_domains=bad, good_domains=[alive[i] for i in good], leaves=differing[:16],
+    run._event("sdc", step, bad_domains=bad, good_domains=[alive[i] for i in good], leaves=differing[:16],
               decided_by=how, seconds=time.perf_counter() - t0)
     for d in bad:
-        run.fail_domain(d, "sdc")
+        run._fail_domain(d, "sdc")
     return bad

@@ -139,31 +139,31 @@ def _kill(fault, ctx):
 
 
 def _fail_slice(fault, ctx):
-    ctx.fail_domain(fault.target, fault.phase)
+    ctx._fail_domain(fault.target, fault.phase)
 
 
 def _bitflip(fault, ctx):
-    ctx.corrupt_domain(fault.target, fault.phase)
+    ctx._corrupt_domain(fault.target, fault.phase)
 
 
 def _hang_slice(fault, ctx):
-    ctx.hang_domain(fault.target, fault.phase)
+    ctx._hang_domain(fault.target, fault.phase)
 
 
 def _slow_slice(fault, ctx):
-    ctx.slow_domain(fault.target, fault.phase)
+    ctx._slow_domain(fault.target, fault.phase)
 
 
 def _rejoin(fault, ctx):
-    ctx.rejoin_domain(fault.target, fault.phase)
+    ctx._rejoin_domain(fault.target, fault.phase)
 
 
 def _repair_slice(fault, ctx):
-    ctx.repair_domain(fault.target, fault.phase)
+    ctx._repair_domain(fault.target, fault.phase)
 
 
 def _grad_fault(fault, ctx):
-    ctx.inject(fault.kind, ctx.step)
+    ctx._inject(fault.kind, ctx.step)
 
 
 def _hang(fault, ctx):

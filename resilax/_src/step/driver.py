@@ -124,6 +124,16 @@ class ResilientStep:
     The state passed to ``__call__`` is donated (``Config.donate_state``): use the returned
     one. If a call raises after donating it, ``step.state`` still holds the newest good
     state (or the error says it is gone).
+
+    Under `resilax launch`, ``step.preempted`` turns true after the step every worker
+    stopped at on SIGTERM (saved); the next call raises `resilax.Preempted`.
+
+    Besides that contract it offers reports: ``goodput()``, ``run_dir``, ``checkpoints``
+    (the checkpoint store: ``checkpoints.steps()``), ``checkpoints_paused``,
+    ``alive_domains``, ``retained()``, ``peer_cadence()``, ``log_cadence()``,
+    ``sdc_cadence()``, and ``wait_compiled()`` / ``compile_ahead()`` for the programs
+    compiled ahead. Names with a leading underscore are resilax's own hooks; faults are
+    injected through `resilax.FaultPlan`.
     """
 
     def __init__(self, train_step, *, topology, state_sharding, batch_sharding, config, faults, rng,
@@ -154,8 +164,8 @@ class ResilientStep:
         self.train_step = train_step
         self.topology = topology
         self.config = config
-        self.faults = faults if faults is not None else FaultPlan()
-        self.faults.validate(topology, config)
+        self._faults = faults if faults is not None else FaultPlan()
+        self._faults.validate(topology, config)
         if config.deterministic is not None:
             # the bit-exact mode computes and holds the state per failure domain (sharded inside one only)
             from resilax._src.step.deterministic import strip_axis
@@ -166,12 +176,12 @@ class ResilientStep:
         self._split = Split(train_step, config.seed, rng)
         self.step = 0
         self.mesh = None
-        self.program: Program | None = None
+        self._program: Program | None = None
         self.events: list[Event] = []
-        self.live = None
-        self.guard = None
-        self.data = None
-        self.data_position = None  # the data iterator's encoded position after step ``self.step``
+        self._live = None
+        self._guard = None
+        self._data = None
+        self._data_position = None  # the data iterator's encoded position after step ``self.step``
         self._closed = False
         self._broken: str | None = None
         self._reforming = False  # leaving for the next generation (`in_place.leave_for_reform`)
@@ -193,11 +203,11 @@ class ResilientStep:
         self._keep_input = False  # the next step does not donate the live state (a save reads it)
         self._store = None  # the host state store (under `resilax launch`)
         self._finished = None  # (step, metrics) of the current call once its step completed
-        self.lookahead = in_place.Lookahead()  # (under `launch --in-place`: how far the host runs ahead)
+        self._lookahead = in_place.Lookahead()  # (under `launch --in-place`: how far the host runs ahead)
         self._batch_key = None  # (treedef, shapes and dtypes) of the last batch checked against the program
         self._timed_prog = None  # the program the last step_seconds sample ran on
         self._steady_dt = None  # the last step's seconds, None after a program's first step
-        self.goodput_recorder = GoodputRecorder()
+        self._goodput_recorder = GoodputRecorder()
         self._loop_span = contextlib.ExitStack()
         self._loop_open = False
         self._goodput_warned = False
@@ -212,7 +222,7 @@ class ResilientStep:
     @property
     def state(self):
         """The live state (after the newest completed step)."""
-        return self.live
+        return self._live
 
     def init(self, state, *, data=None):
         """Places ``state`` on the mesh, or restores the newest good checkpoint and replays the
@@ -248,11 +258,11 @@ class ResilientStep:
         spec = self._state_spec if len(self._alive) == len(self._domains) else _sh.fit_specs(  # as a shrink does
             self._state_spec, state, self.mesh, self.topology.elastic_axis)[0]
         self._state_sh = _sh.resolve(spec, state, self.mesh, "state_sharding")
-        self.data = data
+        self._data = data
         cfg = self.config
-        self.guard = None
+        self._guard = None
         if cfg.anomaly is not None:
-            self.guard = _sh.put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
+            self._guard = _sh.put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
         if cfg.checkpoint is not None:
             self._ckpt = Checkpoints(cfg.checkpoint)
         if cfg.log is not None:
@@ -277,16 +287,16 @@ class ResilientStep:
             from resilax._src.runtime.health import Liveness
             self._liveness = Liveness(cfg.health, self._domains, self._alive)
         state = _resume.newest_state(self, state, self._state_sh, job)
-        self.data_position = encode_data_state(data.get_state()) if data is not None else None
+        self._data_position = encode_data_state(data.get_state()) if data is not None else None
         state = _resume.replay_disk_log(self, state, self._first_program)
         # the plan on a restart: what belongs before this step is done (faults.py)
-        self.faults.resume(self.step, self.run_dir or cfg.log_directory, jax.process_index())
-        self.live = state
-        for p in self._protections if self.program is not None else ():
+        self._faults.resume(self.step, self.run_dir or cfg.log_directory, jax.process_index())
+        self._live = state
+        for p in self._protections if self._program is not None else ():
             p.start(self, state)
         return state
 
-    def abstract_guard(self, mesh):
+    def _abstract_guard(self, mesh):
         """The anomaly detector's state as abstract arrays replicated on ``mesh`` (None without one)."""
         if self.config.anomaly is None:
             return None
@@ -300,7 +310,7 @@ class ResilientStep:
         spec = program_spec(self.config, self.topology, self._split, self._state_spec, self._batch_spec,
                             self._abstract_state, abstract_batch, self._reductions)
         check_step(self._split, self._abstract_state, abstract_batch, self.mesh)
-        with self.goodput_recorder.span("compile"):
+        with self._goodput_recorder.span("compile"):
             prog = make(spec, self.mesh, full_mesh=len(self._alive) == len(self._domains))
             prog.grad(False)
             prog.update(None)
@@ -319,19 +329,19 @@ class ResilientStep:
 
         def report(meshes, seconds):
             try:
-                self.event("compile_ahead", at, meshes=meshes, seconds=seconds, background=True)
+                self._event("compile_ahead", at, meshes=meshes, seconds=seconds, background=True)
             except Exception:  # the run was closed meanwhile: nobody reads the event
                 pass
 
         variants = self._peers.variants() if self._peers is not None else ()
-        self._programs.compile_ahead(self._alive, self.program.spec, variants, report)
+        self._programs.compile_ahead(self._alive, self._program.spec, variants, report)
 
-    def compile_in_background(self, prog, variants):
+    def _compile_in_background(self, prog, variants):
         """A future that compiles ``prog``'s update ``variants`` and its grad part (with and
         without the log's ring copy: `Program.compile_all`) on the compile-ahead thread."""
         return self._programs.in_background(prog, variants)
 
-    def background_idle(self) -> bool:
+    def _background_idle(self) -> bool:
         """Whether no background compile of a degraded mesh is in flight (they would compete
         with a measurement for the cores)."""
         return self._programs.idle()
@@ -379,12 +389,12 @@ class ResilientStep:
         if self._broken:
             raise WrapError(f"resilax.ResilientStep: an earlier call failed ({self._broken}); the step cannot continue. "
                             f"Start a new ResilientStep and init() it (it restores the newest checkpoint)")
-        if state is not self.live:
-            self.live = state  # the caller's state is the one to use (e.g. after init)
+        if state is not self._live:
+            self._live = state  # the caller's state is the one to use (e.g. after init)
         in_place.grow_back_if_due(self)  # under `resilax launch`: a job smaller than -n grows back now
         if not self._loop_open:
             self._loop_span.close()
-            self._loop_span.enter_context(self.goodput_recorder.span("productive"))
+            self._loop_span.enter_context(self._goodput_recorder.span("productive"))
             self._loop_open = True
         entry = self.step
         self._finished = None  # (step, metrics) once this call's step completed (a save may still fail)
@@ -403,22 +413,22 @@ class ResilientStep:
             raise
 
     def _broken_if_lost(self):
-        leaves = [x for x in jax.tree.leaves(self.live) if isinstance(x, jax.Array)]
+        leaves = [x for x in jax.tree.leaves(self._live) if isinstance(x, jax.Array)]
         if any(x.is_deleted() for x in leaves):
             self._broken = "the live state's buffers are gone"
 
     def _call(self, batch):
-        key = (self.program, _sh.batch_key(batch))
-        if self.program is None:
-            self.program = self._first_program(_sh.abstract(batch))
+        key = (self._program, _sh.batch_key(batch))
+        if self._program is None:
+            self._program = self._first_program(_sh.abstract(batch))
             for p in self._protections:
-                p.start(self, self.live)
+                p.start(self, self._live)
             self.compile_ahead()
             worker.offer_in_place(in_place.possible(self))
             membership.barrier("compiled")  # no worker enters the first collective while another still compiles
         elif key[1] is None or key != self._batch_key:  # the same shapes as the last batch: checked already
-            _sh.check_batch(batch, self.program.spec.abstract_batch)
-        self._batch_key = (self.program, key[1])
+            _sh.check_batch(batch, self._program.spec.abstract_batch)
+        self._batch_key = (self._program, key[1])
         worker.step_started(self.step + 1)  # the supervisor tells a hung worker from the ones waiting on it
         lv = self._liveness
         if lv is not None:
@@ -426,32 +436,32 @@ class ResilientStep:
         self._fire("before_step")
         recovered = self._recovery.health_boundary()
         for p in self._protections:
-            p.before_step(self, self.live, self.step)
+            p.before_step(self, self._live, self.step)
         if self._recovery.pending:  # a health check found a bad domain: recover before anything reads it
             self._recover()
         k = self.step
-        prog = self.program
+        prog = self._program
         copy = next((c for c in (p.copy_variant(self, k + 1) for p in self._protections) if c), None)
         log_ring = any(p.wants_log_ring(self, copy) for p in self._protections)
-        before = self.data_position
-        after = encode_data_state(self.data.get_state()) if self.data is not None else None
+        before = self._data_position
+        after = encode_data_state(self._data.get_state()) if self._data is not None else None
         t0 = time.perf_counter()
         dev_batch = prog.put_batch(batch)
         # kept, not popped: a step redone from its batch (`in_place.go_on`) gets its fault, so its first verdict
-        gout = prog.grad(log_ring, self._grad_faults.get(k))(self.live, self.guard, dev_batch, np.uint32(k))
-        self.lookahead.push(gout.ok)
+        gout = prog.grad(log_ring, self._grad_faults.get(k))(self._live, self._guard, dev_batch, np.uint32(k))
+        self._lookahead.push(gout.ok)
         for p in self._protections:
-            p.before_update(self, self.live, batch, k, gout, prog)
+            p.before_update(self, self._live, batch, k, gout, prog)
         keep, self._keep_input = self._keep_input, False  # a checkpoint's persister still reads this state
-        new_state, ring, local = prog.update(copy, keep_input=keep)(self.live, gout.rec, gout.ok, np.uint32(k))
-        self.live, self.guard, self.step, self.data_position = new_state, gout.guard, k + 1, after
+        new_state, ring, local = prog.update(copy, keep_input=keep)(self._live, gout.rec, gout.ok, np.uint32(k))
+        self._live, self._guard, self.step, self._data_position = new_state, gout.guard, k + 1, after
         timers = [p for p in self._protections if p.blocks()]
         if timers:  # a calibration sample (peer copy or replica check cadence): the whole step, waited on
             jax.block_until_ready(new_state)
             for p in timers:
                 p.timed(self, time.perf_counter() - t0)
         rec = _base.StepRecord(k, batch, gout, copy, new_state, ring, local, before, after, prog)
-        with self.goodput_recorder.span("protection"):
+        with self._goodput_recorder.span("protection"):
             for p in self._protections:
                 p.after_step(self, rec)
         # ``mid_step@N``: N steps completed, step N+1 (index k = N) in flight
@@ -459,111 +469,111 @@ class ResilientStep:
         self._fire("mid_step", k)
         self._fire("during_peer_copy", k)  # the step in flight makes the peer copy
         self._copy_in_flight = False
-        self.step_seconds(time.perf_counter() - t0)
+        self._step_seconds(time.perf_counter() - t0)
         worker.progress(self.step, self._step_s)  # the supervisor's step deadline (no-op outside a launch)
         self._finished = (self.step, gout.metrics)
         self._fire("after_step")
         saved = self._ckpt is not None and self._ckpt.due(self.step)
         if saved:
-            self.save(self.live)
+            self.save(self._live)
         _preemption.stop_if_due(self, saved)
         if lv is not None:
             lv.call_end(record=not recovered and not self._recovery.pending)
-        return self.live, gout.metrics
+        return self._live, gout.metrics
 
-    def step_seconds(self, dt):
+    def _step_seconds(self, dt):
         self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
         # the step's own time, except a program's first (a compile): budgets paid per step are not paid by a compile
-        first, self._timed_prog = self._timed_prog is not self.program, self.program
+        first, self._timed_prog = self._timed_prog is not self._program, self._program
         self._steady_dt = None if first else dt
 
     # ================================================================ failures (`step.recovery`)
     def _fire(self, phase, at=None):
-        if self.faults:
-            self.faults.fire(phase, self.step if at is None else at, self)
+        if self._faults:
+            self._faults.fire(phase, self.step if at is None else at, self)
         if self._recovery.pending:
             self._recover()
 
     def _recover(self):
-        with self.goodput_recorder.span("recovery"):
+        with self._goodput_recorder.span("recovery"):
             self._do_recover()
 
     def _do_recover(self):
         self._recovery.recover_pending()
 
-    def inject(self, kind: str, step: int):
+    def _inject(self, kind: str, step: int):
         """``nan``/``spike`` faults: step ``step``'s recorded values are NaN, or its watched
         metric is multiplied (a spike), inside the grad part where real ones appear."""
         # several at one step all apply (a NaN and a spike together: the NaN decides)
         self._grad_faults[step] = tuple(sorted(set(self._grad_faults.get(step, ())) | {kind}))
 
-    def fail_domain(self, domain: int, phase: str, at: float | None = None) -> dict | None:
+    def _fail_domain(self, domain: int, phase: str, at: float | None = None) -> dict | None:
         """Emulates losing failure domain ``domain``: its memory is gone (`Recovery.fail_domain`)."""
         return self._recovery.fail_domain(domain, phase, at)
 
-    def corrupt_domain(self, domain: int, phase: str = "after_step") -> dict | None:
+    def _corrupt_domain(self, domain: int, phase: str = "after_step") -> dict | None:
         """Emulates a bit flip in domain ``domain``'s replica (`Recovery.corrupt_domain`)."""
         return self._recovery.corrupt_domain(domain, phase)
 
-    def hang_domain(self, domain: int, phase: str = "after_step") -> None:
+    def _hang_domain(self, domain: int, phase: str = "after_step") -> None:
         """Fault ``hang_slice``: domain ``domain`` stops answering (`Recovery.hang_domain`)."""
         self._recovery.hang_domain(domain, phase)
 
-    def slow_domain(self, domain: int, phase: str = "after_step") -> None:
+    def _slow_domain(self, domain: int, phase: str = "after_step") -> None:
         """Fault ``slow_slice``: domain ``domain`` becomes a straggler (`Recovery.slow_domain`)."""
         self._recovery.slow_domain(domain, phase)
 
-    def repair_domain(self, domain: int, phase: str = "after_step") -> None:
+    def _repair_domain(self, domain: int, phase: str = "after_step") -> None:
         """Fault ``repair_slice``: failed domain ``domain``'s hardware is back (`Recovery.repair_domain`)."""
         self._recovery.repair_domain(domain, phase)
 
-    def rejoin_domain(self, domain: int, phase: str = "after_step", **found) -> dict | None:
+    def _rejoin_domain(self, domain: int, phase: str = "after_step", **found) -> dict | None:
         """Domain ``domain`` is back: the mesh grows to include it (`Recovery.rejoin_domain`)."""
         return self._recovery.rejoin_domain(domain, phase, **found)
 
-    def rebuilt_state(self, step: int, trusted_through: int):
+    def _rebuilt_state(self, step: int, trusted_through: int):
         """The state at ``step`` rebuilt from trusted sources (`Recovery.rebuilt_state`)."""
         return self._recovery.rebuilt_state(step, trusted_through)
 
-    def adopt(self, state, guard, since: int) -> None:
+    def _adopt(self, state, guard, since: int) -> None:
         """The live state becomes the rebuilt ``state`` (`Recovery.adopt`)."""
         self._recovery.adopt(state, guard, since)
 
     # ---------------------------------------------------------------- hooks the run's modules call
-    def moved(self, prog: Program, alive: list[int]) -> None:
+    def _moved(self, prog: Program, alive: list[int]) -> None:
         """The run goes on with ``prog``, on the mesh of the live domains ``alive`` (a
         recovery, a rejoin, an in-place shrink)."""
-        self.program, self.mesh, self._alive = prog, prog.mesh, list(alive)
+        self._program, self.mesh, self._alive = prog, prog.mesh, list(alive)
 
-    def resume_at(self, step: int, state, guard, data_position) -> None:
+    def _resume_at(self, step: int, state, guard, data_position) -> None:
         """The run goes on from ``step`` with ``state`` read back from a copy (an in-place
         shrink): nothing reads the old live state any more, so the next step may donate."""
-        self.live, self.guard, self.step, self.data_position = state, guard, step, data_position
+        self._live, self._guard, self.step, self._data_position = state, guard, step, data_position
         self._keep_input = False
 
-    def mark_broken(self, why: str, *, reforming: bool = False) -> None:
+    def _mark_broken(self, why: str, *, reforming: bool = False) -> None:
         """This step object cannot go on (``why``: the next call says so); ``reforming``: it
         leaves for the job's next generation (`in_place.leave_for_reform`)."""
         self._broken = why
         self._reforming = self._reforming or reforming
 
-    def event(self, kind: str, step: int, **fields) -> Event:
+    def _event(self, kind: str, step: int, **fields) -> Event:
         """Records an event in ``self.events`` and on the goodput timeline."""
         ev = event(kind, step, **fields)
         self.events.append(ev)
-        self.goodput_recorder.event(kind, step=int(step), **fields)
+        self._goodput_recorder.event(kind, step=int(step), **fields)
         return ev
 
-    def goodput_lost_step(self):
+    def _goodput_lost_step(self):
         """A step whose result was thrown away (an anomalous step) counts as lost time."""
         if self._step_s:
-            self.goodput_recorder.add("lost", self._step_s)
+            self._goodput_recorder.add("lost", self._step_s)
 
-    def host_replica(self, x):
+    def _host_replica(self, x):
         """Host copy of a replicated device array, from a surviving device's buffer."""
         return self._recovery.host_replica(x)
 
-    def log_covered(self, step: int):
+    def _log_covered(self, step: int):
         if self._log is not None:
             self._log.covered_through(step)
 
@@ -581,21 +591,21 @@ class ResilientStep:
         ``meets_budget``); None without a disk log in grads mode."""
         return None if self._log is None else self._log.cadence()
 
-    def peer_log_entries(self) -> bool:
+    def _peer_log_entries(self) -> bool:
         """Whether the step in flight keeps its record-log device entry (`PeersConfig.every`)."""
         return self._peers is None or self._peers.log_entries()
 
-    def log_over_cap(self) -> bool:
+    def _log_over_cap(self) -> bool:
         return self._log is not None and self._log.over_cap()
 
     # ---------------------------------------------------------------- read-only views of the run
     @functools.cached_property
-    def leaf_names(self) -> list[str]:
+    def _leaf_names(self) -> list[str]:
         """The state's leaves as ``keystr`` paths, in tree order (for errors and events)."""
         return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self._abstract_state)[0]]
 
     @property
-    def step_deadline_s(self) -> float | None:
+    def _step_deadline_s(self) -> float | None:
         """The liveness watchdog's step deadline now (None: no watchdog, or too few calls
         measured yet)."""
         return None if self._liveness is None else self._liveness.deadline()
@@ -606,25 +616,15 @@ class ResilientStep:
         return list(self._alive)
 
     # the run's parts, for the modules of `step` and the protections (read-only)
-    domains = property(lambda self: self._domains, doc="Every failure domain's devices, by original index.")
-    abstract_state = property(lambda self: self._abstract_state, doc="The state's shapes and dtypes.")
-    protections = property(lambda self: tuple(self._protections), doc="The protections, in step order.")
-    checkpointer = property(lambda self: self._ckpt, doc="The `Checkpoints` protection, or None.")
-    record_log = property(lambda self: self._log, doc="The `RecordLog` protection, or None.")
-    peers = property(lambda self: self._peers, doc="The `Peers` protection, or None.")
-    watch = property(lambda self: self._watch, doc="The anomaly watcher (`anomaly.Watch`), or None.")
-    replica_check = property(lambda self: self._sdc, doc="The `SdcCheck` protection, or None.")
-    host_store = property(lambda self: self._store, doc="The `HostStore` (under `resilax launch`), or None.")
-    liveness = property(lambda self: self._liveness, doc="The liveness watchdog (`health.Liveness`), or None.")
-    programs = property(lambda self: self._programs, doc="The programs of each mesh (`programs.Programs`).")
-    recovery = property(lambda self: self._recovery, doc="What the run does about failed domains.")
-    copy_in_flight = property(lambda self: self._copy_in_flight, doc="Whether the step in flight makes a peer copy.")
-    steady_step_s = property(lambda self: self._steady_dt, doc="The last step's seconds (None: it compiled).")
+    _checkpointer = property(lambda self: self._ckpt, doc="The `Checkpoints` protection, or None.")
+    _record_log = property(lambda self: self._log, doc="The `RecordLog` protection, or None.")
+    _replica_check = property(lambda self: self._sdc, doc="The `SdcCheck` protection, or None.")
+    _host_store = property(lambda self: self._store, doc="The `HostStore` (under `resilax launch`), or None.")
 
     # ================================================================ checkpoints, close
     def save(self, state=None) -> float:
         """Checkpoints the live state as step ``self.step`` (async); returns seconds blocked."""
-        dt, self._keep_input = _saving.save(self, self.live if state is None else state, self._recover,
+        dt, self._keep_input = _saving.save(self, self._live if state is None else state, self._recover,
                                             self._save_goodput)
         return dt
 
@@ -644,13 +644,13 @@ class ResilientStep:
 
     def goodput(self) -> dict[str, float]:
         """Seconds of wall time (since `wrap`) per bucket; they sum to the wall time."""
-        return self.goodput_recorder.totals()
+        return self._goodput_recorder.totals()
 
     def _save_goodput(self) -> None:
         if not self.run_dir:
             return
         try:
-            self.goodput_recorder.save(self.run_dir)
+            self._goodput_recorder.save(self.run_dir)
         except OSError as e:
             if not self._goodput_warned:
                 self._goodput_warned = True
@@ -673,7 +673,7 @@ class ResilientStep:
             finally:
                 try:
                     if self._ckpt is not None:
-                        with self.goodput_recorder.span("checkpoint_save", phase="final wait"):
+                        with self._goodput_recorder.span("checkpoint_save", phase="final wait"):
                             try:
                                 self._ckpt.close()
                             except (jax.errors.JaxRuntimeError, StorageError) as e:

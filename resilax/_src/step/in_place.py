@@ -58,9 +58,9 @@ def possible(run) -> bool:
     checks)."""
     e = worker.env()
     return (e is not None and e.in_place_wait_s > 0 and run.config.deterministic is not None
-            and run.host_store is not None and run.record_log is None and run.peers is None
-            and run.replica_check is None and bool(run.domains)
-            and all(len({d.process_index for d in dom}) == 1 for dom in run.domains if dom))
+            and run._host_store is not None and run._record_log is None and run._peers is None
+            and run._replica_check is None and bool(run._domains)
+            and all(len({d.process_index for d in dom}) == 1 for dom in run._domains if dom))
 
 
 def grow_back_if_due(run) -> None:
@@ -69,9 +69,9 @@ def grow_back_if_due(run) -> None:
     if not membership.reform_due(run.step, settle=lambda: _settle(run)):
         return
     e = worker.env()
-    store, ckpt = run.host_store, run.checkpointer
+    store, ckpt = run._host_store, run._checkpointer
     if store is not None and store.newest() != run.step:  # the store's cadence skipped it
-        store.write(run.step, run.live, run.guard, run.data_position)
+        store.write(run.step, run._live, run._guard, run._data_position)
     if ckpt is not None and ckpt.paused is None:
         ckpt.store.wait()  # every worker is here: a save in flight commits before they detach
     leave_for_reform(run, e.generation + 1, f"the job grows back to {e.job_processes} processes")
@@ -79,7 +79,7 @@ def grow_back_if_due(run) -> None:
 
 def _settle(run) -> None:
     """Waits until the last dispatched step completed (one of its outputs is ready)."""
-    leaves = jax.tree.leaves(run.live) if run.live is not None else []
+    leaves = jax.tree.leaves(run._live) if run._live is not None else []
     if leaves:
         leaves[0].block_until_ready()
 
@@ -94,12 +94,12 @@ def go_on(run, err: BaseException, entry: int, batch, finished, call: Callable):
     the error. Returns the call's ``(state, metrics)``, or None without a verdict naming
     dead processes: the error stands (the supervisor then restarts the job)."""
     t_err = time.perf_counter()
-    run.lookahead.clear()
+    run._lookahead.clear()
     m = _verdict(run, err, f"step {entry + 1}")
     if m is None:
         return None
     finished = finished if finished is not None and finished[0] == entry + 1 else None
-    with run.goodput_recorder.span("recovery"):
+    with run._goodput_recorder.span("recovery"):
         while True:
             try:  # a step this call completed before the error (in its save) is not redone
                 fields = _shrink(run, m, entry, entry + (finished is not None), t_err)
@@ -108,24 +108,24 @@ def go_on(run, err: BaseException, entry: int, batch, finished, call: Callable):
                 m = changed.membership
                 if jax.process_index() not in m["alive"]:
                     raise err from changed
-    run.event("recovery", run.step, **fields)
+    run._event("recovery", run.step, **fields)
     redo = fields["steps_recomputed"]
     if redo:  # steps some survivor had not completed: recomputed from their batches
-        with run.goodput_recorder.span("replay"):
-            if run.data is None:
-                run.mark_broken("in-place shrink without a data iterator")
+        with run._goodput_recorder.span("replay"):
+            if run._data is None:
+                run._mark_broken("in-place shrink without a data iterator")
                 raise StateLostError(
                     f"resilax: going on in place after processes {m['dead']} died needs steps "
                     f"{run.step + 1}..{entry} again, but step.init(state) got no data iterator (data=...) to "
                     f"read their batches from; the supervisor restarts the job instead")
-            here = run.data.get_state()
-            run.data.set_state(decode_data_state(run.data_position))
+            here = run._data.get_state()
+            run._data.set_state(decode_data_state(run._data_position))
             for _ in range(redo):
-                call(next(run.data))
-            run.data.set_state(here)
+                call(next(run._data))
+            run._data.set_state(here)
     run.compile_ahead()
     if run.step == entry + 1:  # every survivor completed this call's step: its metrics stand
-        return run.live, finished[1]
+        return run._live, finished[1]
     return call(batch)
 
 
@@ -145,8 +145,8 @@ def _verdict(run, err: BaseException, what: str) -> dict | None:
         return None
     if m.get("reform"):  # the others re-form (with warm spares, or alone as a smaller job): leave
         membership.shrunk(m)  # (threads may wait on the dead for good: see worker.exit_if_shrunk)
-        if run.checkpointer is not None:
-            run.checkpointer.store.abandon()  # a save in flight waits on the dead: nothing waits for it
+        if run._checkpointer is not None:
+            run._checkpointer.store.abandon()  # a save in flight waits on the dead: nothing waits for it
         leave_for_reform(run, m["reform"], f"processes {m['dead']} died: the others re-form on a new backend",
                          cause=err, dead_processes=m["dead"], after_error=True)
     return m
@@ -166,12 +166,12 @@ def leave_for_reform(run, generation: int, why: str, cause: BaseException | None
     """The step object is done: the job re-forms as ``generation`` (``why``), with every
     step this process completed in its host store. Raises `membership.Reform` for the worker
     command to rejoin in this process (`worker.reattach`)."""
-    run.mark_broken("left to re-form as the next generation", reforming=True)
-    store = run.host_store
+    run._mark_broken("left to re-form as the next generation", reforming=True)
+    store = run._host_store
     held = store.newest() if store is not None else None  # (a failed step's update never landed)
     worker.say(f"leaving at step {run.step}: {why}; this process rejoins generation {generation} without "
                f"restarting (its host store holds step {held})")
-    run.event("reform", run.step, generation=generation, **fields)
+    run._event("reform", run.step, generation=generation, **fields)
     membership.leave_behind()  # the old backend's threads (a save's commit) fail on the dead: not shown
     raise membership.Reform(generation, run.step) from cause
 
@@ -182,38 +182,38 @@ def _shrink(run, m: dict, entry: int, upto: int, t_err: float) -> dict:
     t0 = time.perf_counter()
     alive_p = set(m["alive"])
     membership.shrunk(m)
-    domains, store = run.domains, run.host_store
+    domains, store = run._domains, run._host_store
     failed = [i for i in run.alive_domains if any(d.process_index not in alive_p for d in domains[i])]
     for i in failed:
-        run.recovery.mark_dead(domains[i])
+        run._recovery.mark_dead(domains[i])
     survivors = [i for i in run.alive_domains if i not in failed]
     if not survivors:
-        run.mark_broken("every failure domain is lost")
+        run._mark_broken("every failure domain is lost")
         raise StateLostError(f"resilax: processes {m['dead']} died and no failure domain is left")
     own = store.newest()
     target = membership.agree_min(min(upto, -1 if own is None else own), "in_place/step")
     t_agree = time.perf_counter()
-    run.programs.cancel_outside(survivors)
-    prog, ahead = run.programs.get(survivors, run.program.spec)
+    run._programs.cancel_outside(survivors)
+    prog, ahead = run._programs.get(survivors, run._program.spec)
     prog.grad(False)
     prog.update(None)
     t_compile = time.perf_counter()
-    tree = (prog.abstract_state(), run.abstract_guard(prog.mesh))
+    tree = (prog.abstract_state(), run._abstract_guard(prog.mesh))
     abstract, treedef = jax.tree.flatten(tree)
     got = None if target < 0 else store.restore(target, abstract, [a.sharding for a in abstract])
     if not membership.agree(got is not None, f"in_place/restore/{target}"):
-        run.mark_broken("in-place shrink: no host copy")
+        run._mark_broken("in-place shrink: no host copy")
         raise StateLostError(
             f"resilax: processes {m['dead']} died; going on in place needs step {target} from every live "
             f"process's own host store, and some process could not read a verified copy; "
-            f"{newest_checkpoint(run.checkpointer)} (the supervisor restarts the job from there)")
+            f"{newest_checkpoint(run._checkpointer)} (the supervisor restarts the job from there)")
     leaves, meta, source = got
     state, guard = jax.tree.unflatten(treedef, leaves)
     t_restore = time.perf_counter()
-    run.moved(prog, survivors)
-    run.programs.keep_within(survivors)
-    run.resume_at(target, state, guard, meta.get("data_state"))
-    for p in run.protections:
+    run._moved(prog, survivors)
+    run._programs.keep_within(survivors)
+    run._resume_at(target, state, guard, meta.get("data_state"))
+    for p in run._protections:
         p.shrunk(run, state, sorted(alive_p))
     worker.say(f"agreed on step {target} (own newest {own}, at most {upto}); restored it; at the barrier")
     membership.barrier("in_place")  # nobody enters the new mesh's first collective alone

@@ -24,11 +24,11 @@ def stop_if_due(run, saved: bool) -> None:
     the next call raises `Preempted`."""
     if not worker.preemption_point(run.step):  # SIGTERM reached some worker: every one stops after this step
         return
-    ckpt = run.checkpointer
+    ckpt = run._checkpointer
     if ckpt is not None:
         if not saved:
-            run.save(run.live)
+            run.save(run._live)
         ckpt.store.wait()
     run.preempted = True
-    run.event("preempted", run.step, checkpoint=ckpt is not None,
+    run._event("preempted", run.step, checkpoint=ckpt is not None,
               detail="every worker stopped after this step; the next call raises resilax.Preempted")

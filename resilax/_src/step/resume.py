@@ -33,7 +33,7 @@ def newest_state(run, state, state_sh, job):
     """The state to start from, placed with ``state_sh``: the host store's step ``job``
     names (under `resilax launch`, when no checkpoint is newer), else the newest good
     checkpoint, else ``state`` itself. Sets ``run.step`` (and guard, data position) to it."""
-    store, ckpt, data = run.host_store, run.checkpointer, run.data
+    store, ckpt, data = run._host_store, run._checkpointer, run._data
     from_store = restored = None
     want = job.host_store_step if store is not None and job.host_store_step >= 0 else None
     if job is not None and job.host_store_steps:  # across hosts: every worker votes, store on or off
@@ -48,22 +48,22 @@ def newest_state(run, state, state_sh, job):
             state, from_store = placed, True
     if ckpt is not None and not from_store:
         t0 = time.perf_counter()
-        abstract = ckpt.tree(_sh.abstract(state, state_sh), run.abstract_guard(run.mesh))
-        with run.goodput_recorder.span("checkpoint_restore"):
+        abstract = ckpt.tree(_sh.abstract(state, state_sh), run._abstract_guard(run.mesh))
+        with run._goodput_recorder.span("checkpoint_restore"):
             restored = ckpt.store.restore_newest(abstract)
         if restored is not None:
             run.step = restored.step
             if data is not None and restored.meta.get("data_state") is not None:
                 data.set_state(decode_data_state(restored.meta["data_state"]))
-            run.event("restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
+            run._event("restore", restored.step, source="checkpoint", seconds=time.perf_counter() - t0,
                       skipped=[{"step": s, "reason": r} for s, r in restored.skipped],
                       directory=str(ckpt.store.directory), quarantined=list(restored.quarantined))
             state = restored.state["state"]
-            run.guard = restored.state.get("guard")
-            if run.record_log is not None:
-                run.record_log.checkpointed(restored.step)
-            if run.watch is not None:
-                run.watch.restored(restored.meta.get("verdicts"))
+            run._guard = restored.state.get("guard")
+            if run._record_log is not None:
+                run._record_log.checkpointed(restored.step)
+            if run._watch is not None:
+                run._watch.restored(restored.meta.get("verdicts"))
             _check_collectives(run, restored)
     if restored is None and not from_store:
         state = _sh.place_copy(state, state_sh)
@@ -79,7 +79,7 @@ def _check_collectives(run, restored) -> None:
     # (read through the module: a test that labels a run's checkpoints patches it there, and this
     # module may first be imported while that patch is on)
     was, now = restored.meta.get("collectives"), _checkpoints.collectives()
-    widest = max(len(d) for d in run.domains)
+    widest = max(len(d) for d in run._domains)
     if (run.config.deterministic is None or was is None or was == now or "unknown" in (was, now)
             or not now.startswith("cpu:") or widest <= 2):
         return
@@ -89,7 +89,7 @@ def _check_collectives(run, restored) -> None:
            f"(docs/multiprocess.md, 'Which reduction order'); resume it the way it was started (with or without "
            f"`resilax launch`) to keep its bits")
     warnings.warn(msg, RuntimeWarning, stacklevel=2)
-    run.event("collectives_changed", restored.step, written=was, now=now)
+    run._event("collectives_changed", restored.step, written=was, now=now)
 
 
 def _agreed_store_step(run, steps: str) -> int | None:
@@ -100,7 +100,7 @@ def _agreed_store_step(run, steps: str) -> int | None:
     mine = [] if steps == "none" else [int(x) for x in steps.split(",")]
     got = membership.agree_newest(mine, "host_store_steps")
     if got is None and mine:
-        run.event("host_store_skipped", run.step, wanted_step=mine[-1],
+        run._event("host_store_skipped", run.step, wanted_step=mine[-1],
                   reason="another host's store holds none of this host's steps (a replacement host, or copies "
                          "lost with a host); using the checkpoint")
     return got
@@ -111,7 +111,7 @@ def replay_disk_log(run, state, first_program):
 
     ``first_program(abstract_batch)``: builds the run's first program (from an entry's batch
     signature when no step ran yet). Returns the state of the step reached (``run.step``)."""
-    log = run.record_log.disk if run.record_log is not None else None
+    log = run._record_log.disk if run._record_log is not None else None
     if log is None:
         return state
     start = run.step
@@ -122,7 +122,7 @@ def replay_disk_log(run, state, first_program):
         # a job of several processes (`resilax launch`): every one replays the same steps (each
         # a collective), so they agree on how many entries every one of them can read
         mine = start
-        while mine in steps and _entry(log, mine, files, run.data)[0] is not None:
+        while mine in steps and _entry(log, mine, files, run._data)[0] is not None:
             mine += 1
         limit = start + membership.agree_min(mine - start, f"record_log/replayable/{start}")
         if limit == start:
@@ -145,8 +145,8 @@ def replay_disk_log(run, state, first_program):
         return state
     t0 = time.perf_counter()
     s, failed, modes = start, [], []
-    data = run.data
-    with run.goodput_recorder.span("replay"):
+    data = run._data
+    with run._goodput_recorder.span("replay"):
         while s in steps and (limit is None or s < limit):
             entry, why = _entry(log, s, files, data)
             if entry is None:
@@ -157,37 +157,37 @@ def replay_disk_log(run, state, first_program):
                 if why:
                     failed.append((s, why))
                     break
-            if run.program is None:
+            if run._program is None:
                 if entry.batch_sig is None:
                     failed.append((s, "the entry has no batch signature"))
                     break
-                run.program = first_program(batch_template(entry.batch_sig))
+                run._program = first_program(batch_template(entry.batch_sig))
             if entry.kind == "grads":
-                state, run.guard = apply_logged(run, state, run.guard, s, entry.recorded,
+                state, run._guard = apply_logged(run, state, run._guard, s, entry.recorded,
                                                 entry.scalars.get("verdict"),
                                                 scalar_value(entry.scalars.get("value")))
             else:
                 if entry.batch is None:
                     data.set_state(decode_data_state(entry.data_state))
-                prog = run.program
+                prog = run._program
                 batch = entry.batch if entry.batch is not None else next(data)
-                gout = prog.grad(False)(state, run.guard, prog.put_batch(batch), np.uint32(s))
+                gout = prog.grad(False)(state, run._guard, prog.put_batch(batch), np.uint32(s))
                 # recomputed from the batch, gated by the verdict the step had (a fault, a
                 # spike judged on a window, anything outside the step is not recomputed)
-                state, run.guard = gated(run, state, run.guard, s, gout.rec, entry.scalars.get("verdict"),
+                state, run._guard = gated(run, state, run._guard, s, gout.rec, entry.scalars.get("verdict"),
                                          scalar_value(entry.scalars.get("value")))
             if data is not None and entry.data_next is not None:
                 data.set_state(decode_data_state(entry.data_next))
-                run.data_position = entry.data_next
-            if run.watch is not None:
-                run.watch.replayed(run, s, entry.scalars.get("verdict"))
+                run._data_position = entry.data_next
+            if run._watch is not None:
+                run._watch.replayed(run, s, entry.scalars.get("verdict"))
             modes.append(entry.kind)
             s += 1
     run.step = s
     # the entries from the first unusable one on are moved aside (they would be recomputed
     # anyway); when one was unusable the replay event says so, in its one line
     moved = log.discard_from(s, f"a resume at step {s}: later entries will be recomputed", warn=not failed)
-    run.event("replay", s, source="record_log", from_step=start, steps=s - start,
+    run._event("replay", s, source="record_log", from_step=start, steps=s - start,
               grads_steps=modes.count("grads"), inputs_steps=modes.count("inputs"),
               seconds=time.perf_counter() - t0, unreplayable=[{"step": a, "reason": b} for a, b in failed],
               quarantined=len(moved))
@@ -218,12 +218,12 @@ def _start_mismatch(run, entry, state) -> str | None:
     """Why the log's first entry may not be replayed onto ``state`` (None: it may)."""
     if entry.state_sums is None:
         return "the entry does not record the state it started from, so it cannot be checked against this one"
-    got = np.asarray(local(run.record_log.sums(anchor_tree(state, run.guard))))
+    got = np.asarray(local(run._record_log.sums(anchor_tree(state, run._guard))))
     want = entry.state_sums
     if got.shape != want.shape or not (np.array_equal(got, want) or
-                                       np.array_equal(legacy_anchor_order(got, run.guard), want)):
+                                       np.array_equal(legacy_anchor_order(got, run._guard), want)):
         raise ReplayLogError(
-            f"resilax: the record log in {str(run.record_log.disk.directory)!r} was recorded from another state at "
+            f"resilax: the record log in {str(run._record_log.disk.directory)!r} was recorded from another state at "
             f"step {entry.step} than the one init() has (checksums differ): it belongs to another run or initial "
             f"state. Nothing was changed; move the log away or give this run another LogConfig.directory")
     return None

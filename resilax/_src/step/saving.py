@@ -19,32 +19,32 @@ def save(run, state, recover: Callable[[], None], save_goodput: Callable[[], Non
     ``run.step``, asynchronously. ``recover()``: the step's recovery of pending failures.
     Returns the seconds blocked and whether the next step must keep (not donate) its input:
     the persister reads the live buffers uncopied."""
-    ckpt, log = run.checkpointer, run.record_log
+    ckpt, log = run._checkpointer, run._record_log
     if ckpt is None:
         raise WrapError("resilax.ResilientStep.save: Config.checkpoint is None (no checkpoint directory)")
     if ckpt.paused:
         raise StorageError(f"resilax.ResilientStep.save: checkpoints are paused: {ckpt.paused}")
     if ckpt.store.in_flight():  # the previous save is still writing: the one wait a save may make
         t_wait, prev = time.perf_counter(), ckpt.store.last_step
-        with run.goodput_recorder.span("checkpoint_save", step=run.step, phase="previous save still writing"):
+        with run._goodput_recorder.span("checkpoint_save", step=run.step, phase="previous save still writing"):
             ckpt.store.settle()
-        run.event("checkpoint_wait", run.step, seconds=time.perf_counter() - t_wait, previous=prev)
-    if run.liveness is not None and state is run.live and run.recovery.health_boundary():
-        state = run.live  # a hung domain was failed first: the same step, from the others
-    if run.replica_check is not None and state is run.live:  # never persist a corrupted replica
-        run.replica_check.before_save(run, state, run.step)
-        if run.recovery.pending:
+        run._event("checkpoint_wait", run.step, seconds=time.perf_counter() - t_wait, previous=prev)
+    if run._liveness is not None and state is run._live and run._recovery.health_boundary():
+        state = run._live  # a hung domain was failed first: the same step, from the others
+    if run._replica_check is not None and state is run._live:  # never persist a corrupted replica
+        run._replica_check.before_save(run, state, run.step)
+        if run._recovery.pending:
             recover()
-        state = run.live  # a recovery, or the rebuilt state adopted in place of corrupted replicas
-    after = (lambda: run.faults.fire("during_save", run.step, run)) if run.faults else None
+        state = run._live  # a recovery, or the rebuilt state adopted in place of corrupted replicas
+    after = (lambda: run._faults.fire("during_save", run.step, run)) if run._faults else None
     # The live state needs no copy when the next step keeps its input (the variant was
     # compiled ahead at start): the persister reads these very buffers, and `settle`
     # (before any failure deletes buffers, before a recovery) waits for it.
-    prog, donate = run.program, run.config.donate_state
-    variants = [None] if run.peers is None else [None, *run.peers.variants()]
-    uncopied = (state is run.live and prog is not None and
+    prog, donate = run._program, run.config.donate_state
+    variants = [None] if run._peers is None else [None, *run._peers.variants()]
+    uncopied = (state is run._live and prog is not None and
                 (not donate or all(prog.has_update(v, keep_input=True) for v in variants)))
-    with run.goodput_recorder.span("checkpoint_save", step=run.step):
+    with run._goodput_recorder.span("checkpoint_save", step=run.step):
         dt = ckpt.save(run, state, after_dispatch=after, copy=not uncopied)
     keep_input = uncopied and donate
     if log is not None:
@@ -59,9 +59,9 @@ def save(run, state, recover: Callable[[], None], save_goodput: Callable[[], Non
                 ckpt.store.after_commit(lambda: disk.truncate_before(floor))
     if run.run_dir:
         ckpt.store.after_commit(save_goodput)
-    if run.recovery.pending:  # a domain was lost while the save was in flight
+    if run._recovery.pending:  # a domain was lost while the save was in flight
         recover()  # nothing may read the state before this: some of its buffers are gone
-        state = run.live  # the same step, rebuilt bitwise
+        state = run._live  # the same step, rebuilt bitwise
     if log is not None:  # uncopied: the buffers stay valid, the log's writer checksums them
-        log.anchor(run.step, state, run.guard, defer=keep_input or not donate)
+        log.anchor(run.step, state, run._guard, defer=keep_input or not donate)
     return dt, keep_input
