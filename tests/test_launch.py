@@ -296,6 +296,29 @@ def test_supervisor_restarts_a_job_that_gets_further_each_time_but_ends_a_crash_
         assert rc == 3 and outcomes == ["failed"] * 2, outcomes
 
 
+# A worker whose work is done takes 1.5 s to end without a beat, as the interpreter's teardown of
+# JAX took over 3 s on a loaded host while its heartbeat thread (a daemon) no longer ran.
+SLOW_EXIT_WORKER = """
+import atexit, time
+atexit.register(time.sleep, 1.5)  # registered first, so it runs after resilax's exit hook: the teardown
+from resilax._src.runtime import worker
+worker._state["hb"] = hb = worker._Heartbeat(worker.LaunchEnv.from_env())
+worker.progress(1, 0.01)
+hb.stop()  # (daemon threads do not run during the teardown)
+"""
+
+
+def test_a_worker_silent_while_it_exits_is_not_taken_for_hung(tmp_path):
+    """A finished job whose workers are slow to exit ends with 0, not with a restart (one of two
+    `resilax bench multiprocess` runs restarted a finished generation: "hung: heartbeat 3.0 s old")."""
+    sup = Supervisor([sys.executable, "-c", SLOW_EXIT_WORKER], n=2, devices_per_process=1, run_dir=tmp_path / "run",
+                     heartbeat_s=0.1, heartbeat_timeout_s=0.5, startup_timeout_s=20, max_restarts=0)
+    assert sup.run() == 0
+    hist = json.loads((tmp_path / "run" / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["done"], hist
+    assert all(h["exiting"] for h in heartbeats(tmp_path / "run", 0).values())
+
+
 def test_supervisor_kills_a_worker_that_never_heartbeats(tmp_path):
     # a worker command that is not resilax never writes a heartbeat: the startup deadline ends it
     sup = Supervisor([sys.executable, "-c", "import time; time.sleep(60)"], n=1, devices_per_process=1,

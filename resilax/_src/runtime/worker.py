@@ -193,17 +193,19 @@ class _Heartbeat:
         self.started = None  # the step being computed
         self.in_place = False  # this worker can go on in place when another dies (`offer_in_place`)
         self.epoch = 0  # the membership (`shrunk`) its newest completed step ran under
+        self.exiting = False  # the process is ending (`exiting`): no more beats
         self._stop = threading.Event()
         os.makedirs(os.path.dirname(e.heartbeat_file), exist_ok=True)
         self.beat()
         self._thread = threading.Thread(target=self._run, name="resilax-heartbeat", daemon=True)
         self._thread.start()
+        _at_exit()
 
     def beat(self):
         rec = {"pid": os.getpid(), "generation": self.env.generation, "process_id": self.env.process_id,
                "t": time.time(), "phase": self.phase, "step": self.step, "step_t": self.step_t, "step_s": self.step_s,
                "joined_t": self.joined_t, "first_step_t": self.first_step_t, "started": self.started,
-               "in_place": self.in_place, "epoch": self.epoch}
+               "in_place": self.in_place, "epoch": self.epoch, "exiting": self.exiting}
         tmp = f"{self.env.heartbeat_file}.{threading.get_ident()}.tmp"  # the main thread beats too
         with open(tmp, "w") as f:
             f.write(json.dumps(rec))
@@ -380,6 +382,37 @@ def initialize() -> LaunchEnv | None:
         _state["env"], _state["hb"] = e, hb
         membership.joined(e)
         return e
+
+
+_exit_hook = []  # (registered once per process: `_state` is cleared by `reattach`)
+
+
+def _at_exit() -> None:
+    """Says ``exiting`` once the interpreter starts to exit."""
+    if not _exit_hook:
+        import atexit
+
+        atexit.register(exiting)
+        _exit_hook.append(exiting)
+
+
+def exiting() -> None:
+    """This worker's work is done and the process is ending: says so in its heartbeat
+    (``exiting: true``) and stops beating. The interpreter's teardown after it (the XLA backend, gloo, the
+    coordination client; daemon threads, the heartbeat's among them, no longer run) took over
+    3 s on a loaded host, and the supervisor took the silent worker for a hung one and
+    restarted a job whose workers had all finished (``resilax bench multiprocess``). The
+    supervisor gives an exiting worker ``grace_s`` to end. Registered with ``atexit`` by
+    `initialize`; a command may call it earlier, once its outputs are written."""
+    hb = _state.get("hb")
+    if hb is None or hb.exiting:
+        return
+    hb.exiting = True
+    hb.stop()
+    try:
+        hb.beat()
+    except OSError:
+        pass
 
 
 def set_phase(phase: str) -> None:
