@@ -319,6 +319,29 @@ def test_a_worker_silent_while_it_exits_is_not_taken_for_hung(tmp_path):
     assert all(h["exiting"] for h in heartbeats(tmp_path / "run", 0).values())
 
 
+def test_the_bench_follows_the_generation_that_resumes_not_generation_1(tmp_path):
+    """`resilax bench multiprocess` waited for generation 1's first step; when generation 1
+    failed before it and generation 2 finished the job, it failed with "the launcher exited with
+    0 while waiting for the new generation's first step" (issue 51)."""
+    from resilax.tools.bench_multiprocess import _resumed
+
+    run = tmp_path / "run"
+    (run / "heartbeats").mkdir(parents=True)
+
+    def now(g, **kw):
+        (run / PROCESSES_JSON).write_text(json.dumps({"generation": g}))
+        for i in range(2):
+            (run / "heartbeats" / f"g{g}.p{i}.json").write_text(json.dumps({"process_id": i, **kw}))
+
+    first = lambda h: h.get("first_step_t")  # noqa: E731
+    now(1, step=None)  # generation 1 never completes a step
+    assert _resumed(run, 2, first) is None
+    now(2, step=13, first_step_t=1.0)
+    g, hbs = _resumed(run, 2, first)
+    assert g == 2 and sorted(hbs) == [0, 1]
+    assert _resumed(run, 2, lambda h: h["step"] >= 14) is None
+
+
 def test_supervisor_kills_a_worker_that_never_heartbeats(tmp_path):
     # a worker command that is not resilax never writes a heartbeat: the startup deadline ends it
     sup = Supervisor([sys.executable, "-c", "import time; time.sleep(60)"], n=1, devices_per_process=1,
