@@ -230,6 +230,7 @@ def _in_place_result(work, rc, t_kill, t_resume, kill_step, victim, ref) -> dict
         "killed_process": victim, "kill_step": kill_step, "restored_step": ev["restored_step"],
         "restored_from": ["host_store (own, in place)"], "detected_as": hist[0]["why"], "spares": 0,
         "survivor_event_seconds": sec, "compiled_ahead": ev["compiled_ahead"], "mesh_after": ev["mesh"],
+        "generations": [[h["outcome"], h["why"]] for h in hist],
     }
 
 
