@@ -342,6 +342,41 @@ def test_the_bench_follows_the_generation_that_resumes_not_generation_1(tmp_path
     assert _resumed(run, 2, lambda h: h["step"] >= 14) is None
 
 
+def test_a_survivor_cuts_its_connections_to_other_processes_only():
+    """`peer_links.cut` shuts down the connections to other processes (a survivor's gloo pairs
+    with the others), not those within this process (a pair between two of its own devices) nor
+    those to a kept port (the coordination service); a wait on a cut one ends at once."""
+    import socket
+
+    from resilax._src.runtime import peer_links
+
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys\n"
+        "a, b = socket.socket(), socket.socket()\n"
+        "for s in (a, b): s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(a.getsockname()[1], b.getsockname()[1], flush=True)\n"
+        "x, y = a.accept()[0], b.accept()[0]\n"
+        "sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port_a, port_b = map(int, other.stdout.readline().split())
+        peer = socket.create_connection(("127.0.0.1", port_a))
+        service = socket.create_connection(("127.0.0.1", port_b))
+        srv = socket.create_server(("127.0.0.1", 0))
+        mine = socket.create_connection(srv.getsockname())
+        mine_too = srv.accept()[0]
+        assert peer_links.peer_connections(keep=[port_b]) == [peer.fileno()]
+        assert peer_links.cut(keep=[port_b]) == 1
+        peer.settimeout(5)
+        t0 = time.time()
+        assert peer.recv(1) == b"" and time.time() - t0 < 1  # the wait ends: no 5 s timeout
+        mine.sendall(b"x")
+        assert mine_too.recv(1) == b"x"
+        assert peer_links.peer_connections() == [service.fileno()]
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_supervisor_kills_a_worker_that_never_heartbeats(tmp_path):
     # a worker command that is not resilax never writes a heartbeat: the startup deadline ends it
     sup = Supervisor([sys.executable, "-c", "import time; time.sleep(60)"], n=1, devices_per_process=1,
