@@ -372,6 +372,7 @@ def test_a_survivor_cuts_its_connections_to_other_processes_only():
         mine.sendall(b"x")
         assert mine_too.recv(1) == b"x"
         assert peer_links.peer_connections() == [service.fileno()]
+        assert peer_links.peer_connections(keep=[port_b], within=True) == sorted([mine.fileno(), mine_too.fileno()])
     finally:
         other.kill()
         other.wait()

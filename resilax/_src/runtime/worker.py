@@ -245,13 +245,16 @@ class _Heartbeat:
 
             self.links_cut = m.get("epoch", 0)
             try:
-                n = peer_links.cut(keep=[int(e.coordinator.rsplit(":", 1)[1])])
+                n = peer_links.cut(keep=[int(e.coordinator.rsplit(":", 1)[1])], within=bool(m.get("reform")))
             except OSError as err:
                 say(f"processes {m['dead']} died; could not cut the connections to the other workers ({err}): "
                     f"a collective waiting on one ends at the collective timeout")
                 return
         say(f"processes {m['dead']} died: cut {n} connection(s) to the other workers, so that no collective "
             f"waits for one that left it (--collective-timeout)")
+
+    def stop(self):
+        self._stop.set()
 
 
 class _SpareHeartbeat(threading.Thread):
