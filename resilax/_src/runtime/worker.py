@@ -234,8 +234,8 @@ class _Heartbeat:
         One host only (across hosts the connections to the other hosts' store servers carry
         pieces the re-formed job reads)."""
         e = self.env
-        if e.in_place_wait_s <= 0 or e.host_store_remote or e.host_store_peers:
-            return
+        if e.in_place_wait_s <= 0 or e.host_store_steps or e.host_store_remote or e.host_store_peers:
+            return  # (not under `launch --in-place`, or across hosts: ``host_store_steps`` is set only there)
         with self._links_lock:
             m = m or membership.read_membership()
             if not (m and m.get("dead") and e.process_id in m.get("alive", ())
