@@ -435,10 +435,9 @@ def exiting() -> None:
     """This worker's work is done and the process is ending: says so in its heartbeat
     (``exiting: true``) and stops beating. The interpreter's teardown after it (the XLA
     backend, gloo, the coordination client; daemon threads, the heartbeat's among them, no
-    longer run) took over
-    3 s on a loaded host, and the supervisor took the silent worker for a hung one and
-    restarted a job whose workers had all finished (``resilax bench multiprocess``). The
-    supervisor gives an exiting worker ``grace_s`` to end. Registered with ``atexit`` when
+    longer run) took over 3 s on a loaded host, and the supervisor took the silent worker
+    for a hung one and restarted a job whose workers had all finished (``resilax bench
+    multiprocess``). The supervisor gives an exiting worker ``grace_s`` to end. Registered with ``atexit`` when
     the heartbeat starts (`initialize`); a command may call it earlier, once its outputs are
     written."""
     hb = _state.get("hb")
