@@ -22,8 +22,8 @@ new generation's first S workers are processes that already imported JAX and res
 kill waits until they are warm); with ``--in-place --shrink backend`` (``in_place_*``: the survivors go
 on in place on their own devices, no new generation; kill -> every live worker back at the
 step it had reached, phases from the survivors' ``recovery`` event: ``agree`` is from the
-kill to the agreement on the step, mostly XLA's collective timeout on the survivors that
-were not connected to the dead one); with ``--in-place`` and no spare (``shrink_reform_*``:
+kill to the agreement on the step: the survivors leave their broken collective, those not
+connected to the dead one once the others cut their connections after the verdict); with ``--in-place`` and no spare (``shrink_reform_*``:
 the survivors leave their broken step, detach and re-form alone, as a generation of N - 1
 processes in their own processes, the dead one's failure domain empty; phases as for a new
 generation); and with ``--in-place`` and one warm spare
