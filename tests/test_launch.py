@@ -296,6 +296,88 @@ def test_supervisor_restarts_a_job_that_gets_further_each_time_but_ends_a_crash_
         assert rc == 3 and outcomes == ["failed"] * 2, outcomes
 
 
+# A worker whose work is done takes 1.5 s to end without a beat, as the interpreter's teardown of
+# JAX took over 3 s on a loaded host while its heartbeat thread (a daemon) no longer ran.
+SLOW_EXIT_WORKER = """
+import atexit, time
+atexit.register(time.sleep, 1.5)  # registered first, so it runs after resilax's exit hook: the teardown
+from resilax._src.runtime import worker
+worker._state["hb"] = hb = worker._Heartbeat(worker.LaunchEnv.from_env())
+worker.progress(1, 0.01)
+hb.stop()  # (daemon threads do not run during the teardown)
+"""
+
+
+def test_a_worker_silent_while_it_exits_is_not_taken_for_hung(tmp_path):
+    """A finished job whose workers are slow to exit ends with 0, not with a restart (one of two
+    `resilax bench multiprocess` runs restarted a finished generation: "hung: heartbeat 3.0 s old")."""
+    sup = Supervisor([sys.executable, "-c", SLOW_EXIT_WORKER], n=2, devices_per_process=1, run_dir=tmp_path / "run",
+                     heartbeat_s=0.1, heartbeat_timeout_s=0.5, startup_timeout_s=20, max_restarts=0)
+    assert sup.run() == 0
+    hist = json.loads((tmp_path / "run" / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["done"], hist
+    assert all(h["exiting"] for h in heartbeats(tmp_path / "run", 0).values())
+
+
+def test_the_bench_follows_the_generation_that_resumes_not_generation_1(tmp_path):
+    """`resilax bench multiprocess` waited for generation 1's first step; when generation 1
+    failed before it and generation 2 finished the job, it failed with "the launcher exited with
+    0 while waiting for the new generation's first step" (issue 51)."""
+    from resilax.tools.bench_multiprocess import _resumed
+
+    run = tmp_path / "run"
+    (run / "heartbeats").mkdir(parents=True)
+
+    def now(g, **kw):
+        (run / PROCESSES_JSON).write_text(json.dumps({"generation": g}))
+        for i in range(2):
+            (run / "heartbeats" / f"g{g}.p{i}.json").write_text(json.dumps({"process_id": i, **kw}))
+
+    first = lambda h: h.get("first_step_t")  # noqa: E731
+    now(1, step=None)  # generation 1 never completes a step
+    assert _resumed(run, 2, first) is None
+    now(2, step=13, first_step_t=1.0)
+    g, hbs = _resumed(run, 2, first)
+    assert g == 2 and sorted(hbs) == [0, 1]
+    assert _resumed(run, 2, lambda h: h["step"] >= 14) is None
+
+
+def test_a_survivor_cuts_its_connections_to_other_processes_only():
+    """`peer_links.cut` shuts down the connections to other processes (a survivor's gloo pairs
+    with the others), not those within this process (a pair between two of its own devices) nor
+    those to a kept port (the coordination service); a wait on a cut one ends at once."""
+    import socket
+
+    from resilax._src.runtime import peer_links
+
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys\n"
+        "a, b = socket.socket(), socket.socket()\n"
+        "for s in (a, b): s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(a.getsockname()[1], b.getsockname()[1], flush=True)\n"
+        "x, y = a.accept()[0], b.accept()[0]\n"
+        "sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port_a, port_b = map(int, other.stdout.readline().split())
+        peer = socket.create_connection(("127.0.0.1", port_a))
+        service = socket.create_connection(("127.0.0.1", port_b))
+        srv = socket.create_server(("127.0.0.1", 0))
+        mine = socket.create_connection(srv.getsockname())
+        mine_too = srv.accept()[0]
+        assert peer_links.peer_connections(keep=[port_b]) == [peer.fileno()]
+        assert peer_links.cut(keep=[port_b]) == 1
+        peer.settimeout(5)
+        t0 = time.time()
+        assert peer.recv(1) == b"" and time.time() - t0 < 1  # the wait ends: no 5 s timeout
+        mine.sendall(b"x")
+        assert mine_too.recv(1) == b"x"
+        assert peer_links.peer_connections() == [service.fileno()]
+        assert peer_links.peer_connections(keep=[port_b], within=True) == sorted([mine.fileno(), mine_too.fileno()])
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_supervisor_kills_a_worker_that_never_heartbeats(tmp_path):
     # a worker command that is not resilax never writes a heartbeat: the startup deadline ends it
     sup = Supervisor([sys.executable, "-c", "import time; time.sleep(60)"], n=1, devices_per_process=1,

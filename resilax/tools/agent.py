@@ -89,8 +89,8 @@ from resilax._src.runtime import membership, rendezvous
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import agent_reform
 from resilax.tools.processes import (HEARTBEATS, SPARES, Output, SparePool, WorkerProcess, exit_reason,
-                                     generation_settled, hand_place, heartbeat_file, popen, read_json, say,
-                                     signal_running, stop_all)
+                                     generation_settled, hand_place, heartbeat_file, heartbeat_hung, popen, read_json,
+                                     say, signal_running, stop_all)
 
 PROCESSES_JSON = "processes.json"
 NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
@@ -342,9 +342,7 @@ class Agent:
             if now - w.started > self.startup_timeout_s:
                 return f"wrote no heartbeat within --startup-timeout {self.startup_timeout_s:g} s"
             return None
-        if now - hb["t"] > self.heartbeat_timeout_s:
-            return f"hung: heartbeat {now - hb['t']:.1f} s old (--heartbeat-timeout {self.heartbeat_timeout_s:g} s)"
-        return None
+        return heartbeat_hung(hb, now, self.heartbeat_timeout_s, self.grace_s)
 
     def _watch(self) -> tuple[str, int, str]:
         """Polls until this generation ends: ``("done", 0, "")`` when every member node is done;

@@ -22,8 +22,8 @@ new generation's first S workers are processes that already imported JAX and res
 kill waits until they are warm); with ``--in-place --shrink backend`` (``in_place_*``: the survivors go
 on in place on their own devices, no new generation; kill -> every live worker back at the
 step it had reached, phases from the survivors' ``recovery`` event: ``agree`` is from the
-kill to the agreement on the step, mostly XLA's collective timeout on the survivors that
-were not connected to the dead one); with ``--in-place`` and no spare (``shrink_reform_*``:
+kill to the agreement on the step: the survivors leave their broken collective, those not
+connected to the dead one once the others cut their connections after the verdict); with ``--in-place`` and no spare (``shrink_reform_*``:
 the survivors leave their broken step, detach and re-form alone, as a generation of N - 1
 processes in their own processes, the dead one's failure domain empty; phases as for a new
 generation); and with ``--in-place`` and one warm spare
@@ -39,6 +39,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -115,6 +116,17 @@ def _live(run: pathlib.Path, epoch: int, step: int) -> bool:
         h.get("epoch") == epoch and (h.get("step") or 0) >= step for h in live)
 
 
+def _resumed(run: pathlib.Path, n1: int, cond):
+    """``(g, heartbeats)`` once the current generation g >= 1 has ``n1`` workers that all meet
+    ``cond``; else None."""
+    try:
+        g = json.loads((run / "processes.json").read_text())["generation"]
+    except (OSError, ValueError, KeyError):
+        return None
+    h = heartbeats(run, g) if g >= 1 else {}
+    return (g, h) if len(h) == n1 and all(cond(x) for x in h.values()) else None
+
+
 def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, kill_after, rng, store_every,
                    ref, collective_timeout, spares=0, in_place=False, shrink=None) -> dict:
     """One launch; SIGKILL one random worker once every worker is past ``kill_after`` (and
@@ -148,12 +160,16 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
             rc = p.wait(timeout=600)
             return _in_place_result(work, rc, t_kill, t_resume, kill_step, victim, ref)
         n1 = n - 1 if in_place and not spares else n  # re-formed without a spare: the survivors alone
-        first = _wait(lambda: (h := heartbeats(run, 1)) and len(h) == n1 and all(x.get("first_step_t") for x in h.values())
-                      and h, 600, "the new generation's first step", p)
+        # The generation that resumes is the newest one, not always generation 1: one that fails
+        # on the way (a worker taken for hung under load) is part of the way back. Waiting for
+        # generation 1 alone was the race of issue 51: once it failed and the next one finished
+        # the job, the launcher exited with 0 while the bench still waited for generation 1.
+        g, first = _wait(lambda: _resumed(run, n1, lambda h: h.get("first_step_t")), 600,
+                         "the new generation's first step", p)
         joined_t = max(x["joined_t"] for x in first.values())
         first_t = max(x["first_step_t"] for x in first.values())
-        _wait(lambda: len(h := heartbeats(run, 1)) == n1 and all((x.get("step") or 0) >= kill_step for x in h.values()),
-              600, f"the new generation back at step {kill_step}", p)
+        g, _ = _wait(lambda: _resumed(run, n1, lambda h: (h.get("step") or 0) >= kill_step), 600,
+                     f"the new generation back at step {kill_step}", p)
         t_resume = time.time()
         rc = p.wait(timeout=600)
     finally:
@@ -166,13 +182,17 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
     hist = json.loads((run / "launch_history.json").read_text())["generations"]
     events = json.loads(summ.read_text())["events"]
     restore = [e for e in events if e["kind"] == "restore"]
-    restored_step = restore[-1]["step"]
-    restore_s = sum(float(e["seconds"]) for e in restore)
+    log = (work / "launch.log").read_text(errors="replace").splitlines()
+    # the step generation g resumed at, from its process 0 (the summary is the last generation's)
+    said = [m for line in log if (m := re.match(rf"\[g{g} p0\] resumed at step (\d+)", line))]
+    restored_step = int(said[0].group(1)) if said else restore[-1]["step"]
+    # (the restore's seconds are in the last generation's summary only: not known when a later
+    # generation ran after the one that resumed; the compile phase then includes it)
+    restore_s = sum(float(e["seconds"]) for e in restore) if hist[-1]["generation"] == g else 0.0
     noticed = hist[0]["ended"]
     import numpy as np
 
-    gen1 = [line for line in (work / "launch.log").read_text(errors="replace").splitlines()
-            if "] generation 1: " in line]
+    gen1 = [line for line in log if f"] generation {g}: " in line]
     return {
         "kill_to_resume_s": t_resume - t_kill,
         "phases": {"detect": noticed - t_kill, "agree": joined_t - noticed, "restore": restore_s,
@@ -182,6 +202,7 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
         "killed_process": victim, "kill_step": kill_step, "restored_step": restored_step,
         "restored_from": [e["source"] for e in restore], "detected_as": hist[0]["why"],
         "spares": spares, "generation_1": gen1[0].split("] ", 1)[1] if gen1 else None,
+        "resumed_in_generation": g, "generations": [[h["outcome"], h["why"]] for h in hist],
     }
 
 
@@ -209,6 +230,7 @@ def _in_place_result(work, rc, t_kill, t_resume, kill_step, victim, ref) -> dict
         "killed_process": victim, "kill_step": kill_step, "restored_step": ev["restored_step"],
         "restored_from": ["host_store (own, in place)"], "detected_as": hist[0]["why"], "spares": 0,
         "survivor_event_seconds": sec, "compiled_ahead": ev["compiled_ahead"], "mesh_after": ev["mesh"],
+        "generations": [[h["outcome"], h["why"]] for h in hist],
     }
 
 
@@ -300,6 +322,7 @@ def run(args) -> int:
     row("killed at step", [x["kill_step"] for x in runs], "14d")
     row("restored step", [x["restored_step"] for x in runs], "14d")
     row("lost steps", [x["lost_steps"] for x in runs], "14d")
+    row("generations after kill", [len(x.get("generations") or [0, 0]) - 1 for x in runs], "14d")
     row("final max rel diff", [x["final_max_rel_diff"] for x in runs], "14.1e")
     print("(final max rel diff: vs a failure-free single-process run)")
     if args.json:

@@ -292,9 +292,9 @@ class Supervisor:
             if now - w.started > self.startup_timeout_s:
                 return f"wrote no heartbeat within --startup-timeout {self.startup_timeout_s:g} s"
             return None
-        age = now - hb["t"]
-        if age > self.heartbeat_timeout_s:
-            return f"hung: heartbeat {age:.1f} s old (--heartbeat-timeout {self.heartbeat_timeout_s:g} s; SIGSTOP?)"
+        hung = processes.heartbeat_hung(hb, now, self.heartbeat_timeout_s, self.grace_s)
+        if hung is not None:
+            return hung
         if hb.get("phase") == "step" and hb.get("step_t") and hb.get("step_s"):
             deadline = max(self.min_deadline, self.factor * hb["step_s"])
             late = now - hb["step_t"]

@@ -84,6 +84,20 @@ def stale_and_stopped(pid: int, age_s: float, timeout_s: float) -> bool:
     return age_s > timeout_s and stopped(pid) is not False
 
 
+def heartbeat_hung(hb: dict, now: float, timeout_s: float, grace_s: float) -> str | None:
+    """Why a running worker whose newest heartbeat is ``hb`` counts as hung now, or None. A
+    worker that said it is exiting (`worker.exiting`: its work is done, the interpreter tears
+    down and its heartbeat thread no longer runs) may be silent for ``grace_s``, not only
+    ``timeout_s``: a teardown took over 3 s on a loaded host, and a job whose workers had all
+    finished was restarted."""
+    age = now - hb["t"]
+    if hb.get("exiting"):
+        return None if age <= grace_s else f"hung while exiting: heartbeat {age:.1f} s old (grace {grace_s:g} s)"
+    if age > timeout_s:
+        return f"hung: heartbeat {age:.1f} s old (--heartbeat-timeout {timeout_s:g} s; SIGSTOP?)"
+    return None
+
+
 def exit_reason(rc: int) -> str:
     return f"exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
 

@@ -31,14 +31,20 @@ def configure_compilation_cache() -> None:
     reuses the executables of the one that died instead of compiling them again.
 
     ``JAX_COMPILATION_CACHE_DIR`` wins; else ``$RESILAX_CACHE_DIR`` or ``~/.cache/resilax/xla``.
+    Programs that compile in under 50 ms are not kept, except in a worker of `resilax launch`:
+    a new generation waits for every program of its first step, and a dozen small ones
+    compiled again took 0.5 s of a recovery on 2 shared cores (a cache read: ~5 ms each).
     """
     import jax
+
+    from resilax._src.runtime import worker
 
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     d = os.environ.get("RESILAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "resilax", "xla")
     jax.config.update("jax_compilation_cache_dir", d)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+    launched = worker.ENV_PREFIX + "COORDINATOR" in os.environ or worker.SPARE_ENV in os.environ
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0 if launched else 0.05)
 
 
 def configure_cpu_devices(n: int) -> None:

@@ -193,17 +193,21 @@ class _Heartbeat:
         self.started = None  # the step being computed
         self.in_place = False  # this worker can go on in place when another dies (`offer_in_place`)
         self.epoch = 0  # the membership (`shrunk`) its newest completed step ran under
+        self.exiting = False  # the process is ending (`exiting`): no more beats
+        self.links_cut = 0  # the newest verdict's epoch `cut_links` cut the connections for
+        self._links_lock = threading.Lock()
         self._stop = threading.Event()
         os.makedirs(os.path.dirname(e.heartbeat_file), exist_ok=True)
         self.beat()
         self._thread = threading.Thread(target=self._run, name="resilax-heartbeat", daemon=True)
         self._thread.start()
+        _at_exit()
 
     def beat(self):
         rec = {"pid": os.getpid(), "generation": self.env.generation, "process_id": self.env.process_id,
                "t": time.time(), "phase": self.phase, "step": self.step, "step_t": self.step_t, "step_s": self.step_s,
                "joined_t": self.joined_t, "first_step_t": self.first_step_t, "started": self.started,
-               "in_place": self.in_place, "epoch": self.epoch}
+               "in_place": self.in_place, "epoch": self.epoch, "exiting": self.exiting}
         tmp = f"{self.env.heartbeat_file}.{threading.get_ident()}.tmp"  # the main thread beats too
         with open(tmp, "w") as f:
             f.write(json.dumps(rec))
@@ -215,6 +219,39 @@ class _Heartbeat:
                 self.beat()
             except OSError:
                 pass  # a full or vanished run dir: the supervisor sees a stale heartbeat and acts
+            self.cut_links()
+
+    def cut_links(self, m: dict | None = None):
+        """Once the supervisor's verdict ``m`` (default: read it) names a dead process (under
+        ``--in-place``: the others re-form, or go on on their backend), cuts this survivor's
+        connections to the other workers (`peer_links`), so that a collective waiting on a
+        survivor that already left it fails now instead of after the collective timeout.
+        Once per verdict, by whichever comes first: the heartbeat thread (the main thread
+        may be blocked in the collective) or the main thread on its way to the survivors'
+        agreement (`in_place`), so that it never happens after the survivors' next
+        collectives connected. Those run over other device lists (without the dead one's
+        devices): new communicators, new connections; a re-form drops the backend anyway.
+        One host only (across hosts the connections to the other hosts' store servers carry
+        pieces the re-formed job reads)."""
+        e = self.env
+        if e.in_place_wait_s <= 0 or e.host_store_steps or e.host_store_remote or e.host_store_peers:
+            return  # (not under `launch --in-place`, or across hosts: ``host_store_steps`` is set only there)
+        with self._links_lock:
+            m = m or membership.read_membership()
+            if not (m and m.get("dead") and e.process_id in m.get("alive", ())
+                    and m.get("epoch", 0) > self.links_cut):
+                return
+            from resilax._src.runtime import peer_links
+
+            self.links_cut = m.get("epoch", 0)
+            try:
+                n = peer_links.cut(keep=[int(e.coordinator.rsplit(":", 1)[1])], within=bool(m.get("reform")))
+            except OSError as err:
+                say(f"processes {m['dead']} died; could not cut the connections to the other workers ({err}): "
+                    f"a collective waiting on one ends at the collective timeout")
+                return
+        say(f"processes {m['dead']} died: cut {n} connection(s) to the other workers, so that no collective "
+            f"waits for one that left it (--collective-timeout)")
 
     def stop(self):
         self._stop.set()
@@ -380,6 +417,46 @@ def initialize() -> LaunchEnv | None:
         _state["env"], _state["hb"] = e, hb
         membership.joined(e)
         return e
+
+
+_exit_hook = []  # (registered once per process: `_state` is cleared by `reattach`)
+
+
+def _at_exit() -> None:
+    """Says ``exiting`` once the interpreter starts to exit."""
+    if not _exit_hook:
+        import atexit
+
+        atexit.register(exiting)
+        _exit_hook.append(exiting)
+
+
+def exiting() -> None:
+    """This worker's work is done and the process is ending: says so in its heartbeat
+    (``exiting: true``) and stops beating. The interpreter's teardown after it (the XLA
+    backend, gloo, the coordination client; daemon threads, the heartbeat's among them, no
+    longer run) took over 3 s on a loaded host, and the supervisor took the silent worker
+    for a hung one and restarted a job whose workers had all finished (``resilax bench
+    multiprocess``). The supervisor gives an exiting worker ``grace_s`` to end. Registered with ``atexit`` when
+    the heartbeat starts (`initialize`); a command may call it earlier, once its outputs are
+    written."""
+    hb = _state.get("hb")
+    if hb is None or hb.exiting:
+        return
+    hb.exiting = True
+    hb.stop()
+    try:
+        hb.beat()
+    except OSError:
+        pass
+
+
+def cut_links(m: dict) -> None:
+    """Cuts this survivor's connections to the other workers for verdict ``m`` unless done
+    (`_Heartbeat.cut_links`); outside `resilax launch --in-place` nothing."""
+    hb = _state.get("hb")
+    if hb is not None:
+        hb.cut_links(m)
 
 
 def set_phase(phase: str) -> None:

@@ -143,6 +143,7 @@ def _verdict(run, err: BaseException, what: str) -> dict | None:
     if m is None or jax.process_index() not in m["alive"]:
         worker.say("no process was declared dead (or this one was): the error stands")
         return None
+    worker.cut_links(m)  # (before this process connects anew: the next collectives, or a re-form)
     if m.get("reform"):  # the others re-form (with warm spares, or alone as a smaller job): leave
         membership.shrunk(m)  # (threads may wait on the dead for good: see worker.exit_if_shrunk)
         if run._checkpointer is not None:
