@@ -42,7 +42,7 @@ from resilax._src.gil import shorter_switch_interval
 from resilax._src.errors import CheckpointError, CorruptCheckpointError, StorageError, storage_error
 from resilax._src.protect import base, orbax_warm, packing
 from resilax._src.protect.data_state import encode_data_state
-from resilax._src.runtime import membership
+from resilax._src.runtime import fence, membership, worker
 from resilax._src.timings import Timings
 from resilax._src.protect.planner import Candidate, Copy
 
@@ -507,11 +507,14 @@ class CheckpointStore:
         return sorted(self._mgr.all_steps())
 
     # ------------------------------------------------------------------ restore
-    def restore_newest(self, abstract_state) -> Restored | None:
+    def restore_newest(self, abstract_state, reject=None) -> Restored | None:
         """Restores the newest checkpoint that reads back and matches its checksums.
 
         Args:
           abstract_state: pytree of ``jax.ShapeDtypeStruct`` with shardings (the target layout).
+          reject: ``(step, meta) -> str | None``: why a checkpoint must not be restored (a
+            fenced side's, `runtime.fence.rejected`); it is skipped and moved aside like a
+            corrupt one, never deleted.
 
         Returns:
           ``Restored`` or ``None`` when the directory holds no checkpoint.
@@ -523,9 +526,9 @@ class CheckpointStore:
         """
         self.settle()
         with self._orbax_call(), quiet.draining_loops():  # a corrupt checkpoint's other reads end before Orbax's loop closes
-            return self._restore_newest(abstract_state)
+            return self._restore_newest(abstract_state, reject)
 
-    def _restore_newest(self, abstract_state):
+    def _restore_newest(self, abstract_state, reject=None):
         self._mgr.reload()
         want_sig = state_signature(abstract_state)
         skipped: list[tuple[int, str]] = []
@@ -536,6 +539,10 @@ class CheckpointStore:
                     raise CorruptCheckpointError(f"meta of checkpoint {step} is malformed")
             except Exception as e:
                 skipped.append((step, _reason(e)))
+                continue
+            why = reject(step, meta) if reject is not None else None
+            if why is not None:
+                skipped.append((step, why))
                 continue
             if meta["signature"] != want_sig:
                 raise CheckpointError(messages.signature_mismatch(self.directory, step, meta["signature"], want_sig))
@@ -671,7 +678,8 @@ class Checkpoints(base.Protection):
         return bool(self.cfg.every) and step_after % self.cfg.every == 0 and self.paused is None
 
     def save(self, run, state, *, after_dispatch=None, copy=True) -> float:
-        meta = {"seed": run.config.seed, "topology": run.topology.name, "collectives": collectives()}
+        meta = {"seed": run.config.seed, "topology": run.topology.name, "collectives": collectives(),
+                **fence.stamp(worker.env())}  # the generation that wrote it (across hosts: fenced by it)
         if run.data is not None:
             meta["data_state"] = encode_data_state(run.data.get_state())
         if run.watch is not None:  # the steps skipped so far (reads the newest verdict: the snapshot waits for it anyway)
