@@ -123,7 +123,7 @@ class Agent:
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 60, grace_s: float = 60.0,
                  min_nodes: int | None = None, max_restarts: int = 3, host_store_every: int = 1,
                  host_store_dir=None, host_store_mirrors: int = 1, spares: int = 0, in_place: bool = False,
-                 clock_skew_s: float = 0.0):
+                 clock_skew_s=0.0):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if nodes < 1 or not 0 <= node_rank < nodes:
@@ -153,7 +153,8 @@ class Agent:
         self.jax_heartbeat_timeout_s, self.grace_s = jax_heartbeat_timeout_s, grace_s
         self.min_nodes, self.max_restarts = min_nodes, max_restarts
         # the rendezvous' wall clock; tests set it off (``RESILAX_TEST_CLOCK_SKEW_S``) as a host's bad clock
-        self.clock = (lambda: time.time() + clock_skew_s) if clock_skew_s else time.time
+        self.clock = ((lambda: time.time() + clock_skew_s()) if callable(clock_skew_s) else
+                      (lambda: time.time() + clock_skew_s) if clock_skew_s else time.time)
         self.host_store_every, self.host_store_mirrors = host_store_every, host_store_mirrors
         if in_place and not host_store_every:
             raise ValueError("resilax launch: --in-place re-forms from the host stores: it needs --host-store-every > 0")

@@ -34,15 +34,26 @@ def _env_int(environ, name: str, low: int) -> int | None:
     return i
 
 
-CLOCK_SKEW_VAR = "RESILAX_TEST_CLOCK_SKEW_S"  # tests: this agent's rendezvous clock runs this far off
+# tests: this agent's rendezvous clock runs this many seconds off; "@PATH": the number in that
+# file, read at every look at the clock (a harness moves a running host's clock)
+CLOCK_SKEW_VAR = "RESILAX_TEST_CLOCK_SKEW_S"
 
 
-def _clock_skew(environ) -> float:
+def _clock_skew(environ):
     v = environ.get(CLOCK_SKEW_VAR, "").strip()
+    if v.startswith("@"):
+        path = pathlib.Path(v[1:])
+
+        def skew() -> float:
+            try:
+                return float(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                return 0.0
+        return skew
     try:
         return float(v) if v else 0.0
     except ValueError:
-        raise ValueError(f"{CLOCK_SKEW_VAR}={v!r} in the environment is not a number of seconds") from None
+        raise ValueError(f"{CLOCK_SKEW_VAR}={v!r} in the environment is not a number of seconds or @FILE") from None
 
 
 def host_address(environ=os.environ) -> str:
