@@ -106,6 +106,17 @@ def test_a_host_whose_clock_is_off_takes_no_rank_and_says_by_how_much(tmp_path):
     with pytest.raises(ClockSkewError):
         later.check_fence()  # fenced: it proposes, acks and renews nothing from now on
     assert set(good.live()) == {1}  # the drifted host withdrew its lease
+    # a clock that jumps ahead makes every other lease look expired: the agent checks its own
+    # clock against the file system's before it ends a generation for that
+    jump = {"s": 0.0}
+    j = Rendezvous(run, 2, workers=1, lease_s=4.0, clock=lambda: time.time() + jump["s"])
+    j.register(renew=False)
+    gen = agree_together([good, j])
+    assert j.changed(gen) is None
+    jump["s"] = 10.0
+    with pytest.raises(ClockSkewError, match=r"node 2's clock is \+10\.\d\d s off"):
+        j.changed(gen)
+    assert set(good.live()) == {1} and good.changed(gen) == "node 2 left"
 
 
 def test_processes_json_is_not_written_by_an_agent_whose_generation_is_not_the_rendezvous(tmp_path):

@@ -137,4 +137,5 @@ def test_a_host_whose_clock_jumps_past_the_lease_withdraws_and_the_others_finish
     res, text = _case(job, "skew", monkeypatch)
     assert res["ok"], (res, _tails(text))
     assert res["exit_codes"] == {0: 0, 1: 0, 2: 1} and res["refused"], res
+    assert res["generations"] == 2, res  # generation 0, then nodes 0 and 1: the jumped clock ended nothing else
     assert "node 2's clock is +10." in text and "synchronise the clocks" in text, _tails(text)

@@ -122,7 +122,7 @@ class NetHosts:
         if why:
             raise NetnsError(f"resilax netns: cannot make hosts in namespaces here: {why}")
         self.n = n
-        self.tag = tag or f"{os.getpid() % 10000}"
+        self.tag = tag or f"{os.getpid() % 10000:04d}"
         self.base = f"{PREFIX}{self.tag}"
         if len(self.base) + 3 > 15:
             raise ValueError(f"resilax netns: tag {tag!r} is too long (interface names are at most 15 characters)")

@@ -259,21 +259,42 @@ class Rendezvous:
             "rank": self.rank, "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
             "address": self.address, "store": self.store, "workers": self.workers, "t": now,
             "expires": now + self.lease_s}, sync=False)
-        # the file's modification time is the file system's clock (the file server's on NFS, one
+        self._judge_clock(now, path)
+
+    def check_clock(self) -> None:
+        """Compares this host's clock with the shared file system's now (touches a file of this
+        agent's and reads its modification time back): before this agent takes another's
+        lease for expired, so that a clock that jumped does not make it end generations.
+
+        Raises:
+          ClockSkewError: off by more than `max_skew_s` (this agent withdraws its lease).
+        """
+        if not self.clock_check:
+            return
+        probe = self.root / "leases" / f".clock.node{self.rank}.{self.incarnation[:12]}"
+        now = self.clock()
+        probe.touch()
+        self._judge_clock(now, probe)
+
+    def _judge_clock(self, now: float, path: pathlib.Path) -> None:
+        # a file's modification time is the file system's clock (the file server's on NFS, one
         # clock every host's writes share): this host's clock must agree with it
-        skew = now - os.stat(path).st_mtime
-        if self.clock_check and abs(skew) > self.max_skew_s:
-            self.lost = True
-            self.skew = (f"resilax rendezvous: node {self.rank}'s clock is {skew:+.2f} s off the run directory's "
-                         f"file system ({path} was stamped {os.stat(path).st_mtime:.2f}, this host's clock said "
-                         f"{now:.2f}); leases compare wall clocks across hosts and allow at most "
-                         f"{self.max_skew_s:g} s (a quarter of --lease {self.lease_s:g} s): synchronise the clocks "
-                         f"(NTP, chrony) or raise --lease. This agent takes no rank")
-            with contextlib.suppress(OSError, CorruptRecordError):  # withdraw: no other host may count it live
-                cur = read_record(path)
-                if cur is not None and cur["incarnation"] == self.incarnation:
-                    path.unlink()
-            raise ClockSkewError(self.skew)
+        stamped = os.stat(path).st_mtime
+        skew = now - stamped
+        if not self.clock_check or abs(skew) <= self.max_skew_s:
+            return
+        self.lost = True
+        self.skew = (f"resilax rendezvous: node {self.rank}'s clock is {skew:+.2f} s off the run directory's "
+                     f"file system ({path} was stamped {stamped:.2f}, this host's clock said {now:.2f}); leases "
+                     f"compare wall clocks across hosts and allow at most {self.max_skew_s:g} s (a quarter of "
+                     f"--lease {self.lease_s:g} s): synchronise the clocks (NTP, chrony) or raise --lease. This "
+                     f"agent takes no rank")
+        lease = self._lease_path(self.rank)
+        with contextlib.suppress(OSError, CorruptRecordError):  # withdraw: no other host may count it live
+            cur = read_record(lease)
+            if cur is not None and cur["incarnation"] == self.incarnation:
+                lease.unlink()
+        raise ClockSkewError(self.skew)
 
     def register(self, *, renew: bool = True, wait_s: float = 0.0) -> None:
         """Takes this rank's lease and (``renew``) starts the thread that keeps it. A live lease
@@ -360,6 +381,8 @@ class Rendezvous:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.lease_s)
+        with contextlib.suppress(OSError):
+            (self.root / "leases" / f".clock.node{self.rank}.{self.incarnation[:12]}").unlink(missing_ok=True)
         if release and not self.lost:
             try:
                 cur = read_record(self._lease_path(self.rank))
@@ -444,6 +467,8 @@ class Rendezvous:
                 continue
             missing.append(r)
             lease = leases.get(r)
+            if lease is not None and lease["expires"] <= now:
+                self.check_clock()  # (this host's clock may be the one that is off)
             if lease is None or lease["expires"] <= now:
                 why = why or f"node {r} lost its lease before it acknowledged"
             elif lease["incarnation"] != gen.incarnations[r]:
@@ -487,6 +512,8 @@ class Rendezvous:
             if self._held_by_other(r, lease, gen.incarnations[r]):
                 return f"node {r} was replaced (another agent holds its rank)"
             if r not in live:
+                if lease is not None:
+                    self.check_clock()  # (this host's clock may be the one that is off)
                 return f"node {r}'s lease expired" if lease is not None else f"node {r} left"
         joined = sorted(set(live) - set(gen.members))
         if joined:
@@ -549,6 +576,7 @@ class Rendezvous:
             if need_new:
                 live = self.live()
                 if len(live) >= min_nodes and min(live) == self.rank:
+                    self.check_clock()  # a proposer with a clock that is off would judge every lease wrong
                     self.propose(0 if g is None else g + 1, live)
                     continue
                 state += f"; live nodes {sorted(live)} (need {min_nodes}, the lowest proposes)"
