@@ -138,3 +138,34 @@ def test_processes_json_is_not_written_by_an_agent_whose_generation_is_not_the_r
     assert json.loads((run / "processes.json").read_text()) == rec
     assert agent.rdv.changed(agent.gen).endswith("(it was cut off from the run directory while its generation was "
                                                   "formed: fenced)")
+
+
+def test_a_host_store_takes_no_mirror_from_a_fenced_generation(tmp_path, monkeypatch):
+    """The store server of a host in generation 2 refuses a mirror written by generation 1 (a
+    side still running it) or by another "generation 2" (formed in a view of the run
+    directory of its own), saying why; it takes its own generation's and a newer one's (whose
+    writers may start before this host's agent does)."""
+    from resilax._src.protect import hoststore_files, hoststore_net
+
+    monkeypatch.setenv("RESILAX_STORE_KEY", "ab" * 16)
+    server = hoststore_net.StoreServer(tmp_path / "store")
+    server.fence(2, "a" * 64)
+    raw = b"not an npz: the server checks the bytes' sha256 only"
+
+    def put(step, g, gid):
+        meta = hoststore_files.make_meta(step, raw, None, 1, 0, False)
+        hoststore_net.put(server.address, {**meta, "generation": g, "generation_id": gid}, raw)
+
+    try:
+        with pytest.raises(OSError, match=r"refused: it was written by generation 1 \(bbbbbbbbbbbb\), and this host "
+                                          r"runs generation 2 \(aaaaaaaaaaaa\): the writer was fenced"):
+            put(5, 1, "b" * 64)
+        with pytest.raises(OSError, match=r"written by generation 2 \(cccccccccccc\)"):
+            put(6, 2, "c" * 64)
+        assert server.puts == 0 and not (tmp_path / "store" / "host0" / "mirror").exists()
+        put(7, 2, "a" * 64)
+        put(8, 3, "d" * 64)
+        assert server.puts == 2
+        assert sorted(hoststore_files.records(tmp_path / "store")["host0/mirror"]) == [7, 8]
+    finally:
+        server.close()

@@ -271,6 +271,8 @@ class Agent:
         remote = ",".join(self._stores[r] for r in after if r in self._stores)
         peers = ",".join(a for r, a in sorted(self._stores.items()) if r != self.rank)
         steps = self._store_steps([self.rank * self.n + j for j in range(self.n)])
+        if self._server is not None:  # no mirror from a fenced generation from now on
+            self._server.fence(g, gen.sha256)
         if gen.service_node == self.rank:
             from resilax._src.runtime import jaxdist
 
