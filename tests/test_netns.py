@@ -94,7 +94,7 @@ def test_a_partitioned_host_keeps_running_then_heals_the_job_comes_back_bitwise(
 
 def test_a_host_cut_off_the_run_directory_is_fenced_its_workers_stop_and_it_rejoins(job, monkeypatch):
     """Host 2 loses its link and its view of the run directory (an empty file system over it
-    in its mount namespace) for 3 leases: its lease cannot be renewed, so nodes 0 and 1 go on
+    in its mount namespace) for 3 leases (a flap longer than the lease, too): its lease cannot be renewed, so nodes 0 and 1 go on
     as generation 1 without it; host 2's agent, unable to read the rendezvous for more than a
     lease, stops its worker (fenced: nothing it writes lands where the others see). When the
     run directory and the link are back it rejoins: the others grow back to three at a step
@@ -108,25 +108,18 @@ def test_a_host_cut_off_the_run_directory_is_fenced_its_workers_stop_and_it_rejo
     assert res["generations"] >= 3, res  # ... and it came back as a member of a later generation
 
 
-def test_a_lossy_slow_link_is_slower_not_a_death(job, monkeypatch):
-    """5% of host 2's packets dropped each way, and its link slowed, for the whole run: TCP
-    retransmits; no agent ends a generation (one generation), bitwise."""
-    res, text = _case(job, "lossy", monkeypatch)
+def test_a_lossy_slow_link_and_a_short_flap_are_not_a_death(job, monkeypatch):
+    """Two faults in one job: host 1's link drops 5% of packets each way and is slowed for the
+    whole run (TCP retransmits), and host 2's link and run-directory view go for 2 s (half the
+    lease) at step 10, then come back (the lease survives: renewed every lease/3, a failed
+    write retried; the collectives wait out the gap within their timeout). No host is taken
+    for dead, nothing is lost; bitwise."""
+    res, text = _case(job, "flap-short", monkeypatch, lossy_also=1)
     assert res["ok"], (res, _tails(text))
-    assert res["generations"] == 1 and res["detect_s"] is None and res["distance"] == 0.0, res
-
-
-@pytest.mark.parametrize("case", ["flap-short", "flap-long"])
-def test_a_flapping_link_and_run_directory_shorter_and_longer_than_the_lease(job, case, monkeypatch):
-    """Host 2's link and its run-directory view go for 2 s (half the lease) or 6 s (1.5 leases),
-    then come back. Short: at most a restart of the generation from the hosts' stores, never
-    a host taken for dead; long: whatever the agents decide, the job ends bitwise with every
-    agent exiting 0 and no split brain."""
-    res, text = _case(job, case, monkeypatch)
-    assert res["ok"], (res, _tails(text))
-    assert res["distance"] == 0.0 and not res["split_brain"], res
-    if case == "flap-short":
-        assert not any("lease expired" in w or "cut off" in w for w in res["why_ended"]), res
+    assert "dropped" in res["lossy_also"] or "netem" in res["lossy_also"], res
+    assert res["distance"] == 0.0 and not res["split_brain"] and res["lost_steps"] == 0, res
+    assert not any("lease expired" in w or "cut off" in w for w in res["why_ended"]), res
+    assert res["generations"] == 1, res  # nothing ended
 
 
 def test_a_host_whose_clock_jumps_past_the_lease_withdraws_and_the_others_finish(job, monkeypatch):

@@ -9,6 +9,7 @@ collectives and the host stores' mirrors all go over the veths. ``--nodes`` agen
 mode (``--no-deterministic``: the default mode, within 1e-4), checkpoints every
 ``--checkpoint-every``. Once every worker is past ``--kill-after``, one fault:
 
+- ``none``: no fault (the failure-free run in namespaces: the time the others are slower than);
 - ``partition``: a host without the service loses its link for ``--hold`` s (its processes
   keep running), then it comes back;
 - ``partition-service``: the same for the host that runs the coordination service;
@@ -55,7 +56,7 @@ from resilax.tools.bench_multihost import (BenchError, Hang, _back, _committed, 
                                            _topology)
 from resilax.tools.processes import heartbeats
 
-CASES = ("partition", "partition-service", "cut", "lossy", "flap-short", "flap-long", "skew")
+CASES = ("none", "partition", "partition-service", "cut", "lossy", "flap-short", "flap-long", "skew")
 SOAK_CASES = ("partition", "partition-service", "cut")
 
 
@@ -147,8 +148,9 @@ def _first_end(run: pathlib.Path, t_fault: float) -> float | None:
 
 
 def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kill_after: int, lease: float,
-             timeout: float, nodes: int = 3, hold: float = 8.0, log=print) -> dict:
-    """One job of ``nodes`` hosts in namespaces; ``case`` as in the module docstring."""
+             timeout: float, nodes: int = 3, hold: float = 8.0, lossy_also: int | None = None, log=print) -> dict:
+    """One job of ``nodes`` hosts in namespaces; ``case`` as in the module docstring;
+    ``lossy_also``: that host's link is lossy too, from the start (two faults in one job)."""
     if case not in CASES:
         raise ValueError(f"resilax bench multihost --netns: the case must be one of {', '.join(CASES)}, got {case!r}")
     run, out = work / "run", work / "final.npz"
@@ -165,6 +167,8 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
             applied = None
             if case == "lossy":
                 applied = hosts.lossy(victim, loss=0.05, delay_ms=50)
+            if lossy_also is not None:
+                res["lossy_also"] = f"host {lossy_also}: " + hosts.lossy(lossy_also, loss=0.05, delay_ms=50)
             for r in range(nodes):
                 job.start(r, {"RESILAX_TEST_CLOCK_SKEW_S": f"@{skew_file}"} if case == "skew" and r == victim
                           else None)
@@ -199,7 +203,7 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
                     hosts.restore_run_dir(target, run, job.agent_pid(target))
                 hosts.heal(target)
             else:
-                log(f"      host {target}'s link: {applied}; nothing else happens")
+                log(f"      host {target}'s link: {applied}; nothing else happens" if applied else "      no fault")
             # until every agent exits: when the job was back at the step
             back = None
             expect_exit = {r: (1 if case == "skew" and r == target else 0) for r in range(nodes)}
@@ -225,6 +229,7 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
             res["lost_steps"] = max(0, fault_step - resumed) if resumed is not None else 0
             res["resumed_step"] = resumed
             res["fault_step"] = fault_step
+            res["t_fault"] = t_fault  # (wall clock: to read the logs' times against)
             res["target"], res["service_node"] = target, service
             res["exit_codes"] = rcs
             res["total_s"] = time.time() - t_start
