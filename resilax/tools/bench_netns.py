@@ -224,8 +224,10 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
                     (pathlib.Path(f).stat().st_mtime for f in (run / "heartbeats").glob(f"g{b[0]}.p*.json")),
                     default=t_fault) - t_fault
             res["back_s"] = back
-            g_back = next((g for g in gens if g > 0), None)
+            b = _back(run, 0, fault_step) if len(gens) > 1 else None
+            g_back = b[0] if b is not None else None  # the generation that was back at the step
             resumed = _resumed(text, g_back) if g_back is not None else None
+            res["generation_back"] = g_back
             res["lost_steps"] = max(0, fault_step - resumed) if resumed is not None else 0
             res["resumed_step"] = resumed
             res["fault_step"] = fault_step
