@@ -4,7 +4,7 @@ Each case is one job of `resilax/tools/bench_netns.py` (what `resilax bench mult
 --netns` runs): three hosts, each a network namespace with its own address in a private
 subnet, its own /dev/shm and /tmp, sharing only the run directory; one agent per host with
 ``--address`` its own IP (the coordination service, gloo and the store mirrors go over the
-veths); 1 worker x 2 CPU devices per host, bit-exact mode, 30 steps, checkpoints every 5,
+veths); 1 worker x 2 CPU devices per host, bit-exact mode, 40 steps, checkpoints every 5,
 lease 4 s; the fault once every worker is past step 10. Every case ends bitwise equal to a
 failure-free single-process run, every agent that should finish exits 0, and the run
 directory shows no split brain (`bench_netns.split_brain`: no checkpoint the fence rule
@@ -29,7 +29,7 @@ from resilax.tools import netns
 WHY = netns.unavailable()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(WHY is not None, reason=f"no hosts in namespaces: {WHY}")]
 
-STEPS, KILL_AFTER, LEASE = 30, 10, 4.0
+STEPS, KILL_AFTER, LEASE = 40, 10, 4.0
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,9 @@ def test_a_partitioned_host_keeps_running_then_heals_the_job_comes_back_bitwise(
 
 def test_a_host_cut_off_the_run_directory_is_fenced_its_workers_stop_and_it_rejoins(job, monkeypatch):
     """Host 2 loses its link and its view of the run directory (an empty file system over it
-    in its mount namespace) for 3 leases (a flap longer than the lease, too): its lease cannot be renewed, so nodes 0 and 1 go on
-    as generation 1 without it; host 2's agent, unable to read the rendezvous for more than a
+    in its mount namespace) until nodes 0 and 1 are back at the step without it (at least 3
+    leases: a flap longer than the lease, too): its lease cannot be renewed, so nodes 0 and 1
+    go on as generation 1 without it, from their own hosts' stores; host 2's agent, unable to read the rendezvous for more than a
     lease, stops its worker (fenced: nothing it writes lands where the others see). When the
     run directory and the link are back it rejoins: the others grow back to three at a step
     boundary. Bitwise, every agent exits 0, no checkpoint or processes.json of the fenced side
@@ -105,6 +106,7 @@ def test_a_host_cut_off_the_run_directory_is_fenced_its_workers_stop_and_it_rejo
     assert res["distance"] == 0.0 and not res["split_brain"] and res["exit_codes"] == {0: 0, 1: 0, 2: 0}, res
     assert "node 2, generation 0 ended: cut off from the run directory" in text, _tails(text)
     assert "generation 1: nodes [0, 1]" in text, _tails(text)  # the others went on without it
+    assert res["back_s"] < res["healed_s"] and res["generation_back"] == 1 and res["lost_steps"] <= 1, res
     assert res["generations"] >= 3, res  # ... and it came back as a member of a later generation
 
 

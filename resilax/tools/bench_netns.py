@@ -15,7 +15,8 @@ mode (``--no-deterministic``: the default mode, within 1e-4), checkpoints every
 - ``partition-service``: the same for the host that runs the coordination service;
 - ``cut``: a host without the service loses its link *and* its view of the run directory
   (replaced by an empty file system: its lease cannot be renewed, the others go on without
-  it) for 3 leases, then both come back;
+  it) for at least 3 leases and until the others are back at the step without it (at most
+  120 s), then both come back;
 - ``lossy``: from the start, one host's link drops 5% of packets each way and is slowed
   (``tc netem`` delay 50 ms where the kernel has it; else a rate limit): no fault time;
 - ``flap-short`` / ``flap-long``: a host's link and its run-directory view go for half a
@@ -182,6 +183,7 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
             service = procs["service_node"]
             target = service if case == "partition-service" else victim
             fault_step = max(x.get("step") or 0 for x in heartbeats(run, 0).values())
+            back = None  # the fault -> every worker of a later generation past the fault's step
             t_fault = time.time()
             down = {"partition": hold, "partition-service": hold, "cut": 3 * lease,
                     "flap-short": max(2.0, lease / 2), "flap-long": max(5.0, 1.5 * lease)}.get(case)
@@ -195,17 +197,19 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
                     hosts.cut_run_dir(target, run, job.agent_pid(target))
                 log(f"      host {target} (service on {service}): link down{' and run directory cut' if cut else ''} "
                     f"for {down:g} s at step {fault_step}")
-                back, healed = None, False
                 t_heal = t_fault + down
-                while time.time() < t_heal:
-                    time.sleep(0.05)
+                others = [r for r in range(nodes) if r != target]
+                while time.time() < t_heal or (case == "cut" and time.time() < t_fault + 120 and back is None):
+                    if back is None and _back(run, 0, fault_step, others if case == "cut" else None):
+                        back = time.time() - t_fault
+                    time.sleep(0.05)  # (cut: until the others are back at the step without it)
+                res["healed_s"] = time.time() - t_fault
                 if cut:
                     hosts.restore_run_dir(target, run, job.agent_pid(target))
                 hosts.heal(target)
             else:
                 log(f"      host {target}'s link: {applied}; nothing else happens" if applied else "      no fault")
             # until every agent exits: when the job was back at the step
-            back = None
             expect_exit = {r: (1 if case == "skew" and r == target else 0) for r in range(nodes)}
             while any(p.poll() is None for p in job.agents.values()):
                 if time.time() > job.deadline:
@@ -249,7 +253,7 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
             job.close()
 
 
-def bench_netns(*, steps=30, checkpoint_every=5, kill_after=10, cases=None, soak=0, lease=4.0, timeout=300.0,
+def bench_netns(*, steps=40, checkpoint_every=5, kill_after=10, cases=None, soak=0, lease=4.0, timeout=300.0,
                 workdir=None, nodes=3, deterministic=True, hold=8.0, log=print) -> dict:
     import numpy as np
 
@@ -333,7 +337,7 @@ def run(args) -> int:
     from resilax._src.io import write_json
 
     cases = None if args.cases is None else tuple(c.strip() for c in args.cases.split(",") if c.strip())
-    r = bench_netns(steps=args.steps if args.steps != 24 else 30, checkpoint_every=args.checkpoint_every,
+    r = bench_netns(steps=args.steps if args.steps != 24 else 40, checkpoint_every=args.checkpoint_every,
                     kill_after=args.kill_after if args.kill_after != 12 else 10, cases=cases, soak=args.soak,
                     lease=args.lease if args.lease != 2.0 else 4.0, timeout=max(args.timeout, 300.0),
                     workdir=args.workdir, nodes=args.nodes, deterministic=not args.no_deterministic, hold=args.hold,
