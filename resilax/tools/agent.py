@@ -75,6 +75,7 @@ its lease, claims that rank once (`rendezvous.standby`) and runs as its agent.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -194,24 +195,16 @@ class Agent:
         with self._cut_off_ok():
             self._write_node_now(status, **extra)
 
+    @contextlib.contextmanager
     def _cut_off_ok(self):
         """Status records a host cut off its run directory cannot write: said once, not fatal (the
         rendezvous decides whether this host is still a member, `_watch`)."""
-        agent = self
-
-        class _Ok:
-            def __enter__(self):
-                return self
-
-            def __exit__(self, kind, e, tb):
-                if kind is not None and issubclass(kind, OSError):
-                    if not agent._cut_said:
-                        say(f"node {agent.rank}: cannot write to the run directory {agent.run_dir} ({e})")
-                        agent._cut_said = True
-                    return True
-                return False
-
-        return _Ok()
+        try:
+            yield
+        except OSError as e:
+            if not self._cut_said:
+                say(f"node {self.rank}: cannot write to the run directory {self.run_dir} ({e})")
+                self._cut_said = True
 
     def _write_node_now(self, status: str, **extra):
         write_json(self._node_file(self.gen.generation, self.rank), {
