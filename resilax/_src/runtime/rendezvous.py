@@ -259,7 +259,7 @@ class Rendezvous:
             "rank": self.rank, "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
             "address": self.address, "store": self.store, "workers": self.workers, "t": now,
             "expires": now + self.lease_s}, sync=False)
-        self._judge_clock(now, path)
+        self._judge_clock(now, self.clock(), path)
 
     def check_clock(self) -> None:
         """Compares this host's clock with the shared file system's now (touches a file of this
@@ -272,17 +272,19 @@ class Rendezvous:
         if not self.clock_check:
             return
         probe = self.root / "leases" / f".clock.node{self.rank}.{self.incarnation[:12]}"
-        now = self.clock()
+        before = self.clock()
         probe.touch()
-        self._judge_clock(now, probe)
+        self._judge_clock(before, self.clock(), probe)
 
-    def _judge_clock(self, now: float, path: pathlib.Path) -> None:
+    def _judge_clock(self, before: float, after: float, path: pathlib.Path) -> None:
         # a file's modification time is the file system's clock (the file server's on NFS, one
-        # clock every host's writes share): this host's clock must agree with it
+        # clock every host's writes share): this host's clock must agree with it. The write
+        # happened between ``before`` and ``after`` (this host's clock): a slow write (a busy
+        # disk, a loaded host) is not taken for a clock that is off
         stamped = os.stat(path).st_mtime
-        skew = now - stamped
-        if not self.clock_check or abs(skew) <= self.max_skew_s:
+        if not self.clock_check or before - self.max_skew_s <= stamped <= after + self.max_skew_s:
             return
+        skew, now = (before - stamped, before) if stamped < before else (after - stamped, after)
         self.lost = True
         self.skew = (f"resilax rendezvous: node {self.rank}'s clock is {skew:+.2f} s off the run directory's "
                      f"file system ({path} was stamped {stamped:.2f}, this host's clock said {now:.2f}); leases "
