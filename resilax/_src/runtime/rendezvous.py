@@ -6,7 +6,9 @@ the coordination service (``service_node``), the service's address and each host
 ids. Nothing but files in a directory every host sees (a Slurm cluster's shared file
 system, a Kubernetes PVC): no server of its own that could be a single point of failure.
 It relies on what POSIX file systems (NFS included) give: ``os.replace`` of a whole file is
-atomic, and ``os.link`` to an existing name fails (create-once).
+atomic, and ``os.link`` to an existing name fails (create-once); `check_run_dir` refuses a
+directory where that does not hold. What a cut-off side wrote is fenced by generation
+identity (`runtime.fence`).
 
 Files, under ``<run_dir>/rendezvous/`` (every record JSON with a ``sha256`` of its other
 fields; a record that does not parse or whose checksum does not match raises
@@ -15,7 +17,8 @@ fields; a record that does not parse or whose checksum does not match raises
 - ``leases/node<R>.json``: agent R's lease ``{rank, incarnation, pid, host, address,
   store, workers, t, expires}`` (``store``: its host store's server), rewritten every ``lease_s / 3`` by a thread. A lease whose
   ``expires`` has passed is dead (wall clocks of the hosts must agree to well within
-  ``lease_s``: NTP). ``incarnation`` is new for every agent process: a replacement with a
+  ``lease_s``: NTP; checked against the file system's clock at every lease write and before
+  another's lease is taken for expired: `ClockSkewError` past a quarter of the lease). ``incarnation`` is new for every agent process: a replacement with a
   dead agent's rank takes the rank over once the old lease expired (never while it is
   live: `RankTakenError`), and the old agent, should it wake up (SIGSTOP, SIGCONT), finds
   its incarnation claimed (below) or another incarnation in its lease, stops renewing and is
