@@ -110,6 +110,8 @@ def test_a_host_cut_off_the_run_directory_is_fenced_its_workers_stop_and_it_rejo
     assert res["generations"] >= 3, res  # ... and it came back as a member of a later generation
 
 
+@pytest.mark.skipif(WHY is None and not netns.netem_available() and shutil.which("nft") is None,
+                    reason="packet loss needs tc netem in the kernel or nftables' 'nft' (apt-get install nftables)")
 def test_a_lossy_slow_link_and_a_short_flap_are_not_a_death(job, monkeypatch):
     """Two faults in one job: host 1's link drops 5% of packets each way and is slowed for the
     whole run (TCP retransmits), and host 2's link and run-directory view go for 2 s (half the
