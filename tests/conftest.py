@@ -101,6 +101,18 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "verify: Config() keeps the library's default VerifyConfig (the cross-check)")
+    config.addinivalue_line("markers", "netns: hosts as network namespaces (root; 40-90 s each): tests/test_netns.py")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Removes the network namespaces, veths and bridges this process's netns tests made and a
+    killed or failed test left (their names carry this process's tag; another session's are
+    left alone)."""
+    import sys
+
+    mod = sys.modules.get("resilax.tools.netns")
+    if mod is not None and os.geteuid() == 0:
+        mod.sweep(f"{mod.PREFIX}{os.getpid() % 10000:04d}")
 
 
 _DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")

@@ -71,3 +71,42 @@ def test_full_disk_is_a_clear_error_and_committed_checkpoints_survive(tiny_fs, c
     gc.collect()  # a failed write collected unretrieved: "Task exception was never retrieved" (asyncio's ERROR)
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
     assert not unraisable, [f"{u.exc_type.__name__}: {u.exc_value}" for u in unraisable]
+
+
+@pytest.mark.filterwarnings("ignore:resilax. could not write goodput.json:RuntimeWarning")
+def test_a_run_directory_turned_read_only_at_a_save_is_a_clear_error_and_nothing_saved_is_lost(tiny_fs, monkeypatch):
+    """The shared run directory turns read-only (a remount, as an NFS server or a Kubernetes
+    volume does on an error) while the job saves: the save fails with a `StorageError` naming
+    the directory and the read-only file system, every checkpoint committed before is still
+    there and restores, bitwise the state of its step."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    template, step = _step(tiny_fs / "ckpt")
+    data = ex.make_iterator(SMALL)
+    s = step.init(template, data=data)
+    states = {}
+    for _ in range(4):  # checkpoints 2 and 4 committed
+        s, _ = step(s, next(data))
+        states[step.step] = jax.device_get(s)
+    step.checkpoints.wait()
+    before = step.checkpoints.steps()
+    assert before == [2, 4]
+    r = subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], capture_output=True)
+    assert r.returncode == 0, r.stderr
+    try:
+        with pytest.raises(resilax.StorageError, match=r"Read-only file system"):
+            for _ in range(4):
+                s, _ = step(s, next(data))
+                if step.step % 2 == 0:
+                    step.checkpoints.wait()
+        try:
+            step.close()
+        except resilax.StorageError:
+            pass
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(tiny_fs)], capture_output=True)
+    template, again = _step(tiny_fs / "ckpt")
+    restored = again.init(template)
+    assert again.checkpoints.steps() == before  # nothing saved was lost or overwritten
+    assert again.events[0].kind == "restore" and again.events[0].step == 4
+    assert state_equal(jax.device_get(restored), states[again.step])

@@ -115,7 +115,7 @@ def test_agents_agree_lose_the_service_node_and_grow_back(tmp_path, child_env):
 def _agents(tmp_path, ranks, clock, **kw):
     out = {}
     for r in ranks:
-        a = Rendezvous(tmp_path, r, workers=1 + r % 2, lease_s=1.0, clock=clock, **kw)
+        a = Rendezvous(tmp_path, r, workers=1 + r % 2, lease_s=1.0, clock=clock, clock_check=False, **kw)
         a.register(renew=False)
         out[r] = a
     return out
@@ -178,14 +178,14 @@ def test_a_corrupt_record_is_a_clear_error_naming_the_file(tmp_path):
 def test_a_live_rank_is_refused_an_expired_one_is_taken_over_and_the_old_agent_fenced(tmp_path):
     clock = _Clock()
     old = _agents(tmp_path, [1], clock)[1]
-    new = Rendezvous(tmp_path, 1, workers=1, lease_s=1.0, clock=clock)
+    new = Rendezvous(tmp_path, 1, workers=1, lease_s=1.0, clock=clock, clock_check=False)
     clock.t += 0.5
     with pytest.raises(RankTakenError, match="node rank 1 is held by a live agent"):
         new.register(renew=False)
     clock.t += 1.0  # the old lease expired (its agent stopped, say)
     new.register(renew=False)
     with pytest.raises(RankTakenError, match=r"waited 0\.05 s"):  # a third agent waits, then gives up
-        Rendezvous(tmp_path, 1, workers=1, clock=clock, poll_s=0.01).register(renew=False, wait_s=0.05)
+        Rendezvous(tmp_path, 1, workers=1, clock=clock, clock_check=False, poll_s=0.01).register(renew=False, wait_s=0.05)
     with pytest.raises(LeaseLostError, match="incarnation .* was claimed"):
         old.renew()
     assert old.lost
@@ -210,7 +210,7 @@ def test_a_renewal_stopped_between_its_read_and_its_write_does_not_take_the_rank
     clock.t += 1.5  # node 1 hangs: its lease expires (node 0's too, on this clock: renew it)
     agents[0].renew()
     assert rdv.standby(tmp_path, 2, ended=lambda: False, poll_s=0.01, clock=clock) == (1, zombie.incarnation)
-    spare = Rendezvous(tmp_path, 1, workers=2, lease_s=1.0, clock=clock)
+    spare = Rendezvous(tmp_path, 1, workers=2, lease_s=1.0, clock=clock, clock_check=False)
     spare.register(renew=False)
     g1 = agree_together([agents[0], spare], after=gen.generation, min_nodes=2)
     assert g1.members == (0, 1) and g1.incarnations[1] == spare.incarnation

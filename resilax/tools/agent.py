@@ -75,6 +75,7 @@ its lease, claims that rank once (`rendezvous.standby`) and runs as its agent.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -122,7 +123,8 @@ class Agent:
                  heartbeat_s: float = 0.5, heartbeat_timeout_s: float = 5.0, collective_timeout_s: int = 15,
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int = 60, grace_s: float = 60.0,
                  min_nodes: int | None = None, max_restarts: int = 3, host_store_every: int = 1,
-                 host_store_dir=None, host_store_mirrors: int = 1, spares: int = 0, in_place: bool = False):
+                 host_store_dir=None, host_store_mirrors: int = 1, spares: int = 0, in_place: bool = False,
+                 clock_skew_s=0.0):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if nodes < 1 or not 0 <= node_rank < nodes:
@@ -151,6 +153,9 @@ class Agent:
         self.collective_timeout_s, self.startup_timeout_s = collective_timeout_s, startup_timeout_s
         self.jax_heartbeat_timeout_s, self.grace_s = jax_heartbeat_timeout_s, grace_s
         self.min_nodes, self.max_restarts = min_nodes, max_restarts
+        # the rendezvous' wall clock; tests set it off (``RESILAX_TEST_CLOCK_SKEW_S``) as a host's bad clock
+        self.clock = ((lambda: time.time() + clock_skew_s()) if callable(clock_skew_s) else
+                      (lambda: time.time() + clock_skew_s) if clock_skew_s else time.time)
         self.host_store_every, self.host_store_mirrors = host_store_every, host_store_mirrors
         if in_place and not host_store_every:
             raise ValueError("resilax launch: --in-place re-forms from the host stores: it needs --host-store-every > 0")
@@ -180,12 +185,28 @@ class Agent:
                               heartbeat_timeout_s=heartbeat_timeout_s, startup_timeout_s=startup_timeout_s,
                               tag=f"node{node_rank}.", who=f"node {node_rank}: ")
         self._t_gen = 0.0
+        self._cut_said = False  # said that the run directory cannot be written (`_cut_off_ok`)
 
     # ------------------------------------------------------------------ files
     def _node_file(self, g: int, rank: int) -> pathlib.Path:
         return self.run_dir / NODES / f"g{g}.node{rank}.json"
 
     def _write_node(self, status: str, **extra):
+        with self._cut_off_ok():
+            self._write_node_now(status, **extra)
+
+    @contextlib.contextmanager
+    def _cut_off_ok(self):
+        """Status records a host cut off its run directory cannot write: said once, not fatal (the
+        rendezvous decides whether this host is still a member, `_watch`)."""
+        try:
+            yield
+        except OSError as e:
+            if not self._cut_said:
+                say(f"node {self.rank}: cannot write to the run directory {self.run_dir} ({e})")
+                self._cut_said = True
+
+    def _write_node_now(self, status: str, **extra):
         write_json(self._node_file(self.gen.generation, self.rank), {
             "generation": self.gen.generation, "rank": self.rank, "agent": os.getpid(), "status": status,
             "workers": {str(w.process_id): w.proc.pid for w in self.workers},
@@ -201,12 +222,19 @@ class Agent:
         return out
 
     def _write_processes(self, parts: dict[int, dict], status: str):
-        # only the service node's agent, and only while its generation is the newest (an agent
-        # that was hung wakes up after the others moved on: it must not overwrite their file)
-        if self.gen.service_node != self.rank or (self.rdv.latest() or 0) > self.gen.generation:
+        with self._cut_off_ok():
+            self._write_processes_now(parts, status)
+
+    def _write_processes_now(self, parts: dict[int, dict], status: str):
+        # only the service node's agent, and only while its generation is the newest and the
+        # rendezvous' own (an agent that was hung, or cut off from the run directory and formed
+        # a generation in a view of its own, wakes up after the others moved on: it must not
+        # overwrite their file; a reader checks ``generation_id`` against the rendezvous too)
+        if self.gen.service_node != self.rank or (self.rdv.latest() or 0) > self.gen.generation or \
+                (self.rdv.proposal(self.gen.generation) or self.gen).sha256 != self.gen.sha256:
             return
         write_json(self.run_dir / PROCESSES_JSON, {
-            "generation": self.gen.generation, "service_node": self.gen.service_node,
+            "generation": self.gen.generation, "generation_id": self.gen.sha256, "service_node": self.gen.service_node,
             "coordinator": self.gen.coordinator, "status": status,
             "nodes": {str(r): {"agent": p["agent"], "workers": p["workers"], **({"spares": p["spares"]} if p.get("spares")
                                                                                 else {})}
@@ -236,6 +264,8 @@ class Agent:
         remote = ",".join(self._stores[r] for r in after if r in self._stores)
         peers = ",".join(a for r, a in sorted(self._stores.items()) if r != self.rank)
         steps = self._store_steps([self.rank * self.n + j for j in range(self.n)])
+        if self._server is not None:  # no mirror from a fenced generation from now on
+            self._server.fence(g, gen.sha256)
         if gen.service_node == self.rank:
             from resilax._src.runtime import jaxdist
 
@@ -252,6 +282,7 @@ class Agent:
                 host_store_every=self.host_store_every, host_store_mirror=0, host_store_steps=steps,
                 host_store_remote=remote, host_store_peers=peers,
                 slots="" if whole else ",".join(map(str, slots)), num_slots=0 if whole else self.nodes * self.n,
+                generation_id=gen.sha256,
                 in_place_wait_s=self.lease_s + self.heartbeat_timeout_s + 10.0 if self.in_place else 0.0)
             prefix, log = f"[g{g} n{self.rank} p{pid_}] ", self.run_dir / "logs" / f"g{g}.p{pid_}.log"
             w = carry.get(self.rank * self.n + j)
@@ -349,7 +380,7 @@ class Agent:
         ``("failed", rc, why)``: a worker of this node failed; ``("ended", 1, why)``: the
         generation must end for another reason (`Rendezvous.changed`, another node failed);
         ``("term", rc, why)``: the workers did not exit within the grace period after SIGTERM."""
-        forwarded, written, done = None, None, False
+        forwarded, written, done, cut = None, None, False, None
         while True:
             now = time.time()
             if self._term is not None and forwarded is None:
@@ -379,7 +410,15 @@ class Agent:
                 return "ended", 1, f"node {failed[0]} failed: {parts[failed[0]].get('why')}"
             if mine_done and self._all_done(parts):
                 return "done", 0, ""
-            why = self.rdv.changed(self.gen)
+            try:
+                why, cut = self.rdv.changed(self.gen), None
+            except OSError as e:  # the run directory (the rendezvous) cannot be read: cut off from it?
+                cut, why = cut or now, None
+                if now - cut > self.lease_s:  # this host's lease cannot have been renewed: the others go on
+                    return "ended", 1, (f"cut off from the run directory {self.run_dir} for more than the lease "
+                                        f"({self.lease_s:g} s; {e}): this host's lease was not renewed, so the other "
+                                        f"hosts may go on without it: its workers stop (fenced) and it rejoins once "
+                                        f"the run directory is back")
             if why is not None:
                 # a node that was done when it read the parts may have ended and left (its lease
                 # released) since this agent read them: that is the job's end, not a lost node
@@ -401,7 +440,10 @@ class Agent:
     def _growing(self) -> bool:
         """The generation ends only because agents joined: every member still holds its lease
         (same incarnation), no member node failed, and a live agent is not a member."""
-        leases = self.rdv.leases()
+        try:
+            leases = self.rdv.leases()
+        except OSError:  # cut off the run directory: not a growing back
+            return False
         live = self.rdv.live(leases)
         if any(r not in live or live[r]["incarnation"] != self.gen.incarnations[r] for r in self.gen.members):
             return False
@@ -457,7 +499,8 @@ class Agent:
             self._server = hoststore_net.StoreServer(self.store_root, host=self.address)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.rdv = rendezvous.Rendezvous(self.run_dir, self.rank, workers=self.n, lease_s=self.lease_s,
-                                         address=self.address, store=self._server.address if self._server else "")
+                                         address=self.address, store=self._server.address if self._server else "",
+                                         clock=self.clock)
         restarts, best = 0, -1
         try:
             self.rdv.register(wait_s=2 * self.lease_s)  # a relaunch after a kill: the old lease expires first
@@ -497,9 +540,11 @@ class Agent:
                     if self._term is not None:
                         say(f"node {self.rank}, generation {g} ended after SIGTERM: {why}; this node's workers stopped")
                         return rc
-                    if outcome == "failed":
-                        self.rdv.request(g, why)  # the other nodes end this generation too
-                    grows = sorted(set(self.rdv.live()) - set(self.gen.members))
+                    grows = []
+                    with self._cut_off_ok():
+                        if outcome == "failed":
+                            self.rdv.request(g, why)  # the other nodes end this generation too
+                        grows = sorted(set(self.rdv.live()) - set(self.gen.members))
                     if reached > best:  # this node got further than at the last failure: not a crash loop
                         restarts, best = 0, reached
                     restarts += 0 if grows and outcome != "failed" else 1
@@ -522,7 +567,7 @@ class Agent:
         except rendezvous.RendezvousError as e:
             fenced = (f" (fenced: another agent, a replacement or a spare, took node {self.rank}'s rank while this one "
                       f"did not renew its lease, stopped or cut off; this agent and its workers stop)"
-                      if self.rdv.lost else "")
+                      if self.rdv.lost and not self.rdv.skew else "")
             say(f"node {self.rank}: {e}{fenced}{self._ended_note()}")
             return 1
         finally:

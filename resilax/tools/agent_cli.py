@@ -34,6 +34,28 @@ def _env_int(environ, name: str, low: int) -> int | None:
     return i
 
 
+# tests: this agent's rendezvous clock runs this many seconds off; "@PATH": the number in that
+# file, read at every look at the clock (a harness moves a running host's clock)
+CLOCK_SKEW_VAR = "RESILAX_TEST_CLOCK_SKEW_S"
+
+
+def _clock_skew(environ):
+    v = environ.get(CLOCK_SKEW_VAR, "").strip()
+    if v.startswith("@"):
+        path = pathlib.Path(v[1:])
+
+        def skew() -> float:
+            try:
+                return float(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                return 0.0
+        return skew
+    try:
+        return float(v) if v else 0.0
+    except ValueError:
+        raise ValueError(f"{CLOCK_SKEW_VAR}={v!r} in the environment is not a number of seconds or @FILE") from None
+
+
 def host_address(environ=os.environ) -> str:
     """This host's address for the other hosts: ``SLURMD_NODENAME`` (Slurm's name for the
     node), else the host name, resolved here (a Kubernetes pod's host name resolves to its IP)."""
@@ -147,7 +169,7 @@ def main(cmd, args, environ=os.environ) -> int | None:
                          min_nodes=args.min_nodes, max_restarts=args.max_restarts,
                          rendezvous_timeout_s=args.rendezvous_timeout, host_store_every=args.host_store_every,
                          host_store_dir=args.host_store_dir, host_store_mirrors=args.host_store_mirrors,
-                         spares=args.spares, in_place=args.in_place)
+                         spares=args.spares, in_place=args.in_place, clock_skew_s=_clock_skew(environ))
 
         agent = make(rank)  # (a spare's options are checked before it waits; its rank comes later)
     except ValueError as e:

@@ -132,6 +132,11 @@ def add_arguments(p) -> None:
                    help="the most one case may take (start to every agent's exit); past it: a hang")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory, removed "
                                                    "unless something failed)")
+    p.add_argument("--netns", action="store_true",
+                   help="hosts that are really apart (root): each host a network namespace with its own /dev/shm and "
+                        "/tmp; cases partition, partition-service, cut, lossy, flap-short, flap-long, skew "
+                        "(resilax/tools/bench_netns.py); --soak N: N runs of the partition cases")
+    p.add_argument("--hold", type=float, default=8.0, metavar="S", help="--netns: how long a partition lasts")
 
 
 # ------------------------------------------------------------------ files the agents and workers write
@@ -657,6 +662,10 @@ def bench_multihost(*, steps=24, checkpoint_every=5, kill_after=12, cases=None, 
 
 
 def run(args) -> int:
+    if args.netns:
+        from resilax.tools import bench_netns
+
+        return bench_netns.run(args)
     cases = None if args.cases is None else tuple(c.strip() for c in args.cases.split(",") if c.strip())
     r = bench_multihost(steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
                         cases=cases, repeat=args.repeat, replace=args.replace, soak=args.soak, lease=args.lease,

@@ -12,6 +12,7 @@ from resilax._src.protect.checkpoints import CheckpointStore
 from resilax._src.protect.checksum import anchor_tree
 from resilax._src.protect.data_state import encode_data_state
 from resilax._src.protect.planner import Candidate, Copy
+from resilax._src.runtime import fence, worker
 
 
 class Checkpoints(base.Protection):
@@ -62,7 +63,8 @@ class Checkpoints(base.Protection):
         return bool(self.cfg.every) and step_after % self.cfg.every == 0 and self.paused is None
 
     def save(self, run, state, *, after_dispatch=None, copy=True) -> float:
-        meta = {"seed": run.config.seed, "topology": run.topology.name, "collectives": _store.collectives()}
+        meta = {"seed": run.config.seed, "topology": run.topology.name, "collectives": _store.collectives(),
+                **fence.stamp(worker.env())}  # the generation that wrote it (across hosts: fenced by it)
         if run._data is not None:
             meta["data_state"] = encode_data_state(run._data.get_state())
         if run._watch is not None:  # the steps skipped so far (reads the newest verdict: the snapshot waits for it anyway)

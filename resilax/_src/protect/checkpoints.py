@@ -525,11 +525,14 @@ class CheckpointStore:
         return sorted(self._mgr.all_steps())
 
     # ------------------------------------------------------------------ restore
-    def restore_newest(self, abstract_state, *, step: int | None = None) -> Restored | None:
+    def restore_newest(self, abstract_state, reject=None, *, step: int | None = None) -> Restored | None:
         """Restores the newest checkpoint that reads back and matches its checksums.
 
         Args:
           abstract_state: pytree of ``jax.ShapeDtypeStruct`` with shardings (the target layout).
+          reject: ``(step, meta) -> str | None``: why a checkpoint must not be restored (a
+            fenced side's, `runtime.fence.rejected`); it is skipped and moved aside like a
+            corrupt one, never deleted.
           step: that checkpoint only (`CheckpointError` if the directory has none of it).
 
         Returns:
@@ -542,9 +545,9 @@ class CheckpointStore:
         """
         self.settle()
         with self._orbax_call(), quiet.draining_loops():  # a corrupt checkpoint's other reads end before Orbax's loop closes
-            return self._restore_newest(abstract_state, step)
+            return self._restore_newest(abstract_state, reject, step)
 
-    def _restore_newest(self, abstract_state, only: int | None = None):
+    def _restore_newest(self, abstract_state, reject=None, only: int | None = None):
         self._mgr.reload()
         want_sig = state_signature(abstract_state)
         skipped: list[tuple[int, str]] = []
@@ -561,6 +564,10 @@ class CheckpointStore:
                     raise CorruptCheckpointError(f"meta of checkpoint {step} is malformed")
             except Exception as e:
                 skipped.append((step, _reason(e)))
+                continue
+            why = reject(step, meta) if reject is not None else None
+            if why is not None:
+                skipped.append((step, why))
                 continue
             if meta["signature"] != want_sig:
                 raise CheckpointError(messages.signature_mismatch(self.directory, step, meta["signature"], want_sig))

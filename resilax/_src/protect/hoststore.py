@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resilax._src.protect import base
+from resilax._src.runtime import fence
 from resilax._src.protect.anomaly import resolve_record
 from resilax._src.step.sharding import copy_tree, local_shards
 from resilax._src.timings import Timings
@@ -70,8 +71,11 @@ class HostStore(base.Protection):
     name = "host_store"
 
     def __init__(self, root: str, process: int, n: int, every: int = 1, alive=None, *, remote: str | None = None,
-                 peers=(), writers=None):
+                 peers=(), writers=None, stamp=None):
         self.root = pathlib.Path(root)
+        # across hosts: the generation that writes (`runtime.fence.stamp`), in each mirror's record:
+        # a store server takes no mirror of a generation older than (or other than) its host's
+        self.stamp = dict(stamp or {})
         self.process, self.n, self.every = process, n, every
         # the ring: this process mirrors to the next live one (a generation smaller than the
         # job, `resilax launch` re-formed without replacements, starts with some hosts gone)
@@ -95,7 +99,8 @@ class HostStore(base.Protection):
         return cls(job.host_store, job.slot, job.job_processes, job.host_store_every,
                    alive=job.slot_list if job.host_store_mirror else [job.slot],
                    remote=job.host_store_remote or None,
-                   peers=[a for a in job.host_store_peers.split(",") if a], writers=job.slot_list)
+                   peers=[a for a in job.host_store_peers.split(",") if a], writers=job.slot_list,
+                   stamp=fence.stamp(job))
 
     def _targets(self) -> list[pathlib.Path]:
         out = [self.root / f"host{self.process}" / "own"]
@@ -182,7 +187,7 @@ class HostStore(base.Protection):
         for d in self._targets():
             _files.write_raw(d, step, raw, meta)
         if self.remotes and not whole:  # a whole copy is on every host already
-            self._send(raw, meta)
+            self._send(raw, {**meta, **self.stamp})
 
     @property
     def remote(self) -> str | None:

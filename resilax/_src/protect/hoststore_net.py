@@ -149,6 +149,7 @@ class StoreServer:
     def __init__(self, root, host: str = "127.0.0.1", port: int = 0):
         self.root = pathlib.Path(root)
         self.puts = 0
+        self.generation: tuple[int, str] | None = None  # this host's generation (`fence`): none older is taken
         self.key = _key()  # the job's key as the server starts (the agent set it: `job_key`)
         store = self
 
@@ -200,6 +201,9 @@ class StoreServer:
             if not isinstance(meta, dict):
                 raise StoreNetError("a put needs the step's commit record ('meta')")
             step, slot = _step(meta.get("step")), _step(meta.get("process"))
+            stale = self._stale(meta)
+            if stale:
+                raise StoreNetError(f"the mirror of step {step} of process {slot} is refused: {stale}")
             if hashlib.sha256(body).hexdigest() != meta.get("sha256"):
                 raise StoreNetError(f"the bytes of step {step} of process {slot} do not match their SHA-256: "
                                     f"not stored")
@@ -216,6 +220,22 @@ class StoreServer:
                 return {"ok": False, "error": f"no verified copy of step {header.get('step')} in {header.get('dir')}"}, b""
             return {"ok": True, "meta": got[1]}, got[0]
         raise StoreNetError(f"unknown request {op!r} (put, list or get)")
+
+    def fence(self, generation: int, generation_id: str) -> None:
+        """This host runs ``generation`` now: mirrors of an older generation, or of another one
+        with the same number (formed by a side cut off the run directory), are refused from now
+        on (a newer one is taken: its writers may start before this host's agent does)."""
+        self.generation = (int(generation), str(generation_id))
+
+    def _stale(self, meta: dict) -> str | None:
+        if self.generation is None or not meta.get("generation_id"):
+            return None
+        g, gid = int(meta.get("generation", -1)), str(meta["generation_id"])
+        mine, mine_id = self.generation
+        if g < mine or (g == mine and gid != mine_id):
+            return (f"it was written by generation {g} ({gid[:12]}), and this host runs generation {mine} "
+                    f"({mine_id[:12]}): the writer was fenced")
+        return None
 
     def close(self) -> None:
         self._server.shutdown()

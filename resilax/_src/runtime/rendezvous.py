@@ -6,7 +6,9 @@ the coordination service (``service_node``), the service's address and each host
 ids. Nothing but files in a directory every host sees (a Slurm cluster's shared file
 system, a Kubernetes PVC): no server of its own that could be a single point of failure.
 It relies on what POSIX file systems (NFS included) give: ``os.replace`` of a whole file is
-atomic, and ``os.link`` to an existing name fails (create-once).
+atomic, and ``os.link`` to an existing name fails (create-once); `check_run_dir` refuses a
+directory where that does not hold. What a cut-off side wrote is fenced by generation
+identity (`runtime.fence`).
 
 Files, under ``<run_dir>/rendezvous/`` (every record JSON with a ``sha256`` of its other
 fields; a record that does not parse or whose checksum does not match raises
@@ -15,7 +17,8 @@ fields; a record that does not parse or whose checksum does not match raises
 - ``leases/node<R>.json``: agent R's lease ``{rank, incarnation, pid, host, address,
   store, workers, t, expires}`` (``store``: its host store's server), rewritten every ``lease_s / 3`` by a thread. A lease whose
   ``expires`` has passed is dead (wall clocks of the hosts must agree to well within
-  ``lease_s``: NTP). ``incarnation`` is new for every agent process: a replacement with a
+  ``lease_s``: NTP; checked against the file system's clock at every lease write and before
+  another's lease is taken for expired: `ClockSkewError` past a quarter of the lease). ``incarnation`` is new for every agent process: a replacement with a
   dead agent's rank takes the rank over once the old lease expired (never while it is
   live: `RankTakenError`), and the old agent, should it wake up (SIGSTOP, SIGCONT), finds
   its incarnation claimed (below) or another incarnation in its lease, stops renewing and is
@@ -56,6 +59,7 @@ Cost: one small file write per agent per ``lease_s / 3``; reading the directory
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -89,6 +93,15 @@ class RankTakenError(RendezvousError):
 
 class LeaseLostError(RendezvousError):
     """This agent's lease expired and another agent took its rank over: it must stop."""
+
+
+class ClockSkewError(LeaseLostError):
+    """This host's wall clock is off from the shared file system's by more than the leases
+    allow (`Rendezvous.max_skew_s`): its leases would be misjudged, so it takes no rank."""
+
+
+class RunDirError(RendezvousError):
+    """The run directory cannot hold a rendezvous: create-once (``os.link``) does not work there."""
 
 
 # ------------------------------------------------------------------ records
@@ -202,10 +215,14 @@ class Rendezvous:
       port_fn: picks the coordination service's port on this host (default: a free one).
       clock: wall clock (tests inject one); the renewal thread is off when ``renew=False``
         is passed to `register`.
+      clock_check: compare ``clock`` with the shared file system's at every lease write and
+        refuse a clock off by more than `max_skew_s` (`ClockSkewError`); off for a virtual
+        clock (tests that move time by hand).
     """
 
     def __init__(self, run_dir, rank: int, *, workers: int, lease_s: float = 5.0, address: str = "127.0.0.1",
-                 ack_timeout_s: float = 60.0, port_fn=None, clock=time.time, poll_s: float = 0.05, store: str = ""):
+                 ack_timeout_s: float = 60.0, port_fn=None, clock=time.time, poll_s: float = 0.05, store: str = "",
+                 clock_check: bool = True):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"resilax rendezvous: rank must be an integer >= 0, got {rank!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -216,9 +233,11 @@ class Rendezvous:
         self.rank, self.workers, self.lease_s, self.address = rank, workers, float(lease_s), address
         self.store = store
         self.ack_timeout_s, self.poll_s, self.clock = float(ack_timeout_s), poll_s, clock
+        self.clock_check = clock_check
         self.port_fn = port_fn or (lambda: free_port(self.address))  # the service binds there
         self.incarnation = uuid.uuid4().hex
-        self.lost = False  # fenced: another incarnation holds this rank
+        self.lost = False  # fenced: another incarnation holds this rank (or this host's clock is off)
+        self.skew = ""  # why this host's clock was found off (`ClockSkewError`)
         self._acked: set[str] = set()  # the proposals (sha256) this agent acknowledged
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -229,12 +248,58 @@ class Rendezvous:
     def _lease_path(self, rank: int) -> pathlib.Path:
         return self.root / "leases" / f"node{rank}.json"
 
+    @property
+    def max_skew_s(self) -> float:
+        """The most this host's clock may be off from the shared file system's: a quarter of the
+        lease (every host judges the others' leases by its own clock; past this a host could
+        be taken for dead while it renews, or hold a rank past its lease)."""
+        return self.lease_s / 4
+
     def _write_lease(self):
         now = self.clock()
-        write_record(self._lease_path(self.rank), {
+        path = self._lease_path(self.rank)
+        write_record(path, {
             "rank": self.rank, "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
             "address": self.address, "store": self.store, "workers": self.workers, "t": now,
             "expires": now + self.lease_s}, sync=False)
+        self._judge_clock(now, self.clock(), path)
+
+    def check_clock(self) -> None:
+        """Compares this host's clock with the shared file system's now (touches a file of this
+        agent's and reads its modification time back): before this agent takes another's
+        lease for expired, so that a clock that jumped does not make it end generations.
+
+        Raises:
+          ClockSkewError: off by more than `max_skew_s` (this agent withdraws its lease).
+        """
+        if not self.clock_check:
+            return
+        probe = self.root / "leases" / f".clock.node{self.rank}.{self.incarnation[:12]}"
+        before = self.clock()
+        probe.touch()
+        self._judge_clock(before, self.clock(), probe)
+
+    def _judge_clock(self, before: float, after: float, path: pathlib.Path) -> None:
+        # a file's modification time is the file system's clock (the file server's on NFS, one
+        # clock every host's writes share): this host's clock must agree with it. The write
+        # happened between ``before`` and ``after`` (this host's clock): a slow write (a busy
+        # disk, a loaded host) is not taken for a clock that is off
+        stamped = os.stat(path).st_mtime
+        if not self.clock_check or before - self.max_skew_s <= stamped <= after + self.max_skew_s:
+            return
+        skew, now = (before - stamped, before) if stamped < before else (after - stamped, after)
+        self.lost = True
+        self.skew = (f"resilax rendezvous: node {self.rank}'s clock is {skew:+.2f} s off the run directory's "
+                     f"file system ({path} was stamped {stamped:.2f}, this host's clock said {now:.2f}); leases "
+                     f"compare wall clocks across hosts and allow at most {self.max_skew_s:g} s (a quarter of "
+                     f"--lease {self.lease_s:g} s): synchronise the clocks (NTP, chrony) or raise --lease. This "
+                     f"agent takes no rank")
+        lease = self._lease_path(self.rank)
+        with contextlib.suppress(OSError, CorruptRecordError):  # withdraw: no other host may count it live
+            cur = read_record(lease)
+            if cur is not None and cur["incarnation"] == self.incarnation:
+                lease.unlink()
+        raise ClockSkewError(self.skew)
 
     def register(self, *, renew: bool = True, wait_s: float = 0.0) -> None:
         """Takes this rank's lease and (``renew``) starts the thread that keeps it. A live lease
@@ -244,6 +309,7 @@ class Rendezvous:
         Raises:
           RankTakenError: another agent still holds a live lease on this rank after ``wait_s``.
         """
+        check_run_dir(self.root)
         deadline = time.monotonic() + wait_s
         while True:
             cur = read_record(self._lease_path(self.rank))
@@ -301,6 +367,8 @@ class Rendezvous:
                                  f"incarnation {self.incarnation[:8]} was claimed (this agent's lease expired and a "
                                  f"replacement or a spare took the rank)")
         if self.lost:
+            if self.skew:
+                raise ClockSkewError(self.skew)
             raise LeaseLostError(f"resilax rendezvous: node {self.rank} lost its lease to another agent")
 
     def _renew_loop(self):
@@ -318,6 +386,8 @@ class Rendezvous:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.lease_s)
+        with contextlib.suppress(OSError):
+            (self.root / "leases" / f".clock.node{self.rank}.{self.incarnation[:12]}").unlink(missing_ok=True)
         if release and not self.lost:
             try:
                 cur = read_record(self._lease_path(self.rank))
@@ -402,6 +472,8 @@ class Rendezvous:
                 continue
             missing.append(r)
             lease = leases.get(r)
+            if lease is not None and lease["expires"] <= now:
+                self.check_clock()  # (this host's clock may be the one that is off)
             if lease is None or lease["expires"] <= now:
                 why = why or f"node {r} lost its lease before it acknowledged"
             elif lease["incarnation"] != gen.incarnations[r]:
@@ -445,12 +517,18 @@ class Rendezvous:
             if self._held_by_other(r, lease, gen.incarnations[r]):
                 return f"node {r} was replaced (another agent holds its rank)"
             if r not in live:
+                if lease is not None:
+                    self.check_clock()  # (this host's clock may be the one that is off)
                 return f"node {r}'s lease expired" if lease is not None else f"node {r} left"
         joined = sorted(set(live) - set(gen.members))
         if joined:
             return f"node(s) {joined} joined"
         for req in self._requests(gen.generation):
             return f"node {req['rank']} asked for a new generation: {req['why']}"
+        now = self.proposal(gen.generation)
+        if now is None or now.sha256 != gen.sha256:
+            return (f"generation {gen.generation} in the rendezvous is not the one this agent runs (it was cut off "
+                    f"from the run directory while its generation was formed: fenced)")
         return None
 
     def agree(self, after: int = -1, *, min_nodes: int = 1, timeout_s: float = 300.0) -> Generation:
@@ -469,6 +547,22 @@ class Rendezvous:
         deadline = time.monotonic() + timeout_s
         asked = False
         while True:
+            try:
+                got = self._agree_once(after, min_nodes, asked)
+            except OSError as e:  # the run directory is unreachable (a host cut off it): wait for it
+                got, state = None, f"the rendezvous in {self.root} cannot be read ({e})"
+            else:
+                got, asked, state = got
+            if isinstance(got, Generation):
+                return got
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"resilax rendezvous: node {self.rank} got no committed generation after "
+                                      f"{after} within {timeout_s:g} s: {state}")
+            time.sleep(self.poll_s)
+
+    def _agree_once(self, after: int, min_nodes: int, asked: bool):
+        """One look of `agree`: ``(the generation to run or None, asked, what it waits for)``."""
+        while True:
             self.check_fence()  # a hung agent that wakes here proposes, acks and asks for nothing
             g = self.latest()
             state = "no generation proposed yet"
@@ -479,7 +573,7 @@ class Rendezvous:
                 out = self.decide(gen)
                 state = f"generation {g} {out or 'pending'} (members {list(gen.members)})"
                 if out == COMMITTED and g > after and self._member(gen):
-                    return gen
+                    return gen, asked, state
                 need_new = out is not None
                 if out == COMMITTED and self._member(gen) and not asked:
                     self.request(g, f"node {self.rank} needs a generation after {after}")
@@ -487,13 +581,11 @@ class Rendezvous:
             if need_new:
                 live = self.live()
                 if len(live) >= min_nodes and min(live) == self.rank:
+                    self.check_clock()  # a proposer with a clock that is off would judge every lease wrong
                     self.propose(0 if g is None else g + 1, live)
                     continue
                 state += f"; live nodes {sorted(live)} (need {min_nodes}, the lowest proposes)"
-            if time.monotonic() > deadline:
-                raise RendezvousError(f"resilax rendezvous: node {self.rank} got no committed generation after "
-                                      f"{after} within {timeout_s:g} s: {state}")
-            time.sleep(self.poll_s)
+            return None, asked, state
 
 
 def standby(run_dir, nodes: int, *, ended, idle_timeout_s: float = 300.0, poll_s: float = 0.2,
@@ -542,6 +634,60 @@ def standby(run_dir, nodes: int, *, ended, idle_timeout_s: float = 300.0, poll_s
         except (OSError, CorruptRecordError):
             pass  # a transient shared-file-system error or a torn record: look again
         time.sleep(poll_s)
+
+
+# file systems whose rename or link is not atomic (object stores behind FUSE): no create-once
+_NO_FENCE_FS = ("fuse.gcsfuse", "fuse.s3fs", "fuse.goofys", "fuse.mountpoint-s3", "fuse.blobfuse", "fuse.rclone")
+
+
+def _fs_type(path: pathlib.Path) -> str:
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for ln in f:
+                parts = ln.split()
+                if len(parts) > 2 and (str(path) + "/").startswith(parts[1].rstrip("/") + "/") and \
+                        len(parts[1]) >= len(best):
+                    best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def check_run_dir(root) -> None:
+    """That ``root`` can hold the rendezvous: create-once by ``os.link`` works there (what
+    proposals, outcomes and claims rely on to have one winner) and it is not an object store
+    behind FUSE (rename is copy + delete there, not atomic).
+
+    Raises:
+      RunDirError: naming the directory, its file system and what failed.
+    """
+    root = pathlib.Path(root)
+    kind = _fs_type(root.absolute())
+    if kind in _NO_FENCE_FS:
+        raise RunDirError(f"resilax rendezvous: the run directory {root.parent} is on {kind}, whose rename and link "
+                          f"are not atomic: agents could not fence a cut-off host there; put the run directory on a "
+                          f"POSIX shared file system (NFS, Lustre, GPFS, CephFS; a ReadWriteMany volume of one)")
+    probe = root / f".probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        probe.write_bytes(b"")
+        try:
+            os.link(probe, probe.with_suffix(".link"))
+            os.link(probe, probe.with_suffix(".link"))
+        except FileExistsError:
+            pass  # create-once holds: the second link failed
+        else:
+            raise RunDirError(f"resilax rendezvous: in {root} a hard link to an existing name succeeded: create-once "
+                              f"does not hold on this file system ({kind or 'unknown'})")
+    except RunDirError:
+        raise
+    except OSError as e:
+        raise RunDirError(f"resilax rendezvous: the run directory {root.parent} ({kind or 'unknown'} file system) "
+                          f"cannot hold the rendezvous: create-once by hard link failed ({e}); it needs a POSIX "
+                          f"shared file system with hard links (NFS, Lustre, GPFS, CephFS)") from None
+    finally:
+        probe.unlink(missing_ok=True)
+        probe.with_suffix(".link").unlink(missing_ok=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -80,6 +80,10 @@ class LaunchEnv:
     # separated, and ``num_slots`` the job's size; "" / 0: every process, in order.
     slots: str = ""
     num_slots: int = 0
+    # Across hosts: the identity of this generation (its proposal's sha256 in the rendezvous):
+    # checkpoints carry it, and a restore takes none of a generation the rendezvous does not
+    # hold or that was fenced (`fence`); "": one host (no fencing)
+    generation_id: str = ""
 
     def __post_init__(self):
         if not self.slots:

@@ -33,7 +33,7 @@ from resilax._src.protect.crosscheck import CrossCheck
 from resilax._src.protect.peers import Peers
 from resilax._src.protect.record_log import RecordLog
 from resilax._src.protect.sdc import SdcCheck
-from resilax._src.runtime import membership, worker
+from resilax._src.runtime import fence, membership, worker
 from resilax._src.runtime import xlaflags as _xlaflags
 from resilax._src.runtime.faults import FaultPlan
 from resilax._src.runtime.goodput import GoodputRecorder
@@ -289,6 +289,7 @@ class ResilientStep:
         state = _resume.newest_state(self, state, self._state_sh, job)
         self._data_position = encode_data_state(data.get_state()) if data is not None else None
         state = _resume.replay_disk_log(self, state, self._first_program)
+        fence.record_resume(job, self.step)  # across hosts: older generations' later checkpoints are fenced off
         # the plan on a restart: what belongs before this step is done (faults.py)
         self._faults.resume(self.step, self.run_dir or cfg.log_directory, jax.process_index())
         self._live = state

@@ -24,7 +24,7 @@ from resilax._src.protect.data_state import decode_data_state
 from resilax._src.protect.checksum import anchor_tree, legacy_anchor_order
 from resilax._src.protect.disk_log import batch_template, scalar_value
 from resilax._src.protect.record_log import local
-from resilax._src.runtime import membership
+from resilax._src.runtime import fence, membership
 from resilax._src.step import sharding as _sh
 from resilax._src.step.recovery import apply_logged, gated
 
@@ -50,7 +50,9 @@ def newest_state(run, state, state_sh, job):
         t0 = time.perf_counter()
         abstract = ckpt.tree(_sh.abstract(state, state_sh), run._abstract_guard(run.mesh))
         with run._goodput_recorder.span("checkpoint_restore"):
-            restored = ckpt.store.restore_newest(abstract)
+            # across hosts: never a checkpoint a fenced side wrote (`runtime.fence`)
+            reject = (lambda step, meta: fence.rejected(job.run_dir, meta, step)) if fence.stamp(job) else None
+            restored = ckpt.store.restore_newest(abstract, reject)
         if restored is not None:
             run.step = restored.step
             if data is not None and restored.meta.get("data_state") is not None:

@@ -1,0 +1,353 @@
+"""`resilax bench multihost --netns`: hosts that are really apart, and the faults that separate them.
+
+Each host is a network namespace with a mount namespace of its own (`netns.NetHosts`: its
+own address in a private subnet, its own ``/dev/shm`` and ``/tmp``, its host name resolving
+to its address), sharing only the run directory (and the code and compilation cache); one
+agent per host, started with ``--address`` its own IP, so the coordination service, gloo's
+collectives and the host stores' mirrors all go over the veths. ``--nodes`` agents (default
+3) x 1 worker x 2 CPU devices run ``resilax train`` on an N-slice topology in the bit-exact
+mode (``--no-deterministic``: the default mode, within 1e-4), checkpoints every
+``--checkpoint-every``. Once every worker is past ``--kill-after``, one fault:
+
+- ``none``: no fault (the failure-free run in namespaces: the time the others are slower than);
+- ``partition``: a host without the service loses its link for ``--hold`` s (its processes
+  keep running), then it comes back;
+- ``partition-service``: the same for the host that runs the coordination service;
+- ``cut``: a host without the service loses its link *and* its view of the run directory
+  (replaced by an empty file system: its lease cannot be renewed, the others go on without
+  it) for at least 3 leases and until the others are back at the step without it (at most
+  120 s), then both come back;
+- ``lossy``: from the start, one host's link drops 5% of packets each way and is slowed
+  (``tc netem`` delay 50 ms where the kernel has it; else a rate limit): no fault time;
+- ``flap-short`` / ``flap-long``: a host's link and its run-directory view go for half a
+  lease / 1.5 leases (at least 2 s / 5 s), then come back;
+- ``skew``: a host's clock (the rendezvous' clock, ``RESILAX_TEST_CLOCK_SKEW_S``) jumps 2.5
+  leases ahead: it must withdraw, not be a second owner of its rank.
+
+Per case (JSON ``cases``: ``name``, ``detect_s``, ``back_s``, ``lost_steps``,
+``generations``, ``ok``, and more): ``detect_s`` the fault -> the first agent ended
+generation 0 (null: none did); ``back_s`` -> every worker of a later generation completed the
+step reached at the fault (null: no new generation was needed); ``lost_steps`` that step minus
+the step the later generation resumed at; ``generations`` how many were committed;
+``split_brain`` what the run directory shows of two sides (a checkpoint the fence rule
+rejects left outside quarantine, a processes.json of another generation's identity than the
+rendezvous', a rank with two incarnations in one generation); ``ok``: every agent that should
+finish did (exit 0), the final state is the reference's (bitwise; within 1e-4), no split brain.
+``--soak N`` runs the partition cases (``partition``, ``partition-service``, ``cut``) N
+times in turn: JSON ``soak`` = ``{runs, hangs, wrong, split_brains}``.
+
+Needs root (`netns.unavailable` says why not). Every host's processes are SIGKILLed and the
+namespaces removed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from resilax._src.runtime import fence, rendezvous
+from resilax.tools import netns
+from resilax.tools.bench_multihost import (BenchError, Hang, _back, _committed, _distance, _latest, _resumed,
+                                           _topology)
+from resilax.tools.processes import heartbeats
+
+CASES = ("none", "partition", "partition-service", "cut", "lossy", "flap-short", "flap-long", "skew")
+SOAK_CASES = ("partition", "partition-service", "cut")
+
+
+def _json(path):
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def split_brain(run: pathlib.Path) -> list[str]:
+    """What the run directory shows of two sides (empty: nothing)."""
+    bad = []
+    ck = run / "checkpoints"
+    for d in sorted(ck.iterdir()) if ck.is_dir() else ():
+        if d.name.isdigit():
+            meta = _json(d / "meta" / "metadata")
+            why = fence.rejected(run, meta or {}, int(d.name))
+            if why:
+                bad.append(f"checkpoint {d.name} is a fenced side's and was not moved aside: {why}")
+    procs = _json(run / "processes.json") or {}
+    if procs.get("generation_id"):
+        prop = _json(run / rendezvous.RENDEZVOUS / "generations" / f"g{procs['generation']}.proposal.json") or {}
+        if prop.get("sha256") != procs["generation_id"]:
+            bad.append(f"processes.json names generation {procs['generation']} {procs['generation_id'][:12]}, not the "
+                       f"rendezvous' {str(prop.get('sha256'))[:12]}")
+    for g in range(_latest(run) + 1):
+        gen = _committed(run, g)
+        if gen is not None and len(set(gen.incarnations.values())) != len(gen.members):
+            bad.append(f"generation {g} has a rank twice")
+    return bad
+
+
+class Job:
+    """The agents of one case, one per host of ``hosts``."""
+
+    def __init__(self, hosts: netns.NetHosts, work: pathlib.Path, cmd: list, opts: list, deadline: float):
+        self.hosts, self.work, self.run, self.cmd, self.opts, self.deadline = hosts, work, work / "run", cmd, opts, \
+            deadline
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.logs: list[pathlib.Path] = []
+
+    def start(self, r: int, env: dict | None = None) -> None:
+        log = self.work / f"agent{r}.log"
+        self.logs.append(log)
+        argv = [sys.executable, "-m", "resilax", "launch", "--nodes", str(self.hosts.n), "--node-rank", str(r),
+                "--address", self.hosts.address(r), "--run-dir", str(self.run), *self.opts, "--", *self.cmd]
+        with open(log, "wb") as f:
+            self.agents[r] = subprocess.Popen(self.hosts.wrap(r, argv, shared=[self.work]),
+                                              env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), stdout=f,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+
+    def agent_pid(self, r: int) -> int:
+        """The agent's own pid (under ``ip netns exec``/``unshare``/``sh``, which exec it)."""
+        return self.agents[r].pid
+
+    def wait(self, pred, what: str):
+        while time.time() < self.deadline:
+            v = pred()
+            if v:
+                return v
+            for r, p in self.agents.items():
+                if p.poll() not in (None, 0):
+                    raise BenchError(f"agent {r} exited with {p.returncode} while waiting for {what}")
+            time.sleep(0.05)
+        raise Hang(f"timed out waiting for {what}")
+
+    def text(self) -> str:
+        return "\n".join(f.read_text(errors="replace") for f in self.logs if f.exists())
+
+    def close(self) -> None:
+        for r in range(self.hosts.n):
+            self.hosts.kill(r)
+        for p in self.agents.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _first_end(run: pathlib.Path, t_fault: float) -> float | None:
+    """The fault -> the first agent that marked generation 0 ended (its node file's mtime)."""
+    ts = []
+    for f in (run / "nodes").glob("g0.node*.json"):
+        rec = _json(f) or {}
+        if rec.get("status") in ("stopped", "failed"):
+            ts.append(f.stat().st_mtime)
+    return min(ts) - t_fault if ts else None
+
+
+def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kill_after: int, lease: float,
+             timeout: float, nodes: int = 3, hold: float = 8.0, lossy_also: int | None = None, log=print) -> dict:
+    """One job of ``nodes`` hosts in namespaces; ``case`` as in the module docstring;
+    ``lossy_also``: that host's link is lossy too, from the start (two faults in one job)."""
+    if case not in CASES:
+        raise ValueError(f"resilax bench multihost --netns: the case must be one of {', '.join(CASES)}, got {case!r}")
+    run, out = work / "run", work / "final.npz"
+    cmd = [*train, "--out", str(out)]
+    opts = ["-n", "1", "--devices-per-process", "2", "--lease", str(lease), "--heartbeat", "0.2",
+            "--heartbeat-timeout", "10", "--rendezvous-timeout", "120", "--collective-timeout", "5",
+            "--startup-timeout", "120"]
+    victim = nodes - 1  # never the service host (node 0, the lowest rank, proposes generation 0)
+    skew_file = work / "skew"
+    res: dict = {"name": case, "detect_s": None, "back_s": None, "lost_steps": 0, "generations": 0, "ok": False}
+    with netns.NetHosts(nodes) as hosts:
+        job = Job(hosts, work, cmd, opts, time.time() + timeout)
+        try:
+            applied = None
+            if case == "lossy":
+                applied = hosts.lossy(victim, loss=0.05, delay_ms=50)
+            if lossy_also is not None:
+                res["lossy_also"] = f"host {lossy_also}: " + hosts.lossy(lossy_also, loss=0.05, delay_ms=50)
+            for r in range(nodes):
+                job.start(r, {"RESILAX_TEST_CLOCK_SKEW_S": f"@{skew_file}"} if case == "skew" and r == victim
+                          else None)
+            t_start = time.time()
+            job.wait(lambda: _committed(run, 0), "generation 0")
+            job.wait(lambda: len(h := heartbeats(run, 0)) == nodes and
+                     all((x.get("step") or 0) >= kill_after for x in h.values()),
+                     f"every worker of generation 0 past step {kill_after}")
+            procs = job.wait(lambda: (p := _json(run / "processes.json")) and len(p.get("nodes", {})) == nodes and p,
+                             "processes.json naming every node")
+            service = procs["service_node"]
+            target = service if case == "partition-service" else victim
+            fault_step = max(x.get("step") or 0 for x in heartbeats(run, 0).values())
+            back = None  # the fault -> every worker of a later generation past the fault's step
+            t_fault = time.time()
+            down = {"partition": hold, "partition-service": hold, "cut": 3 * lease,
+                    "flap-short": max(2.0, lease / 2), "flap-long": max(5.0, 1.5 * lease)}.get(case)
+            cut = case in ("cut", "flap-short", "flap-long")
+            if case == "skew":
+                skew_file.write_text(str(2.5 * lease))
+                log(f"      host {target}'s clock jumps {2.5 * lease:g} s ahead at step {fault_step}")
+            elif down is not None:
+                hosts.partition(target)
+                if cut:
+                    hosts.cut_run_dir(target, run, job.agent_pid(target))
+                log(f"      host {target} (service on {service}): link down{' and run directory cut' if cut else ''} "
+                    f"for {down:g} s at step {fault_step}")
+                t_heal = t_fault + down
+                others = [r for r in range(nodes) if r != target]
+                while time.time() < t_heal or (case == "cut" and time.time() < t_fault + 120 and back is None):
+                    if back is None and _back(run, 0, fault_step, others if case == "cut" else None):
+                        back = time.time() - t_fault
+                    time.sleep(0.05)  # (cut: until the others are back at the step without it)
+                res["healed_s"] = time.time() - t_fault
+                if cut:
+                    hosts.restore_run_dir(target, run, job.agent_pid(target))
+                hosts.heal(target)
+            else:
+                log(f"      host {target}'s link: {applied}; nothing else happens" if applied else "      no fault")
+            # until every agent exits: when the job was back at the step
+            expect_exit = {r: (1 if case == "skew" and r == target else 0) for r in range(nodes)}
+            while any(p.poll() is None for p in job.agents.values()):
+                if time.time() > job.deadline:
+                    raise Hang(f"timed out waiting for the agents to exit ({[p.poll() for p in job.agents.values()]})")
+                if back is None and _latest(run) > 0 and _back(run, 0, fault_step):
+                    back = time.time() - t_fault
+                time.sleep(0.05)
+            rcs = {r: p.returncode for r, p in job.agents.items()}
+            text = job.text()
+            gens = [g for g in range(_latest(run) + 1) if _committed(run, g) is not None]
+            res["generations"] = len(gens)
+            res["detect_s"] = _first_end(run, t_fault) if len(gens) > 1 else None
+            if back is None and len(gens) > 1:
+                b = _back(run, 0, fault_step)
+                back = None if b is None else max(
+                    (pathlib.Path(f).stat().st_mtime for f in (run / "heartbeats").glob(f"g{b[0]}.p*.json")),
+                    default=t_fault) - t_fault
+            res["back_s"] = back
+            b = _back(run, 0, fault_step) if len(gens) > 1 else None
+            g_back = b[0] if b is not None else None  # the generation that was back at the step
+            resumed = _resumed(text, g_back) if g_back is not None else None
+            res["generation_back"] = g_back
+            res["lost_steps"] = max(0, fault_step - resumed) if resumed is not None else 0
+            res["resumed_step"] = resumed
+            res["fault_step"] = fault_step
+            res["t_fault"] = t_fault  # (wall clock: to read the logs' times against)
+            res["target"], res["service_node"] = target, service
+            res["exit_codes"] = rcs
+            res["total_s"] = time.time() - t_start
+            res["link"] = applied
+            res["split_brain"] = split_brain(run)
+            res["distance"] = _distance(out, ref) if out.exists() else float("inf")
+            res["why_ended"] = [ln.split(" ended: ", 1)[1].split(";")[0] for ln in text.splitlines()
+                                if " generation 0 ended: " in ln][:3]
+            if case == "skew":
+                res["refused"] = "clock is " in text and "off the run directory's file system" in text
+            res["ok"] = (rcs == expect_exit and res["distance"] <= tol and not res["split_brain"]
+                         and (case != "skew" or res["refused"]))
+            return res
+        finally:
+            job.close()
+
+
+def bench_netns(*, steps=40, checkpoint_every=5, kill_after=10, cases=None, soak=0, lease=4.0, timeout=300.0,
+                workdir=None, nodes=3, deterministic=True, hold=8.0, log=print) -> dict:
+    import numpy as np
+
+    why = netns.unavailable()
+    if why:
+        raise BenchError(f"resilax bench multihost --netns: cannot make hosts in namespaces here: {why}")
+    cases = tuple(cases or (SOAK_CASES if soak else CASES))
+    bad = [c for c in cases if c not in CASES]
+    if bad:
+        raise ValueError(f"resilax bench multihost --netns: --cases must name some of {', '.join(CASES)}, got {bad}")
+    own = workdir is None
+    # not under /tmp: each host has a /tmp of its own (the run directory is bound back, but the
+    # reference run and the topology file are read by every host)
+    work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-netns-", dir="/var/tmp"))
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    tol = 0.0 if deterministic else 1e-4
+    train = ["resilax", "train", "--topology", _topology(work, 1, 2, nodes), "--layout", "sharded", "--batch", "48",
+             "--steps", str(steps), "--checkpoint-every", str(checkpoint_every), "--log-every", "10"] + \
+        ([] if deterministic else ["--no-deterministic"])
+    jobs = [(c, f"{c}.soak{i}") for i in range(soak) for c in cases] if soak else [(c, c) for c in cases]
+    log(f"[1/{len(jobs) + 1}] failure-free single-process reference: {nodes} slices x 2 CPU devices, {steps} steps")
+    r = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--quiet", "--checkpoint-dir",
+                        str(work / "ref_ck"), "--out", str(work / "ref.npz")], env=dict(os.environ), timeout=timeout,
+                       capture_output=True, text=True, check=False)
+    if r.returncode:
+        raise BenchError(f"resilax bench multihost --netns: the reference run failed:\n{r.stderr[-3000:]}")
+    ref = np.load(work / "ref.npz", allow_pickle=False)
+    out, soak_runs = [], {"runs": 0, "hangs": 0, "wrong": 0, "split_brains": 0, "failed": 0}
+    for i, (case, name) in enumerate(jobs):
+        log(f"[{i + 2}/{len(jobs) + 1}] {name}")
+        (work / name).mkdir()
+        try:
+            res = run_case(work / name, case, train=train, ref=ref, tol=tol, kill_after=kill_after, lease=lease,
+                           timeout=timeout, nodes=nodes, hold=hold, log=log)
+        except Hang as e:
+            res = {"name": case, "detect_s": None, "back_s": None, "lost_steps": None, "generations": None,
+                   "ok": False, "hang": str(e)}
+        except BenchError as e:
+            res = {"name": case, "detect_s": None, "back_s": None, "lost_steps": None, "generations": None,
+                   "ok": False, "error": str(e)}
+        res["run"] = name
+        out.append(res)
+        log(f"      {'ok' if res['ok'] else 'NOT OK'}: detect {res['detect_s']}, back {res['back_s']}, lost "
+            f"{res['lost_steps']}, generations {res['generations']}, distance {res.get('distance')}"
+            + (f", split brain {res['split_brain']}" if res.get("split_brain") else "")
+            + (f", {res.get('hang') or res.get('error')}" if not res["ok"] and (res.get("hang") or res.get("error"))
+               else ""))
+        if soak:
+            soak_runs["runs"] += 1
+            soak_runs["hangs"] += "hang" in res
+            soak_runs["wrong"] += res.get("distance", 0.0) > tol
+            soak_runs["split_brains"] += bool(res.get("split_brain"))
+            soak_runs["failed"] += not res["ok"]
+    result = {"benchmark": "multihost-netns", "setup": {"nodes": nodes, "steps": steps, "kill_after": kill_after,
+                                                         "checkpoint_every": checkpoint_every, "lease_s": lease,
+                                                         "hold_s": hold, "mode": "bit-exact" if deterministic else
+                                                         "default", "netem": netns.netem_available()},
+              "cases": out, "ok": all(r["ok"] for r in out)}
+    if soak:
+        result["soak"] = soak_runs
+    if own and result["ok"]:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        result["workdir"] = str(work)
+    return result
+
+
+def print_table(r: dict) -> None:
+    print(f"{'case':<22}{'detect (s)':>11}{'back (s)':>10}{'lost':>6}{'gens':>6}{'total (s)':>11}  ok")
+    for c in r["cases"]:
+        f = (lambda v: "-" if v is None else f"{v:.2f}")
+        print(f"{c.get('run', c['name']):<22}{f(c['detect_s']):>11}{f(c['back_s']):>10}"
+              f"{'-' if c['lost_steps'] is None else c['lost_steps']:>6}{'-' if c['generations'] is None else c['generations']:>6}"
+              f"{f(c.get('total_s')):>11}  {'yes' if c['ok'] else 'NO'}")
+    if "soak" in r:
+        print("soak: " + ", ".join(f"{k} {v}" for k, v in r["soak"].items()))
+
+
+def run(args) -> int:
+    from resilax._src.io import write_json
+
+    cases = None if args.cases is None else tuple(c.strip() for c in args.cases.split(",") if c.strip())
+    r = bench_netns(steps=args.steps if args.steps != 24 else 40, checkpoint_every=args.checkpoint_every,
+                    kill_after=args.kill_after if args.kill_after != 12 else 10, cases=cases, soak=args.soak,
+                    lease=args.lease if args.lease != 2.0 else 4.0, timeout=max(args.timeout, 300.0),
+                    workdir=args.workdir, nodes=args.nodes, deterministic=not args.no_deterministic, hold=args.hold,
+                    log=lambda m: print(m, flush=True))
+    print_table(r)
+    if args.json:
+        write_json(args.json, r)
+        print(f"wrote {args.json}")
+    if not r["ok"]:
+        print(f"resilax bench multihost --netns: a case hung, failed, ended off the reference or left a split brain; "
+              f"files kept in {r.get('workdir')}", file=sys.stderr)
+        return 1
+    return 0
