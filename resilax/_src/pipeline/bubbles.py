@@ -148,7 +148,7 @@ class BubbleCheckpoints:
     def _commit(self) -> None:
         import orbax.checkpoint as ocp
 
-        from resilax._src.pipeline.executor import write_checkpoint
+        from resilax._src.pipeline.stage_programs import write_checkpoint
 
         k, parts, state, guard = self.pending
         tree = {}
