@@ -1,4 +1,4 @@
-"""A failure domain that comes back (`rejoin@N/k`, `ResilientStep.rejoin_domain`): the mesh
+"""A failure domain that comes back (`rejoin@N/k`): the mesh
 grows, the state is copied to it from the live domains, training goes on with no restart
 and no checkpoint read. Compared with the failure-free run of the same config: bitwise in
 the bit-exact mode, within 1e-4 in the default mode."""

@@ -131,7 +131,7 @@ def bench_health(args) -> dict:
     sdc = [e for e in step.events if e.kind == "sdc"]
     rejoin = next(e for e in step.events if e.kind == "rejoin")
     hang = next(e for e in step.events if e.kind == "hang")
-    deadline = step.step_deadline_s
+    deadline = step._step_deadline_s
     out.update({
         "sdc_detect_steps": (sdc[0].step - flip.step) if sdc else None,
         "sdc_domain_identified": bool(sdc) and sdc[0].fields["bad_domains"] == [flip.fields["domain"]],

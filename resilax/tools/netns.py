@@ -178,7 +178,7 @@ class NetHosts:
         to its address. The command's children stay in them (they inherit namespaces).
         ``shared``: directories under ``/tmp`` or ``/dev/shm`` that stay the shared ones (the
         run directory), bound back over the private tmpfs."""
-        keep = [str(pathlib.Path(d).absolute()) for d in shared]
+        keep = _kept(shared)
         stash = "".join(f"mkdir -p /run/{self.base}-{i}-{k} && mount --bind {d} /run/{self.base}-{i}-{k} && "
                         for k, d in enumerate(keep))
         back = "".join(f"mkdir -p {d} && mount --bind /run/{self.base}-{i}-{k} {d} && " for k, d in enumerate(keep))
@@ -261,3 +261,28 @@ class NetHosts:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _kept(shared) -> list[str]:
+    """The directories under ``/tmp`` or ``/dev/shm`` a host's private tmpfs must not hide:
+    ``shared`` (the run directory), and what its processes run from when that lies there
+    (a CI checkout or virtual environment under ``/tmp``: the interpreter's prefix, the
+    directory resilax is imported from, ``PYTHONPATH``, the working directory)."""
+    import sys
+
+    import resilax
+
+    want = [pathlib.Path(d).absolute() for d in shared]
+    runs_from = [sys.prefix, sys.base_prefix, pathlib.Path(resilax.__file__).parents[1], os.getcwd(),
+                 *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    for d in runs_from:
+        d = pathlib.Path(d).absolute()
+        if (d.parts[1:2] == ("tmp",) and len(d.parts) > 2 or d.parts[1:3] == ("dev", "shm") and len(d.parts) > 3) \
+                and d.is_dir():
+            want.append(d)
+    out: list[str] = []
+    for d in sorted(set(want), key=lambda x: len(x.parts)):
+        if not any(d == pathlib.Path(k) or pathlib.Path(k) in d.parents for k in out):
+            out.append(str(d))
+    return out
+

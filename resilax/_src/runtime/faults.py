@@ -23,7 +23,7 @@ Kinds:
 - ``rejoin@N[:phase]/K``: failure domain ``K`` comes back (a repaired or replacement
   slice, fresh memory) at a step boundary (``before_step`` or ``after_step``): the mesh
   grows to include it, the state is copied to it from the live domains, training goes on
-  (`ResilientStep.rejoin_domain`). Rejoining a live domain does nothing (an event says so).
+  (`ResilientStep._rejoin_domain`). Rejoining a live domain does nothing (an event says so).
 - ``repair_slice@N[:phase]/K``: failed domain ``K``'s hardware is back (repaired or
   replaced, fresh memory), at a step boundary. Unlike ``rejoin`` nothing is called: the
   liveness watchdog must see it answer its probe, and the driver then rejoins it at the next
