@@ -21,8 +21,8 @@ def _run(step, mesh):
     live = {"w": jax.device_put(jnp.arange(16.0).reshape(8, 2) + step, sh), "n": jax.device_put(jnp.int32(step), rep)}
     guard = jax.device_put(jnp.float32(step * 0.5), rep)
     ev = []
-    run = types.SimpleNamespace(step=step, live=live, guard=guard, data_position={"kind": "json", "value": {"i": step}},
-                                data=None, events=ev)
+    run = types.SimpleNamespace(step=step, _live=live, _guard=guard, _data_position={"kind": "json", "value": {"i": step}},
+                                _data=None, events=ev)
     run._event = lambda kind, step, **f: ev.append((kind, step, f))
     return run
 
@@ -366,7 +366,7 @@ def test_storing_a_step_does_not_wait_for_the_step_to_finish(tmp_path):
     compute = time.perf_counter() - t0
     store = hs.HostStore(str(tmp_path), 0, 1)
     y = heavy(x)
-    run = types.SimpleNamespace(step=3, live={"w": y}, guard=None, data_position=None)
+    run = types.SimpleNamespace(step=3, _live={"w": y}, _guard=None, _data_position=None)
     t0 = time.perf_counter()
     store.after_step(run, None)
     took = time.perf_counter() - t0

@@ -164,7 +164,7 @@ def test_a_log_anchor_in_the_layout_before_0_3_is_still_accepted_and_a_foreign_o
 
     state = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4)}
     guard = {"count": jnp.int32(3), "mean": jnp.float32(0.5)}
-    run = SimpleNamespace(guard=guard, record_log=SimpleNamespace(sums=tree_checksums,
+    run = SimpleNamespace(_guard=guard, _record_log=SimpleNamespace(sums=tree_checksums,
                                                                   disk=SimpleNamespace(directory="/log")))
     new = np.asarray(tree_checksums(anchor_tree(state, guard)))
     legacy = np.asarray(tree_checksums((state, guard)))

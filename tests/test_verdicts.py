@@ -249,10 +249,10 @@ class _Run:
     def __init__(self):
         self.events = []
 
-    def event(self, kind, step, **f):
+    def _event(self, kind, step, **f):
         self.events.append((kind, step, f))
 
-    def goodput_lost_step(self):
+    def _goodput_lost_step(self):
         pass
 
 
