@@ -48,10 +48,10 @@ def test_store_round_trip_mirror_and_restorable_step(tmp_path, mesh):
 
     shutil.rmtree(tmp_path / "host1")
     assert hsf.restorable_step(tmp_path, n) == 4
-    tmpl = jax.tree.leaves((_run(0, mesh).live, _run(0, mesh).guard))
+    tmpl = jax.tree.leaves((_run(0, mesh)._live, _run(0, mesh)._guard))
     leaves, meta, src = stores[1].restore(4, tmpl, [x.sharding for x in tmpl])
     assert src.endswith("host2/mirror") and meta["data_state"] == {"kind": "json", "value": {"i": 4}}
-    want = jax.tree.leaves((_run(4, mesh).live, _run(4, mesh).guard))
+    want = jax.tree.leaves((_run(4, mesh)._live, _run(4, mesh)._guard))
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, want))
     # its neighbour dies too. In one process every host's copy holds every element (the
     # bit-exact mode's case under launch: one process, one domain, the whole state), so
@@ -103,7 +103,7 @@ def test_resume_keeps_the_checkpoint_state_unless_every_process_agrees(tmp_path,
     assert out is before and run.step == 2 and run.events[-1][0] == "host_store_skipped"
     out = hs.resume(run, store, run._live, 5, agree=lambda ok: ok)
     assert run.step == 5 and run.events[-1][0] == "restore" and run.events[-1][2]["source"] == "host_store"
-    assert np.array_equal(np.asarray(out["w"]), np.asarray(_run(5, mesh).live["w"]))
+    assert np.array_equal(np.asarray(out["w"]), np.asarray(_run(5, mesh)._live["w"]))
     assert out["w"].sharding == before["w"].sharding
 
 
