@@ -358,7 +358,17 @@ class CheckpointStore:
         order: from a persister thread they interleaved with the training step's own (under
         `resilax launch`: gloo mismatches, then Orbax timing out on 'step_directory_creation').
         Orbax's ``save`` copies the local shards to host before it returns and commits in its
-        own background threads, as it does for plain Orbax users."""
+        own background threads, as it does for plain Orbax users.
+
+        It first waits for the store's warm-up: under `jax.distributed`, JAX shares a program
+        compiled on process 0 with the others through the coordination service's key-value
+        store, under the program's cache key, once; the warm-up's compile of a checksum or
+        pack program racing this thread's compile of the same program set that key twice
+        (``ALREADY_EXISTS``: a CI run's in-place launch test lost its first save to it)."""
+        try:  # (under `launch --in-place` a dead process named meanwhile ends the wait)
+            membership.wait_unless_a_verdict(lambda: self._join_warming(every=True), "the checkpoint warm-up was compiling")
+        except Exception as e:
+            raise storage_error(f"waiting for the compiles before checkpoint {step}", self.directory, e) from e
         self.settle()
         self._raise_error()
         meta = dict(meta, format=FORMAT, step=int(step), signature=state_signature(state))
