@@ -149,15 +149,18 @@ def _first_end(run: pathlib.Path, t_fault: float) -> float | None:
 
 
 def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kill_after: int, lease: float,
-             timeout: float, nodes: int = 3, hold: float = 8.0, lossy_also: int | None = None, log=print) -> dict:
+             timeout: float, nodes: int = 3, hold: float = 8.0, lossy_also: int | None = None,
+             collective_timeout: float = 5.0, log=print) -> dict:
     """One job of ``nodes`` hosts in namespaces; ``case`` as in the module docstring;
-    ``lossy_also``: that host's link is lossy too, from the start (two faults in one job)."""
+    ``lossy_also``: that host's link is lossy too, from the start (two faults in one job);
+    ``collective_timeout``: `resilax launch --collective-timeout` (a flap is survived when it
+    is longer than the gap plus TCP's retransmission back-off)."""
     if case not in CASES:
         raise ValueError(f"resilax bench multihost --netns: the case must be one of {', '.join(CASES)}, got {case!r}")
     run, out = work / "run", work / "final.npz"
     cmd = [*train, "--out", str(out)]
     opts = ["-n", "1", "--devices-per-process", "2", "--lease", str(lease), "--heartbeat", "0.2",
-            "--heartbeat-timeout", "10", "--rendezvous-timeout", "120", "--collective-timeout", "5",
+            "--heartbeat-timeout", "10", "--rendezvous-timeout", "120", "--collective-timeout", f"{collective_timeout:g}",
             "--startup-timeout", "120"]
     victim = nodes - 1  # never the service host (node 0, the lowest rank, proposes generation 0)
     skew_file = work / "skew"
