@@ -16,7 +16,7 @@ own work is the rest: ``python_ms`` = thread CPU time minus time inside executab
 writes JSON.
 
 The CPU time of resilax's own background threads (the record log's writer, the checkpoint
-persister: threads named ``resilax-*``, read from ``/proc/self/task``) is counted per step
+persister: threads named ``resilax-*``, each thread's own CPU clock) is counted per step
 too (``background_ms``): on an accelerator they compete with the loop for the GIL. ``--layers``
 takes a list: one run per size, and the slope (the largest size's host time over the
 smallest's).
@@ -70,7 +70,7 @@ def main(argv=None):
     ap.add_argument("--groups", action="store_true", help="also each protection group of Config() alone")
     ap.add_argument("--profile", nargs="?", const="default", default=None,
                     help="print this variant's top functions by own time (default: default)")
-    ap.add_argument("--variants", default=None, help="comma-separated subset of off,default,default_ckpt")
+    ap.add_argument("--variants", default=None, help="comma-separated subset of off,default,default_ckpt,ckpt_grads (a grads entry every step)")
     ap.add_argument("--no-gc", action="store_true", help="Python's cyclic garbage collector off while timing")
     args = ap.parse_args(argv)
     runs_ = [one(args, int(n)) for n in str(args.layers).split(",")]
@@ -90,21 +90,54 @@ def main(argv=None):
     return res
 
 
-def _background_ticks() -> int:
-    """CPU clock ticks (user + system) so far of this process's threads named ``resilax-*``."""
+_NAMES: dict = {}  # thread ident -> name
+
+
+def _background_cpu() -> dict:
+    """``{thread ident: CPU seconds so far}`` of this process's threads named ``resilax-*``
+    (each thread's own CPU clock: nanoseconds, where ``/proc``'s clock ticks were 10 ms)."""
     import threading
 
-    total = 0
+    out = {}
     for t in threading.enumerate():
-        if not t.name.startswith("resilax-") or t.native_id is None:
+        if not t.name.startswith("resilax-") or t.ident is None:
             continue
+        _NAMES[t.ident] = t.name
         try:
-            with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-        except (OSError, IndexError, ValueError):
+            out[t.ident] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (OSError, ValueError):  # the thread ended meanwhile
             continue
-    return total
+    return out
+
+
+class _Owners:
+    """Each background thread's CPU time booked to the variant that started it (the variants
+    run interleaved in one process: a writer finishing its entries during another variant's
+    block is still its own variant's cost)."""
+
+    def __init__(self):
+        self.owner, self.last, self.spent, self.by_thread = {}, {}, {}, {}
+
+    def claim(self, variant) -> None:
+        """Threads not yet owned belong to ``variant`` (call after its init and first steps)."""
+        for ident, cpu in _background_cpu().items():
+            if ident not in self.owner:
+                self.owner[ident], self.last[ident] = variant, cpu
+
+    def reset(self) -> None:
+        """Timing starts: CPU time spent before it is nobody's."""
+        for ident, cpu in _background_cpu().items():
+            self.owner.setdefault(ident, None)
+            self.last[ident] = cpu
+
+    def book(self, variant) -> None:
+        """Adds every owned thread's CPU time since the last call to its variant; threads
+        started since then belong to ``variant`` (the one that just ran)."""
+        for ident, cpu in _background_cpu().items():
+            v = self.owner.setdefault(ident, variant)
+            self.spent[v] = self.spent.get(v, 0.0) + cpu - self.last.get(ident, 0.0)
+            self.by_thread[ident] = self.by_thread.get(ident, 0.0) + cpu - self.last.get(ident, 0.0)
+            self.last[ident] = cpu
 
 
 def one(args, layers: int) -> dict:
@@ -122,6 +155,9 @@ def one(args, layers: int) -> dict:
         **({f"only_{g}": c for g, c in only.items()} if args.groups else {}),
         "default": resilax.Config(),
         "default_ckpt": resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "ck"), every=100_000)),
+        # a grads entry every step (no time budget): what one entry costs the loop and the writer
+        "ckpt_grads": resilax.Config(checkpoint=resilax.CheckpointConfig(os.path.join(tmp, "ck2"), every=100_000),
+                                     log=resilax.LogConfig(grads_budget=None)),
     }
     if args.variants:
         configs = {k: v for k, v in configs.items() if k in args.variants.split(",")}
@@ -136,10 +172,19 @@ def one(args, layers: int) -> dict:
             w = resilax.wrap(step_fn, topology=topo, state_sharding=P(), batch_sharding=P(), config=cfg)
             states[name] = w.init(state)
             runs[name] = w
+    owners = _Owners()
+    owners.claim(None)  # threads from before (none of the variants')
     for name in runs:  # compile, first-step work
         for i in range(3):
             states[name], _ = runs[name](states[name], batches[i % 4])
         jax.block_until_ready(states[name])
+        if hasattr(runs[name], "wait_compiled"):  # one-time work (compiles, warm-ups) done before timing
+            runs[name].wait_compiled(600)
+            ck = getattr(runs[name], "_ckpt", None)
+            if ck is not None:
+                ck.store._join_warming(every=True)
+        owners.claim(name)
+    owners.reset()
     times = {k: [] for k in runs}
     inside = {k: [] for k in runs}
     names = list(runs)
@@ -149,8 +194,6 @@ def one(args, layers: int) -> dict:
 
     clock = _ExecutableClock(also=[(Program, "put_batch")])
     prof = cProfile.Profile() if args.profile else None
-    tick = os.sysconf("SC_CLK_TCK")
-    bg = {k: 0 for k in runs}  # background threads' ticks per variant, summed over its blocks
     rounds = -(-args.steps // args.block)
     if args.no_gc:
         import gc
@@ -162,7 +205,6 @@ def one(args, layers: int) -> dict:
             jax.block_until_ready(s)
             if prof is not None and k == args.profile:
                 prof.enable()
-            b0 = _background_ticks()
             clock.total = 0.0
             c0 = time.thread_time()
             with clock:
@@ -170,16 +212,19 @@ def one(args, layers: int) -> dict:
                     s, m = f(s, batches[i % 4])
             dt = time.thread_time() - c0
             inside[k].append(clock.total / args.block)
-            bg[k] += _background_ticks() - b0
+            owners.book(k)
             if prof is not None and k == args.profile:
                 prof.disable()
             states[k] = s
             times[k].append(dt / args.block)
         print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True) if (r + 1) % 5 == 0 else None
     host, exe, py = finish(runs, states, times, inside)
-    back = {k: bg[k] / tick / (rounds * args.block) * 1e3 for k in runs}
+    back = {k: owners.spent.get(k, 0.0) / (rounds * args.block) * 1e3 for k in runs}
+    n = rounds * args.block
+    threads = {k: {_NAMES[i]: owners.by_thread.get(i, 0.0) / n * 1e3 for i, v in owners.owner.items() if v == k}
+               for k in runs}
     res = {"leaves": n_leaves, "platform": jax.devices()[0].platform, "steps": args.steps, "gc": not args.no_gc,
-           "thread_cpu_ms": host, "xla_call_ms": exe, "python_ms": py, "background_ms": back,
+           "thread_cpu_ms": host, "xla_call_ms": exe, "python_ms": py, "background_ms": back, "background_threads": threads,
            "host_overhead_ms": {k: py[k] - py["plain"] for k in runs if k != "plain"},
            "host_ms": {k: py[k] - py["plain"] + back[k] for k in runs if k != "plain"},
            "thread_over_plain_ms": {k: host[k] - host["plain"] for k in runs if k != "plain"}}
@@ -188,9 +233,13 @@ def one(args, layers: int) -> dict:
           f" {'host added ms':>14s}")
     for k in runs:
         print(f"{k:14s} {host[k]:14.3f} {exe[k]:16.3f} {py[k]:10.3f} {back[k]:14.3f} {py[k] - py['plain'] + back[k]:14.3f}")
+    print("background threads, ms per step: " + "; ".join(
+        f"{k}: " + ", ".join(f"{t} {ms:.3f}" for t, ms in v.items()) for k, v in threads.items() if v))
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(os.environ.get("HO_SORT", "tottime")).print_stats(int(os.environ.get("HO_N", "25")))
+        if os.environ.get("HO_CALLERS"):
+            pstats.Stats(prof, stream=out).print_callers(os.environ["HO_CALLERS"])
         print(out.getvalue())
     return res
 

@@ -25,8 +25,10 @@ files, leaving their inputs files: log bytes traded against replay time.
 
 File format (no pickle): ``MAGIC | u64 header length | JSON header | payload | sha256 of
 all before``. A flipped or missing byte fails the sha256; the header names the step, so
-the error can too. Files are written through tensorstore's file kvstore under a temporary
-name, then renamed into place (atomic); files and directory are fsynced in groups (at most
+the error can too. A grads entry holds the recorded values packed as they crossed between
+the step's two programs (`packed_layout`), read back leaf by leaf (`unpack_recorded`).
+Files are written under a temporary name (a new file, never an existing one), then renamed
+into place (atomic); files and directory are fsynced in groups (at most
 ``sync_every_s`` apart, and by `DiskLog.wait`). An existing file is never overwritten: a
 stale one is moved to ``quarantine/`` first.
 
@@ -55,7 +57,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tensorstore as ts
 
 from resilax._src.errors import ReplayLogError, StorageError
 
@@ -142,18 +143,23 @@ class LogEntry:
     batch: Any = None  # inputs entries of a run without a data iterator: the step's batch (host arrays)
 
 
-def encode_entry(header: dict, arrays: list[np.ndarray] = ()) -> bytes:
+def encode_entry(header: dict, arrays: list[np.ndarray] = (), raw: dict | None = None) -> bytes:
     """The file bytes of one entry. One copy of the payload: the arrays are hashed and
-    joined from their own buffers (a grads entry is written every step)."""
+    joined from their own buffers (a grads entry is written every step). ``raw``: header
+    fields given already serialized (a packed entry's layout: JSON made once per run)."""
     leaves, views, off = [], [], 0
     for a in arrays:
         a = np.ascontiguousarray(a)
-        v = memoryview(a.reshape(-1)).cast("B") if a.size else memoryview(b"")
+        # as bytes: a memoryview of an ml_dtypes array (bfloat16, float8) cannot be cast
+        v = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
         leaves.append({"shape": list(a.shape), "dtype": str(a.dtype), "offset": off, "nbytes": v.nbytes})
         views.append(v)
         off += v.nbytes
     header = dict(header, format=FORMAT, arrays=leaves, payload_bytes=off)
-    hb = json.dumps(header, separators=(",", ":")).encode()
+    hj = json.dumps(header, separators=(",", ":"))
+    if raw:
+        hj = hj[:-1] + "".join(f",{json.dumps(k)}:{v}" for k, v in raw.items()) + "}"
+    hb = hj.encode()
     parts = [MAGIC, struct.pack("<Q", len(hb)), hb, *views]
     h = hashlib.sha256()
     for part in parts:
@@ -186,6 +192,86 @@ def decode_entry(data: bytes, *, where: str) -> tuple[dict, list[np.ndarray]]:
     return header, arrays
 
 
+# ---------------------------------------------------------------- packed grads entries
+def packed_layout(paths, shapes, dtypes, shardings, pack) -> str:
+    """The layout of a *packed* grads entry, as JSON (made once per program, spliced into
+    each entry's header). The entry's arrays are the buffers the recorded values crossed
+    between the step's two parts in (`ring.local_pack`: one 1-D buffer per dtype, each
+    device's part its own blocks of the small leaves, concatenated), then the large leaves as
+    they are. So an entry costs the step loop one host copy per buffer, not one per leaf;
+    a reader cuts the leaves out on the host (`unpack_recorded`).
+
+    Per leaf (tree order): ``shape``, ``dtype`` and either ``big`` (its index among the large
+    leaves) or ``buf``/``off``/``block``/``at``: its dtype group, offset and block shape in
+    each device's part, and ``at``, for each distinct block, ``[device position, [[start,
+    stop] per dimension]]`` (a device's position in a buffer: the mesh's devices in
+    row-major order, as a 1-D array sharded over every mesh axis lays them)."""
+    devs = list(pack.mesh.devices.flat)
+    leaves, big = [], 0
+    for shape, dtype, sh, slot in zip(shapes, dtypes, shardings, pack.slots, strict=True):
+        shape = tuple(int(d) for d in shape)
+        d = {"shape": list(shape), "dtype": np.dtype(dtype).name}
+        if slot is None:
+            d["big"] = big
+            big += 1
+        else:
+            g, off, block = slot
+            where = sh.devices_indices_map(shape)
+            at, seen = [], set()
+            for k, dev in enumerate(devs):
+                box = tuple(tuple(sl.indices(n)[:2]) for sl, n in zip(where[dev], shape))
+                if box not in seen:
+                    seen.add(box)
+                    at.append([k, [list(b) for b in box]])
+            d.update(buf=int(g), off=int(off), block=[int(b) for b in block], at=at)
+        leaves.append(d)
+    return json.dumps({"paths": list(paths), "devices": len(devs), "groups": list(pack.groups),
+                       "lengths": [int(n) for n in pack.lengths], "leaves": leaves}, separators=(",", ":"))
+
+
+def unpack_recorded(layout: dict, arrays: list[np.ndarray], *, where: str) -> list[np.ndarray]:
+    """The recorded leaves (tree order) of a packed grads entry (`packed_layout`). Raises
+    ReplayLogError naming ``where`` when the layout and the arrays disagree."""
+    try:
+        ng, devices = len(layout["groups"]), int(layout["devices"])
+        bufs, bigs = arrays[:ng], arrays[ng:]
+        if len(bufs) != ng:
+            raise ValueError(f"{len(bufs)} buffers, the layout names {ng}")
+        for b, g, n in zip(bufs, layout["groups"], layout["lengths"]):
+            if b.dtype != jnp.dtype(g) or b.shape != (devices * int(n),):
+                raise ValueError(f"a {b.dtype} buffer of shape {b.shape}, not {g} ({devices * int(n)},)")
+        n_big = sum("big" in leaf for leaf in layout["leaves"])
+        if len(bigs) != n_big:
+            raise ValueError(f"{len(bigs)} large leaves, the layout names {n_big}")
+        out = []
+        for leaf in layout["leaves"]:
+            shape, dtype = tuple(leaf["shape"]), jnp.dtype(leaf["dtype"])
+            if "big" in leaf:
+                x = bigs[int(leaf["big"])]
+                if x.shape != shape or x.dtype != dtype:
+                    raise ValueError(f"a large leaf of {x.shape} {x.dtype}, not {shape} {dtype}")
+                out.append(x)
+                continue
+            g, off, block = int(leaf["buf"]), int(leaf["off"]), tuple(int(b) for b in leaf["block"])
+            if bufs[g].dtype != dtype:
+                raise ValueError(f"a {dtype} leaf in the {bufs[g].dtype} buffer")
+            n, size = int(layout["lengths"][g]), int(np.prod(block, dtype=np.int64))
+            x = np.empty(shape, dtype)
+            covered = 0
+            for k, box in leaf["at"]:
+                if not 0 <= k < devices or off + size > n:
+                    raise ValueError(f"a block at device {k}, offset {off} outside the buffers")
+                part = bufs[g][k * n + off: k * n + off + size].reshape(block)
+                x[tuple(slice(a, b) for a, b in box)] = part[tuple(slice(0, b - a) for a, b in box)]
+                covered += int(np.prod([b - a for a, b in box], dtype=np.int64))
+            if covered != x.size:
+                raise ValueError(f"the blocks of a leaf of shape {shape} cover {covered} of its {x.size} elements")
+            out.append(x)
+        return out
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise ReplayLogError(f"{where}: its packed layout does not match its arrays ({e})") from e
+
+
 def _json_scalar(v):
     """A per-step scalar as JSON: device scalars are read (their copies were started at
     append); floats keep NaN/Inf as strings (JSON has no NaN)."""
@@ -200,6 +286,22 @@ def _json_scalar(v):
 def scalar_value(v):
     """Inverse of `_json_scalar` for numbers."""
     return float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
+
+
+def _write_new(path: pathlib.Path, data: bytes) -> None:
+    """Writes ``data`` to a new file (never one that exists); a failed write (a full disk)
+    leaves no partial file behind. A plain write: tensorstore's file kvstore hands each
+    write to its own threads, which cost more CPU than a small entry's write itself."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
 
 
 def entry_name(step: int, kind: str) -> str:
@@ -281,8 +383,6 @@ class DiskLog:
         self.max_lag = max(int(max_lag), 0)
         self.sync_every_s = float(sync_every_s)
         self.writes = writes or (lambda: True)
-        self._kv = ts.KvStore.open({"driver": "file", "path": str(self.directory) + "/",
-                                    "context": {"file_io_sync": False}}).result()
         self._unsynced: list[pathlib.Path] = []
         self._last_sync = time.monotonic()
         self._sync_lock = threading.Lock()
@@ -298,7 +398,7 @@ class DiskLog:
         self._grads_sizes: dict[int, int] = {}
         # what one grads entry costs the writer (seconds, moving average; None until one was
         # written): its CPU time copying the shards together plus the wall time of hashing,
-        # joining and writing it (tensorstore writes on its own threads)
+        # joining and writing it
         self.grads_cost_s: float | None = None
         self.unwritten: list[tuple[int, str]] = []  # (step, why): entries whose step's values failed
         self.grads_cost_total_s = 0.0
@@ -307,21 +407,31 @@ class DiskLog:
                 self._grads_sizes[step] = (self.directory / entry_name(step, kind)).stat().st_size
 
     # ---------------------------------------------------------- writing
-    def append(self, step: int, *, recorded=None, state_sums=None, data_state=None, data_next=None,
+    def append(self, step: int, *, recorded=None, packed=None, state_sums=None, data_state=None, data_next=None,
                batch_sig=None, scalars=None, batch=None) -> None:
         """Queues entry ``step`` (grads too when ``recorded`` is given). Starts the
         device-to-host copies now; the writer thread waits for them. Returns once at most
         ``max_lag`` entries are in flight (this one included). Raises the writer's error, if any.
 
         ``batch``: the step's batch leaves (in ``batch_sig``'s order), carried by the inputs
-        entry; the log owns them (nothing may change them: `RecordLog` hands it its copy)."""
+        entry; the log owns them (nothing may change them: `RecordLog` hands it its copy).
+
+        ``packed``: instead of ``recorded``, ``(layout, arrays)``: the recorded values as the
+        buffers they crossed between the step's parts in, and their layout (`packed_layout`,
+        JSON, or a callable the writer thread calls for it): a few host copies per entry
+        however many leaves (`unpack_recorded` reads it)."""
         self._raise_error()
         if not self.writes():
             raise StorageError(f"resilax replay log: this process only reads {str(self.directory)!r} (another writes it)")
         if batch is not None and batch_sig is None:
             raise ValueError("DiskLog.append: a batch needs its batch_sig")
         leaves, paths = [], None
-        if recorded is not None:
+        if packed is not None:
+            if recorded is not None:
+                raise ValueError("DiskLog.append: recorded or packed, not both")
+            paths, leaves = packed  # paths: the layout (a JSON string)
+            leaves = list(leaves)
+        elif recorded is not None:
             leaves, treedef = jax.tree.flatten(recorded)
             if self._paths is None or self._paths[0] != treedef:  # per run, not per entry: keystr of every leaf
                 self._paths = (treedef, [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(recorded)[0]])
@@ -357,12 +467,16 @@ class DiskLog:
                             "scalars": {k: _json_scalar(v) for k, v in scalars.items()}}
                     files = [("inputs", encode_entry(dict(head, kind="inputs")) if batch is None else
                               encode_entry(dict(head, kind="inputs", batch=True), [np.asarray(x) for x in batch]))]
+                    if callable(paths):  # a packed entry's layout, made here the first time
+                        paths = paths()
                     if paths is not None:
                         c0 = time.thread_time()
                         arrays = [np.asarray(x) for x in leaves]  # waits for the async copies
                         cost = time.thread_time() - c0
                         t0 = time.perf_counter()
-                        files.append(("grads", encode_entry(dict(head, kind="grads", paths=paths), arrays)))
+                        files.append(("grads", encode_entry(dict(head, kind="grads", paths=paths), arrays)
+                                      if not isinstance(paths, str) else
+                                      encode_entry(dict(head, kind="grads"), arrays, raw={"layout": paths})))
                     self._write(step, files)
                     if paths is not None:
                         cost += time.perf_counter() - t0
@@ -394,7 +508,7 @@ class DiskLog:
                 if final.exists():
                     self._quarantine([final], "a newer entry for the same step was written")
                 tmp = f".tmp.{name}.{uuid.uuid4().hex[:8]}"
-                self._kv.write(tmp, data).result()
+                _write_new(self.directory / tmp, data)
                 os.replace(self.directory / tmp, final)
                 with self._sync_lock:
                     self._unsynced.append(final)
@@ -485,7 +599,7 @@ class DiskLog:
         """Reads and verifies entry ``step``. Raises ReplayLogError naming the step."""
         path = self.directory / entry_name(step, kind)
         where = f"resilax replay log: entry for step {step} ({kind}, {str(path)!r})"
-        try:  # a plain read: tensorstore's thread hand-off cost ~1.5 ms per small entry
+        try:
             data = path.read_bytes()
         except FileNotFoundError:
             data = b""
@@ -505,9 +619,13 @@ class DiskLog:
                 batch = batch_template(header["batch_sig"], arrays)
             except ReplayLogError as e:
                 raise ReplayLogError(f"{where}: {e}") from e
+        paths = header.get("paths")
+        if kind == "grads" and header.get("layout") is not None:  # a packed entry: leaves cut out here
+            arrays = unpack_recorded(header["layout"], arrays, where=where)
+            paths = header["layout"].get("paths")
         return LogEntry(step, kind, header.get("data_state"), header.get("data_next"),
                         None if sums is None else np.asarray(sums, np.uint32).reshape(-1, 2),
-                        header.get("batch_sig"), arrays if kind == "grads" else None, header.get("paths"),
+                        header.get("batch_sig"), arrays if kind == "grads" else None, paths,
                         header.get("scalars") or {}, batch)
 
     def nbytes(self, kind: str | None = None) -> int:

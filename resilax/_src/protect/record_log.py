@@ -32,7 +32,7 @@ import numpy as np
 from resilax._src.protect import base
 from resilax._src.protect.planner import LogStep
 from resilax._src.protect.checksum import anchor_tree, tree_checksums
-from resilax._src.protect.disk_log import DiskLog, SelectivePolicy, batch_signature
+from resilax._src.protect.disk_log import DiskLog, SelectivePolicy, batch_signature, packed_layout
 
 
 @dataclasses.dataclass
@@ -71,6 +71,7 @@ class RecordLog(base.Protection):
         self.verdicts: dict[int, tuple] = {}  # step -> (verdict, value) device scalars
         self._entry_bytes = weakref.WeakKeyDictionary()  # program -> bytes of one device entry
         self._carry = weakref.WeakKeyDictionary()  # program -> whether inputs entries carry the batch
+        self._layouts = weakref.WeakKeyDictionary()  # program -> a packed grads entry's layout (JSON)
         self.batches: dict[int, Any] = {}
         self.covered = 0  # newest step a peer copy holds
         self.ckpt_step = None  # newest checkpoint step
@@ -158,11 +159,27 @@ class RecordLog(base.Protection):
             carry = run._data is None and (multi or self._carries_batch(rec.program))
             grads = not multi and self._take_grads(run, replayable=run._data is not None or carry)
             if self.disk.writes():
-                self.disk.append(rec.step, recorded=rec.program.rec_tree(g.rec) if grads else None, state_sums=local(sums),
+                recorded = packed = None
+                if grads and rec.program.rec_layout is not None:  # as the values crossed: a few buffers
+                    # the layout is made on the writer thread, once per program
+                    packed = (lambda p=rec.program: self._layout(p), [*g.rec[0], *g.rec[1]])
+                elif grads:
+                    recorded = g.rec
+                self.disk.append(rec.step, recorded=recorded, packed=packed, state_sums=local(sums),
                                  data_state=rec.data_before, data_next=rec.data_after, batch_sig=self._batch_sig,
                                  scalars={"verdict": local(g.ok), "value": local(g.loss), "copy": rec.copy},
                                  batch=jax.tree.leaves(batch) if carry else None)
         self._trim()
+
+    def _layout(self, program) -> str:
+        """A packed grads entry's layout (`disk_log.packed_layout`), made once per program."""
+        got = self._layouts.get(program)
+        if got is None:
+            leaves = jax.tree_util.tree_flatten_with_path(program.abstract_rec)[0]
+            got = packed_layout([jax.tree_util.keystr(p) for p, _ in leaves], [x.shape for _, x in leaves],
+                                [x.dtype for _, x in leaves], jax.tree.leaves(program.rec_sh), program.rec_layout)
+            self._layouts[program] = got
+        return got
 
     def _carries_batch(self, program) -> bool:
         """Without a data iterator: whether this program's inputs entries carry the batch
