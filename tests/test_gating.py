@@ -162,3 +162,6 @@ def test_a_non_finite_value_in_one_leaf_skips_the_step(where):
     s, _ = w(s, clean)
     assert not state_equal(s, before)
     w.close()
+    # the two skipped steps' time is lost time, taken back from productive: no bucket below zero
+    totals = w.goodput()
+    assert totals["lost"] > 0 and min(totals.values()) >= 0, totals

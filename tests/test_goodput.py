@@ -98,6 +98,25 @@ def test_add_moves_time_and_keeps_sum():
             pass
 
 
+def test_a_thrown_away_step_is_taken_from_productive_never_below_zero():
+    """A step whose result was thrown away is known only later, inside another bucket's span
+    (the next call's protection work): its time comes back out of ``productive``, where it
+    was booked, not out of the small bucket that happens to be open."""
+    rec, clock = _recorder()
+    with rec.span("productive"):
+        clock.tick(1.0)
+    with rec.span("protection"):
+        clock.tick(0.1)
+        rec.add("lost", 0.5, source="productive")
+        rec.add("lost", 5.0, source="productive")  # more than productive holds: only what it has
+    tot = rec.totals()
+    assert tot["protection"] == pytest.approx(0.1)
+    assert tot["productive"] == pytest.approx(0.0) and tot["lost"] == pytest.approx(1.0)
+    assert min(tot.values()) >= 0 and sum(tot.values()) == pytest.approx(rec.wall())
+    with pytest.raises(ValueError, match="bucket"):
+        rec.add("lost", 1.0, source="nonsense")
+
+
 def test_events_are_timestamped():
     rec, clock = _recorder()
     clock.tick(7.0)

@@ -200,15 +200,19 @@ class GoodputRecorder:
         flush()
         self._segments = out + self._segments[half:]
 
-    def add(self, bucket: str, seconds: float, **labels: Any) -> None:
+    def add(self, bucket: str, seconds: float, *, source: str | None = None, **labels: Any) -> None:
         """Attribute ``seconds`` that have already elapsed to ``bucket``.
 
-        The seconds are taken from the innermost open span's bucket, or from
-        the unattributed remainder (``other``) when no span is open, so the
-        buckets still sum to wall time. Raises ValueError for a negative or
-        non-finite ``seconds``.
+        The seconds are taken from ``source`` when given, else from the innermost
+        open span's bucket, or from the unattributed remainder (``other``) when
+        no span is open, so the buckets still sum to wall time. A given
+        ``source`` gives at most what it holds (a step thrown away is taken back
+        from ``productive``, never driving a bucket below zero). Raises
+        ValueError for a negative or non-finite ``seconds``.
         """
         _check_bucket("GoodputRecorder.add", bucket)
+        if source is not None:
+            _check_bucket("GoodputRecorder.add", source)
         self._writable("add")
         seconds = float(seconds)
         if not (seconds >= 0.0 and seconds != float("inf")):
@@ -216,7 +220,10 @@ class GoodputRecorder:
                 f"GoodputRecorder.add expects finite seconds >= 0, but got {seconds!r}")
         with self._lock:
             now = self._now()
-            source = self._stack[-1][0] if self._stack else "other"
+            if source is None:
+                source = self._stack[-1][0] if self._stack else "other"
+            else:
+                seconds = min(seconds, max(0.0, self.totals()[source]))
             self._moved[bucket] += seconds
             self._moved[source] -= seconds
             self._append((bucket, max(0.0, now - seconds), now, {**labels, "added": True}))

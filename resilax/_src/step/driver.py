@@ -566,9 +566,11 @@ class ResilientStep:
         return ev
 
     def _goodput_lost_step(self):
-        """A step whose result was thrown away (an anomalous step) counts as lost time."""
+        """A step whose result was thrown away (an anomalous step) counts as lost time: its
+        time was booked as productive (its verdict is read later, inside the protection
+        work of a later call, whose small bucket it must not come from)."""
         if self._step_s:
-            self._goodput_recorder.add("lost", self._step_s)
+            self._goodput_recorder.add("lost", self._step_s, source="productive")
 
     def _host_replica(self, x):
         """Host copy of a replicated device array, from a surviving device's buffer."""
