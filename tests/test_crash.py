@@ -1,5 +1,6 @@
 """Real processes, real SIGKILL: a killed run started again ends bitwise equal to an uninterrupted one."""
 
+import io
 import json
 import os
 import signal
@@ -91,6 +92,16 @@ def test_slice_loss_then_sigkill_resumes_near_the_kill(tmp_path):
     assert sorted(got) == sorted(want)
     for k in want:
         assert np.array_equal(got[k], want[k]), k
+    # the run's report covers both processes: the killed one's (as of the goodput.json it
+    # wrote after its last committed checkpoint) and the restart's resume
+    from resilax.tools.report import report
+
+    rep = report(d, png=False, out=io.StringIO())
+    lines = rep["events"]
+    assert any(ln.startswith("process 1 of 2:") and "step 6: NaN/Inf" in ln for ln in lines), lines
+    assert any(ln.startswith("process 2 of 2:") for ln in lines), lines
+    assert rep["totals"]["lost"] > 0 and min(rep["totals"].values()) >= 0, rep["totals"]
+    assert sum(rep["totals"].values()) == pytest.approx(rep["wall_s"])
 
 
 def _no_traceback(r):

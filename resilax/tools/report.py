@@ -205,7 +205,8 @@ def _launch_history(run_dir) -> list[dict] | None:
 
 def report(run_dir: str | os.PathLike, *, png: bool = True, out=None) -> dict:
     """Print the goodput table of ``run_dir/goodput.json`` and the run's failures and
-    recoveries (`format_events`; for a `resilax launch` run directory, its generations'
+    recoveries (`format_events`; a run resumed by a new process covers every process of it,
+    each event after its process's number; for a `resilax launch` run directory, its generations'
     failures too, `format_generations`, and the goodput of ``run_dir/checkpoints``, where
     its workers write it); write goodput.png.
 
@@ -218,9 +219,13 @@ def report(run_dir: str | os.PathLike, *, png: bool = True, out=None) -> dict:
     if history is not None and not os.path.exists(os.path.join(os.fspath(run_dir), GOODPUT_FILE)):
         src = os.path.join(os.fspath(run_dir), "checkpoints")  # (`resilax train`'s default under launch)
     rec = load_goodput(src)
-    totals, wall = rec.totals(), rec.wall()
+    # a resumed run: every process of it, the earlier ones' totals and events too
+    totals, wall = rec.run_totals(), rec.run_wall()
     table = format_report(totals, wall)
-    events = format_generations(history or []) + format_events(rec.events)
+    events = format_generations(history or [])
+    runs = [e["events"] for e in rec.earlier] + [rec.events]
+    for k, evs in enumerate(runs, 1):
+        events += [row if len(runs) == 1 else f"process {k} of {len(runs)}: {row}" for row in format_events(evs)]
     print(table, file=out or sys.stdout)
     print(f"failures and recoveries: {len(events) or 'none'}", file=out or sys.stdout)
     for line in events:

@@ -26,6 +26,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from typing import Any, Callable, Iterator
 
 from resilax._src.errors import ResilaxError
@@ -86,6 +87,7 @@ def _check_bucket(api: str, bucket: str) -> None:
 
 
 MAX_SEGMENTS = 4096  # timeline pieces kept (`GoodputRecorder._compact`)
+MAX_EARLIER = 64  # earlier processes of a resumed run kept (`GoodputRecorder.continue_from`)
 _MERGE = 8  # unlabelled pieces merged into one per bucket when the timeline is compacted
 
 
@@ -120,6 +122,10 @@ class GoodputRecorder:
         # Open spans, innermost last: [bucket, labels, piece_start].
         self._stack: list[list[Any]] = []
         self._events: list[dict] = []
+        self.id = uuid.uuid4().hex  # this recorder's: a run resumed by another process has another
+        # the processes that ran this run before this one (a restart resumed it): their wall
+        # time, totals and events, oldest first (`continue_from`)
+        self.earlier: list[dict] = []
 
     # -- recording ---------------------------------------------------------
     def _now(self) -> float:
@@ -287,6 +293,31 @@ class GoodputRecorder:
                                 "labels": {**l, "open": True}})
             return out
 
+    def continue_from(self, prev: "GoodputRecorder") -> bool:
+        """This process resumed the run ``prev`` (its saved goodput.json) recorded: its
+        processes (and theirs before it) are kept as ``earlier``, so the run's report covers
+        every process, not only the newest. Returns False (nothing kept) for this recorder's
+        own file. At most `MAX_EARLIER` processes are kept, the oldest dropped first."""
+        if prev.id == self.id:
+            return False
+        with self._lock:
+            mine = {"wall_s": prev.wall(), "totals": prev.totals(), "events": prev.events}
+            self.earlier = (list(prev.earlier) + [mine])[-MAX_EARLIER:]
+        return True
+
+    def run_totals(self) -> dict[str, float]:
+        """Bucket -> seconds over every process of the run (``earlier`` and this one)."""
+        out = self.totals()
+        for e in self.earlier:
+            for b in BUCKETS:
+                out[b] += float(e["totals"].get(b, 0.0))
+        return out
+
+    def run_wall(self) -> float:
+        """Seconds of wall time over every process of the run (time between processes, when
+        none ran, is not counted)."""
+        return self.wall() + sum(float(e["wall_s"]) for e in self.earlier)
+
     # -- serialisation -----------------------------------------------------
     def to_json(self) -> dict:
         """A JSON-able snapshot: wall, totals, goodput, segments, events, moved."""
@@ -300,6 +331,8 @@ class GoodputRecorder:
                 "segments": self.segments(),
                 "moved": dict(self._moved),
                 "events": self.events,
+                "id": self.id,
+                "earlier": [dict(e) for e in self.earlier],
             }
 
     @classmethod
@@ -323,6 +356,13 @@ class GoodputRecorder:
                     raise ValueError(f"unknown bucket {b!r}")
                 rec._moved[b] = float(s)
             rec._events = [dict(e) for e in data.get("events", [])]
+            rec.id = str(data.get("id") or rec.id)
+            rec.earlier = []
+            for e in data.get("earlier", []):
+                if set(e["totals"]) - set(BUCKETS):
+                    raise ValueError(f"unknown buckets {sorted(set(e['totals']) - set(BUCKETS))}")
+                rec.earlier.append({"wall_s": float(e["wall_s"]), "events": [dict(v) for v in e["events"]],
+                                    "totals": {b: float(v) for b, v in e["totals"].items()}})
         except (KeyError, TypeError, ValueError) as e:
             raise GoodputFileError(
                 f"GoodputRecorder.from_json expects the output of to_json(), but "

@@ -36,7 +36,7 @@ from resilax._src.protect.sdc import SdcCheck
 from resilax._src.runtime import fence, membership, worker
 from resilax._src.runtime import xlaflags as _xlaflags
 from resilax._src.runtime.faults import FaultPlan
-from resilax._src.runtime.goodput import GoodputRecorder
+from resilax._src.runtime.goodput import GOODPUT_FILE, GoodputFileError, GoodputRecorder, load_goodput
 from resilax._src.runtime.topology import Topology
 from resilax._src.step import in_place
 from resilax._src.step import preemption as _preemption
@@ -289,6 +289,8 @@ class ResilientStep:
         state = _resume.newest_state(self, state, self._state_sh, job)
         self._data_position = encode_data_state(data.get_state()) if data is not None else None
         state = _resume.replay_disk_log(self, state, self._first_program)
+        if self.step > 0:
+            self._continue_goodput()
         fence.record_resume(job, self.step)  # across hosts: older generations' later checkpoints are fenced off
         # the plan on a restart: what belongs before this step is done (faults.py)
         self._faults.resume(self.step, self.run_dir or cfg.log_directory, jax.process_index())
@@ -648,6 +650,20 @@ class ResilientStep:
     def goodput(self) -> dict[str, float]:
         """Seconds of wall time (since `wrap`) per bucket; they sum to the wall time."""
         return self._goodput_recorder.totals()
+
+    def _continue_goodput(self) -> None:
+        """A resumed run: the goodput.json that the processes before this one saved in the run
+        directory is kept as their part of the run (`GoodputRecorder.continue_from`), so
+        ``resilax report`` covers the whole run. A damaged file is reported and left out."""
+        if not self.run_dir or not os.path.exists(os.path.join(self.run_dir, GOODPUT_FILE)):
+            return
+        try:
+            prev = load_goodput(self.run_dir)
+        except GoodputFileError as e:
+            warnings.warn(f"resilax: the run's earlier goodput is left out of its report: {e}", RuntimeWarning,
+                          stacklevel=3)
+            return
+        self._goodput_recorder.continue_from(prev)
 
     def _save_goodput(self) -> None:
         if not self.run_dir:
