@@ -537,6 +537,15 @@ def test_launch_cli_rejects_negative_spares(tmp_path, capsys):
     assert not (tmp_path / PROCESSES_JSON).exists()
 
 
+def test_launch_cli_rejects_standby_with_in_place_or_nodes(tmp_path, capsys):
+    for extra, said in ((["--in-place"], "--standby readies a whole new generation"),
+                        (["--nodes", "2", "--node-rank", "0"], "--standby cannot be combined with --nodes")):
+        rc, err = cli(["launch", "-n", "2", "--standby", *extra, "--run-dir", str(tmp_path), "--", sys.executable,
+                       "-c", "pass"], capsys)
+        assert rc == 2 and said in err, err
+    assert not (tmp_path / PROCESSES_JSON).exists()
+
+
 def test_launch_cli_rejects_a_missing_command(tmp_path, capsys):
     rc, err = cli(["launch", "-n", "2", "--run-dir", str(tmp_path)], capsys)
     assert rc == 2 and "a worker command is required after --" in err, err
@@ -660,6 +669,10 @@ def test_hang_then_whole_job_kill_then_sigterm_each_resumes_exactly(tmp_path, la
     assert _same(out, launched_reference)  # the same program without the failures: bitwise
 
 
+# the program of the 2 x 4 bit-exact tests below (their failure-free reference run is shared)
+TRAIN_2X4 = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", "8", "--quiet"]
+
+
 def test_bit_exact_mode_with_4_device_domains_keeps_its_bits_when_processes_go(tmp_path):
     """The bit-exact mode on ``cpu-2x4`` as 2 processes x 4 devices (``--layout sharded``: each
     domain's gradient executable holds all-reduces over its 4 devices). Process 1 hangs after
@@ -674,10 +687,9 @@ def test_bit_exact_mode_with_4_device_domains_keeps_its_bits_when_processes_go(t
     steps; ``benchmarks/collective_order_probe.py``). This case was refused before that was
     known."""
 
-    train = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", "8", "--quiet"]
-    text, _ = _re_form_2x4_alone(tmp_path, train, "hang@4:after_step/1")
+    text, _ = _re_form_2x4_alone(tmp_path, TRAIN_2X4, "hang@4:after_step/1")
     assert "[g1 p0] resumed at step 4 (host store" in text, text[-3000:]
-    _launched_ref_bitwise(tmp_path, train)
+    _launched_ref_bitwise(tmp_path, TRAIN_2X4)
 
 
 def test_a_pipeline_job_loses_a_whole_replica_process_and_keeps_its_bits(tmp_path):
@@ -715,19 +727,84 @@ def _re_form_2x4_alone(tmp_path, train, fault):
     return text, run
 
 
-def _launched_ref_bitwise(tmp_path, train):
-    """Runs ``train`` failure-free as ``launch -n 1 --devices-per-process 8`` (run dir
-    ``ref_run``) and checks ``final.npz`` is bitwise its final state."""
+_LAUNCHED_REFS: dict = {}  # train argv -> the directory of its failure-free `launch -n 1` run (once per session)
+
+
+def _launched_ref_bitwise(tmp_path, train) -> pathlib.Path:
+    """Runs ``train`` failure-free as ``launch -n 1 --devices-per-process 8`` (once per
+    session for each ``train``: tests of the same program share it) and checks
+    ``tmp_path/final.npz`` is bitwise its final state. Returns that run's directory (its run
+    dir is ``ref_run`` in it)."""
     from helpers import child_env
 
-    ref = tmp_path / "ref.npz"
-    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "1", "--devices-per-process", "8", "--run-dir",
-           str(tmp_path / "ref_run"), "--max-restarts", "0", "--", *train, "--out", str(ref)]
-    r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
-    a, b = np.load(tmp_path / "final.npz", allow_pickle=False), np.load(ref, allow_pickle=False)
+    d = _LAUNCHED_REFS.get(tuple(train))
+    if d is None:
+        d = tmp_path
+        cmd = [sys.executable, "-m", "resilax", "launch", "-n", "1", "--devices-per-process", "8", "--run-dir",
+               str(d / "ref_run"), "--max-restarts", "0", "--", *train, "--out", str(d / "ref.npz")]
+        r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+        _LAUNCHED_REFS[tuple(train)] = d
+    a, b = np.load(tmp_path / "final.npz", allow_pickle=False), np.load(d / "ref.npz", allow_pickle=False)
     assert sorted(a.files) == sorted(b.files)
     assert all(np.array_equal(a[k], b[k]) for k in a.files), _rel_diff(a, b)
+    return d
+
+
+def _standby_parked(run_dir, n):
+    """The pids of the supervisor's standby generation once all ``n`` are parked, else None."""
+    pids = (_processes(run_dir) or {}).get("standby") or {}
+    phases = {}
+    for f in (run_dir / "heartbeats").glob("standby*.p*.json"):
+        try:
+            hb = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        phases[hb.get("pid")] = hb.get("phase")
+    return pids if len(pids) == n and all(phases.get(pid) == "standby" for pid in pids.values()) else None
+
+
+def test_a_standby_generation_replaces_a_killed_one_with_its_programs_built_ahead_and_keeps_its_bits(tmp_path):
+    """``--standby``: the next generation's 2 processes attach to their own service, build
+    their programs and park while generation 0 trains (here: while its workers are SIGSTOPped
+    past step 3, so that the job is still running when they are parked). Process 1 of
+    generation 0 is SIGKILLed; the standby processes become generation 1 (same pids), resume
+    from the host stores at the step generation 0 had reached, built nothing after the go,
+    and the job ends bitwise equal to a failure-free run of the same program."""
+    from helpers import child_env
+
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
+           "--standby", "--heartbeat", "0.2", "--heartbeat-timeout", "60", "--min-step-deadline", "120",
+           "--max-restarts", "1", "--", *TRAIN_2X4, "--out", str(out)]
+    with open(tmp_path / "launch.log", "wb") as log:
+        p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait(lambda: _past_n(run, 0, 3, 2), 180, "generation 0 past step 3", p)
+            workers = _processes(run)["workers"]
+            for pid in workers.values():  # (holds the job before its end, and frees the cores for the standby)
+                os.kill(pid, signal.SIGSTOP)
+            reached = max(_steps(run, 0).values())
+            standby = _wait(lambda: _standby_parked(run, 2), 180, "the standby generation parked", p)
+            os.kill(workers["1"], signal.SIGKILL)
+            os.kill(workers["0"], signal.SIGCONT)
+            rc = p.wait(timeout=180)
+        finally:
+            kill_tree(p)
+    text = (tmp_path / "launch.log").read_text(errors="replace")
+    assert rc == 0, text[-5000:]
+    assert "standby generation 1 (set up ahead) told to go" in text, text[-3000:]
+    resumed = [int(m.group(1)) for m in re.finditer(r"\[g1 p\d\] resumed at step (\d+) \(host store", text)]
+    assert len(resumed) == 2 and resumed[0] == resumed[1] >= reached, (resumed, reached, text[-3000:])
+    hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["failed", "done"], hist
+    g1 = heartbeats(run, 1)
+    assert sorted(h["pid"] for h in g1.values()) == sorted(standby.values()), (g1, standby)
+    for h in g1.values():  # attached and built before the kill; after the go only the restore and the step
+        m = h["marks"]
+        assert m["attached"] < m["programs"] <= m["parked"] < m["go"] < h["first_step_t"], m
+    assert _processes(run)["standby"] == {}, "the next standby generation is dropped when the job ends"
+    _launched_ref_bitwise(tmp_path, TRAIN_2X4)
 
 
 def test_a_process_that_dies_during_the_last_save_is_re_formed_around_in_place(tmp_path):
@@ -743,8 +820,8 @@ def test_a_process_that_dies_during_the_last_save_is_re_formed_around_in_place(t
     text, run = _re_form_2x4_alone(tmp_path, train, "kill_process@8:during_save/1")
     assert "the save of step 8 at the end failed" in text and "[g1 p0] resumed at step 8 (host store" in text, \
         text[-3000:]
-    _launched_ref_bitwise(tmp_path, train)
-    got, want = (_checkpoint_sums(d / "checkpoints" / "8") for d in (run, tmp_path / "ref_run"))
+    ref = _launched_ref_bitwise(tmp_path, train)
+    got, want = (_checkpoint_sums(d / "checkpoints" / "8") for d in (run, ref / "ref_run"))
     assert got[1] == want[1] and np.array_equal(got[0], want[0]), (got, want)
 
 

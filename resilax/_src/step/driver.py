@@ -177,6 +177,7 @@ class ResilientStep:
         self.step = 0
         self.mesh = None
         self._program: Program | None = None
+        self._warm: Program | None = None  # built before its first batch (a standby generation: `_build_standby`)
         self.events: list[Event] = []
         self._live = None
         self._guard = None
@@ -263,6 +264,12 @@ class ResilientStep:
         self._guard = None
         if cfg.anomaly is not None:
             self._guard = _sh.put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
+        if worker.is_standby():
+            # a process of a standby generation (`resilax launch --standby`): build the programs
+            # now, then wait for the generation it stands by for to fail; nothing above touched
+            # the job's checkpoints or host stores, everything below may
+            self._warm = self._build_standby(data)
+            worker.standby_wait()
         if cfg.checkpoint is not None:
             self._ckpt = Checkpoints(cfg.checkpoint)
         if cfg.log is not None:
@@ -286,7 +293,9 @@ class ResilientStep:
         if cfg.health is not None and cfg.health.hang_detect_s is not None and jax.process_count() == 1:
             from resilax._src.runtime.health import Liveness
             self._liveness = Liveness(cfg.health, self._domains, self._alive)
+        worker.mark("protections")
         state = _resume.newest_state(self, state, self._state_sh, job)
+        worker.mark("restored")
         self._data_position = encode_data_state(data.get_state()) if data is not None else None
         state = _resume.replay_disk_log(self, state, self._first_program)
         fence.record_resume(job, self.step)  # across hosts: older generations' later checkpoints are fenced off
@@ -306,8 +315,28 @@ class ResilientStep:
                             _anomaly.abstract_guard(self.config.anomaly))
 
     # ---------------------------------------------------------------- programs
+    def _build_standby(self, data) -> Program | None:
+        """A standby process's programs, built before it is told to go: the first batch's
+        shapes come from ``data`` (one batch read, then its position set back; the restore
+        sets it again anyway). Without ``data`` nothing is built (the first call builds it, as
+        in a fresh process). Also compiles the update that keeps its input (the first save
+        after the resume uses it)."""
+        if data is None:
+            return None
+        pos = data.get_state()
+        batch = next(data)
+        data.set_state(pos)
+        prog = self._first_program(_sh.abstract(batch))
+        prog.update(None, keep_input=True)
+        worker.mark("programs")
+        return prog
+
     def _first_program(self, abstract_batch) -> Program:
-        """The full mesh's program; validates the step against the state and batch."""
+        """The full mesh's program; validates the step against the state and batch. A program
+        built ahead for the same batch shapes (`_build_standby`) is taken instead."""
+        warm, self._warm = self._warm, None
+        if warm is not None and _same_abstract(warm.spec.abstract_batch, abstract_batch):
+            return warm
         spec = program_spec(self.config, self.topology, self._split, self._state_spec, self._batch_spec,
                             self._abstract_state, abstract_batch, self._reductions)
         check_step(self._split, self._abstract_state, abstract_batch, self.mesh)
@@ -424,9 +453,12 @@ class ResilientStep:
             self._program = self._first_program(_sh.abstract(batch))
             for p in self._protections:
                 p.start(self, self._live)
+                worker.mark("start:" + type(p).__name__)
+            worker.mark("started")
             self.compile_ahead()
             worker.offer_in_place(in_place.possible(self))
             membership.barrier("compiled")  # no worker enters the first collective while another still compiles
+            worker.mark("compiled")
         elif key[1] is None or key != self._batch_key:  # the same shapes as the last batch: checked already
             _sh.check_batch(batch, self._program.spec.abstract_batch)
         self._batch_key = (self._program, key[1])
@@ -693,3 +725,10 @@ class ResilientStep:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _same_abstract(a, b) -> bool:
+    """Whether two abstract batches have the same tree, shapes and dtypes."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb))
