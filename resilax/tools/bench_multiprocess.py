@@ -104,6 +104,24 @@ def _warm_spares(run: pathlib.Path) -> int:
                for k, pid in (procs.get("spares") or {}).items())
 
 
+def _standby_parked(run: pathlib.Path, n: int) -> bool:
+    """The supervisor's standby generation has all ``n`` processes parked (``standby``)."""
+    try:
+        pids = json.loads((run / "processes.json").read_text()).get("standby") or {}
+    except (OSError, ValueError):
+        return False
+    if len(pids) != n:
+        return False
+    got = {}
+    for f in (run / "heartbeats").glob("standby*.p*.json"):
+        try:
+            hb = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        got[hb.get("pid")] = hb.get("phase")
+    return all(got.get(pid) == "standby" for pid in pids.values())
+
+
 def _live(run: pathlib.Path, epoch: int, step: int) -> bool:
     """Every live worker of generation 0 completed ``step`` under membership ``epoch``."""
     try:
@@ -128,7 +146,7 @@ def _resumed(run: pathlib.Path, n1: int, cond):
 
 
 def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, kill_after, rng, store_every,
-                   ref, collective_timeout, spares=0, in_place=False, shrink=None) -> dict:
+                   ref, collective_timeout, spares=0, in_place=False, shrink=None, standby=False) -> dict:
     """One launch; SIGKILL one random worker once every worker is past ``kill_after`` (and
     ``spares`` spares are warm)."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
@@ -137,7 +155,7 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
            "--run-dir", str(run), "--heartbeat", "0.1", "--heartbeat-timeout", "3", "--max-restarts", "2",
            "--collective-timeout", str(collective_timeout),
            "--host-store-every", str(store_every), "--spares", str(spares), *(["--in-place"] if in_place else []),
-           *(["--shrink", shrink] if shrink else []),
+           *(["--shrink", shrink] if shrink else []), *(["--standby"] if standby else []),
            "--", *train, "--out", str(out),
            "--summary", str(summ)]
     log = open(work / "launch.log", "wb")
@@ -147,6 +165,8 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
               600, f"every worker past step {kill_after}", p)
         if spares:
             _wait(lambda: _warm_spares(run) >= spares, 600, f"{spares} warm spares", p)
+        if standby:
+            _wait(lambda: _standby_parked(run, n), 600, "the standby generation parked", p)
         time.sleep(rng.uniform(0, 0.5))
         procs = json.loads((run / "processes.json").read_text())
         victim = rng.randrange(n)
@@ -168,6 +188,10 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
                          "the new generation's first step", p)
         joined_t = max(x["joined_t"] for x in first.values())
         first_t = max(x["first_step_t"] for x in first.values())
+        marks = {}  # each set-up mark of the new generation: its slowest worker's
+        for x in first.values():
+            for k, t in (x.get("marks") or {}).items():
+                marks[k] = max(marks.get(k, t), t)
         g, _ = _wait(lambda: _resumed(run, n1, lambda h: (h.get("step") or 0) >= kill_step), 600,
                      f"the new generation back at step {kill_step}", p)
         t_resume = time.time()
@@ -194,6 +218,9 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
 
     gen1 = [line for line in log if f"] generation {g}: " in line]
     return {
+        # since the death was noticed: attached (to the service) / go (a standby told to go) / programs
+        # (built ahead) / compiled (the first step's programs ready, every worker past the barrier)
+        "marks_after_noticed_s": {k: t - noticed for k, t in sorted(marks.items(), key=lambda kv: kv[1])},
         "kill_to_resume_s": t_resume - t_kill,
         "phases": {"detect": noticed - t_kill, "agree": joined_t - noticed, "restore": restore_s,
                    "compile": max(0.0, first_t - joined_t - restore_s), "replay": t_resume - first_t},
@@ -201,7 +228,7 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
         "final_max_rel_diff": _rel_diff(np.load(out, allow_pickle=False), ref),
         "killed_process": victim, "kill_step": kill_step, "restored_step": restored_step,
         "restored_from": [e["source"] for e in restore], "detected_as": hist[0]["why"],
-        "spares": spares, "generation_1": gen1[0].split("] ", 1)[1] if gen1 else None,
+        "spares": spares, "standby": standby, "generation_1": gen1[0].split("] ", 1)[1] if gen1 else None,
         "resumed_in_generation": g, "generations": [[h["outcome"], h["why"]] for h in hist],
     }
 
