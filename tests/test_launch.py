@@ -472,6 +472,69 @@ def test_supervisor_spares_become_the_next_generations_workers_and_are_refilled(
             f"assigned: g1 p{i}\n"
 
 
+# A worker of the standby test below (no JAX): a standby process parks in the real
+# `worker.standby_wait` (its first standby generation's process 0 dies instead: the supervisor
+# drops that one and starts another); generation 0's process 1 fails once a standby
+# generation is parked, its process 0 waits to be stopped; generation 1 exits 0.
+STANDBY_WORKER = r"""
+import glob, json, os, sys, time
+from resilax._src.runtime import worker
+e = worker.LaunchEnv.from_env()
+hb = worker._Heartbeat(e)
+go = os.environ.get(worker.STANDBY_ENV)
+if go:
+    if os.path.basename(go).startswith("standby1.") and e.process_id == 0:
+        sys.exit(7)
+    worker._state.update(env=e, hb=hb, standby=go)
+    e = worker.standby_wait()
+    assert worker.env() == e and not worker.is_standby() and worker.STANDBY_ENV not in os.environ
+print(f"g{e.generation} p{e.process_id} standby={bool(go)}", flush=True)
+hb.first_step_t = time.time()
+hb.beat()
+with open(os.path.join(e.run_dir, f"g{e.generation}.p{e.process_id}.json"), "w") as f:
+    json.dump({"pid": os.getpid(), "was_standby": bool(go), "host_store_step": e.host_store_step,
+               "heartbeat_file": e.heartbeat_file}, f)
+def parked():
+    pids = (json.load(open(os.path.join(e.run_dir, "processes.json"))).get("standby") or {}).values()
+    phases = {}
+    for f in glob.glob(os.path.join(e.run_dir, "heartbeats", "standby*.json")):
+        try:
+            h = json.load(open(f))
+        except (OSError, ValueError):
+            continue
+        phases[h["pid"]] = h["phase"]
+    return len(pids) == 2 and all(phases.get(p) == "standby" for p in pids)
+if e.generation == 0:
+    if e.process_id == 0:
+        time.sleep(120)
+    t0 = time.time()
+    while not parked():
+        if time.time() - t0 > 60:
+            sys.exit(5)
+        time.sleep(0.05)
+    sys.exit(3)
+"""
+
+
+def test_supervisor_drops_a_broken_standby_generation_and_hands_the_next_one_the_failed_generations_places(
+        tmp_path, capsys):
+    run = tmp_path / "run"
+    sup = _sup(tmp_path, STANDBY_WORKER, standby=True, max_restarts=1)
+    assert sup.run() == 0
+    hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["failed", "done"] and "process 1 " in hist[0]["why"], hist
+    out = capsys.readouterr().out
+    assert re.search(r"standby generation 1 dropped: process 0 \(pid \d+\) exited with code 7", out), out[-3000:]
+    assert "standby generation 2 (set up ahead) told to go" in out, out[-3000:]
+    g1 = [json.loads((run / f"g1.p{i}.json").read_text()) for i in range(2)]
+    # generation 1 is the standby processes, each now a worker of generation 1 with its heartbeat file
+    assert all(r["was_standby"] and r["heartbeat_file"].endswith(f"g1.p{i}.json") for i, r in enumerate(g1)), g1
+    assert not any(json.loads((run / f"g0.p{i}.json").read_text())["was_standby"] for i in range(2))
+    assert [f"[g1 p{i}] g1 p{i} standby=True" in out for i in range(2)] == [True, True], out[-3000:]
+    procs = _processes(run)
+    assert procs["status"] == "done" and procs["standby"] == {} and procs["generation"] == 1
+
+
 def test_a_relabelled_output_switches_logs_where_the_child_marked_it_not_when_told(tmp_path, capsys):
     # CI once found a spare's first line as a worker in the spare's log: the supervisor
     # switched logs when it wrote the assignment, and its reader thread was behind or ahead

@@ -19,7 +19,11 @@ every shard from the hosts' stores, the dead host's from its neighbour's mirror)
 ``--host-store-every 0`` (relaunch + the newest Orbax checkpoint: ``restart_*``); with
 ``--spares S`` a third time with the host state store and S warm spares (``spares_*``: the
 new generation's first S workers are processes that already imported JAX and resilax; the
-kill waits until they are warm); with ``--in-place --shrink backend`` (``in_place_*``: the survivors go
+kill waits until they are warm); with ``--standby`` once more with the host state store
+and a standby generation (``standby_*``: the next generation's processes attached to their
+own service, built their programs and parked before the kill; ``agree`` is then the death
+noticed -> the go, and ``marks_after_noticed_s`` splits the rest by the workers' set-up
+marks); with ``--in-place --shrink backend`` (``in_place_*``: the survivors go
 on in place on their own devices, no new generation; kill -> every live worker back at the
 step it had reached, phases from the survivors' ``recovery`` event: ``agree`` is from the
 kill to the agreement on the step: the survivors leave their broken collective, those not
@@ -61,6 +65,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
     p.add_argument("--spares", type=int, default=0, metavar="S",
                    help="also measure the host-store run with `resilax launch --spares S` (0: not measured)")
+    p.add_argument("--standby", action="store_true",
+                   help="also measure the host-store run with `resilax launch --standby` (the next generation set up "
+                        "ahead and parked; the kill waits until it is)")
     p.add_argument("--collective-timeout", type=int, default=5, metavar="S",
                    help="resilax launch --collective-timeout for every run: in place, the survivors that were not "
                         "connected to the dead worker notice it only when their collective times out")
@@ -262,13 +269,13 @@ def _in_place_result(work, rc, t_kill, t_resume, kill_step, victim, ref) -> dict
 
 
 def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=40, checkpoint_every=5,
-                       kill_after=12, seed=None, workdir=None, spares=0, collective_timeout=5) -> dict:
+                       kill_after=12, seed=None, workdir=None, spares=0, collective_timeout=5, standby=False) -> dict:
     import numpy as np
 
     if spares < 0:
         raise ValueError(f"resilax bench multiprocess: --spares must be >= 0, got {spares}")
     rng = random.Random(seed)
-    runs = 7 if spares else 6
+    runs = 6 + bool(spares) + bool(standby)
     own = workdir is None
     work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mp-"))
     shutil.rmtree(work, ignore_errors=True)
@@ -298,6 +305,9 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
                 store_every=0)
     c = measure("spares", f"the host-store run with --spares {spares}: the new generation's workers come from warm "
                           f"spares", store_every=1, spares=spares) if spares else None
+    sb = measure("standby", "the host-store run with --standby: the next generation's processes attached, built their "
+                            "programs and parked ahead; the kill waits until they are", store_every=1,
+                 standby=True) if standby else None
     d = measure("in_place", "the host-store run with --in-place --shrink backend: the survivors go on without the "
                             "dead worker on their backend", store_every=1, in_place=True, shrink="backend")
     f = measure("shrink", "--in-place, no spare: the survivors re-form alone as a smaller job without restarting",
@@ -320,9 +330,10 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         "host_store_run": a, "restart_run": b,
         "setup": {"processes": n, "devices_per_process": devices_per_process, "topology": topology, "steps": steps,
                   "checkpoint_every": checkpoint_every, "cpu_count": os.cpu_count(), "spares": spares,
-                  "collective_timeout_s": collective_timeout},
+                  "collective_timeout_s": collective_timeout, "standby": standby},
         **keys("in_place", d), **keys("reform", e), **keys("shrink_reform", f),
         **(keys("spares", c) if c is not None else {}),
+        **(keys("standby", sb) if sb is not None else {}),
     }
     if own:
         shutil.rmtree(work, ignore_errors=True)
@@ -333,11 +344,11 @@ def run(args) -> int:
     r = bench_multiprocess(n=args.n, devices_per_process=args.devices_per_process, topology=args.topology,
                            steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
                            seed=args.seed, workdir=args.workdir, spares=args.spares,
-                           collective_timeout=args.collective_timeout)
+                           collective_timeout=args.collective_timeout, standby=args.standby)
     runs = [r["host_store_run"], r["restart_run"]] + ([r["spares_run"]] if "spares_run" in r else []) + \
-        [r["in_place_run"], r["shrink_reform_run"], r["reform_run"]]
+        ([r["standby_run"]] if "standby_run" in r else []) + [r["in_place_run"], r["shrink_reform_run"], r["reform_run"]]
     heads = ["host store", "restart"] + ([f"+{args.spares} spares"] if "spares_run" in r else []) + \
-        ["in place", "re-form -1", "re-form"]
+        (["+standby"] if "standby_run" in r else []) + ["in place", "re-form -1", "re-form"]
 
     def row(label, vals, fmt):
         print(f"{label:<28}" + "".join(format(v, fmt) for v in vals))
