@@ -55,6 +55,15 @@ failure); spares are killed on SIGTERM and when the job ends. Their output goes 
 ``D/logs/spare<k>.log`` (prefix ``[spare<k>]``), then, once assigned, to the worker's log
 with its ``[g<g> p<i>]`` prefix.
 
+``--standby`` keeps the next generation set up ahead (`resilax.tools.standby`): N processes
+of CMD attached to generation g+1's own service, with their backends up and their programs
+built, parked in `ResilientStep.init` before anything reads or writes the job's state. A
+generation that fails (path B) is replaced by it: the supervisor writes each process its
+place (the same process id, the host-store step to restore) and only the restore and the
+first step remain. One that cannot serve (a process died, hung or was not parked in time)
+is dropped and another started; a failure that finds none parked starts the new generation
+the usual way. Not with ``--in-place`` (the survivors re-form there) or ``--nodes``.
+
 Why a new generation and not a rejoin: a replacement joining the same service under the
 same process id connects, but gloo then fails (``ALREADY_EXISTS: key cpu:gloo/...``);
 measured on jax 0.10.2 (docs/multiprocess.md).

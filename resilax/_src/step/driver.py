@@ -268,10 +268,14 @@ class ResilientStep:
             # a process of a standby generation (`resilax launch --standby`): build the programs
             # now, then wait for the generation it stands by for to fail; nothing above touched
             # the job's checkpoints or host stores, everything below may
-            self._warm = self._build_standby(data)
+            self._warm, sums = self._build_standby(state, data)
             worker.standby_wait()
+        else:
+            sums = None
         if cfg.checkpoint is not None:
             self._ckpt = Checkpoints(cfg.checkpoint)
+            if sums is not None:
+                self._ckpt.store.adopt_checksums(*sums)
         if cfg.log is not None:
             self._log = RecordLog(cfg.log, cfg.log_directory, peers=cfg.peers is not None,
                                   checksums=self._ckpt.store.checksums if cfg.checkpoint is not None else None)
@@ -315,21 +319,30 @@ class ResilientStep:
                             _anomaly.abstract_guard(self.config.anomaly))
 
     # ---------------------------------------------------------------- programs
-    def _build_standby(self, data) -> Program | None:
-        """A standby process's programs, built before it is told to go: the first batch's
-        shapes come from ``data`` (one batch read, then its position set back; the restore
-        sets it again anyway). Without ``data`` nothing is built (the first call builds it, as
-        in a fresh process). Also compiles the update that keeps its input (the first save
-        after the resume uses it)."""
-        if data is None:
-            return None
-        pos = data.get_state()
-        batch = next(data)
-        data.set_state(pos)
-        prog = self._first_program(_sh.abstract(batch))
-        prog.update(None, keep_input=True)
+    def _build_standby(self, state, data):
+        """A standby process's programs, built before it is told to go: ``(program, (abstract,
+        checksum program) or None)``. The first batch's shapes come from ``data`` (one batch
+        read, then its position set back; the restore sets it again anyway); without
+        ``data`` no step program is built (the first call builds it, as in a fresh process).
+        Also compiles the update that keeps its input (the first save after the resume uses
+        it) and, with checkpoints, the checksum program of the state (the record log's
+        anchor at the start and every save use it)."""
+        sums = None
+        if self.config.checkpoint is not None:
+            from resilax._src.protect.checkpoints import abstract_of
+            from resilax._src.protect.checksum import anchor_tree, tree_checksums
+
+            abstract = abstract_of(anchor_tree(_sh.abstract(state, self._state_sh), self._guard))
+            sums = (abstract, tree_checksums.lower(abstract).compile())
+        prog = None
+        if data is not None:
+            pos = data.get_state()
+            batch = next(data)
+            data.set_state(pos)
+            prog = self._first_program(_sh.abstract(batch))
+            prog.update(None, keep_input=True)
         worker.mark("programs")
-        return prog
+        return prog, sums
 
     def _first_program(self, abstract_batch) -> Program:
         """The full mesh's program; validates the step against the state and batch. A program
