@@ -535,6 +535,24 @@ def test_supervisor_drops_a_broken_standby_generation_and_hands_the_next_one_the
     assert procs["status"] == "done" and procs["standby"] == {} and procs["generation"] == 1
 
 
+def test_a_standby_process_that_fails_before_its_go_leaves_the_runs_goodput_alone(tmp_path, monkeypatch):
+    """A standby process shares the job's run directory; one whose set-up fails before it was
+    told to go (its `with step:` closes the step) must not overwrite the live generation's
+    goodput.json; after its go it writes it like any worker."""
+    import resilax
+    from resilax._src.runtime import worker
+    from resilax.tools import example as ex
+
+    step = resilax.wrap(ex.train_step, topology=resilax.Topology.load("cpu-2x4"),
+                        config=resilax.Config(run_dir=str(tmp_path), log=None, peers=None))
+    monkeypatch.setitem(worker._state, "standby", str(tmp_path / "go.json"))
+    step.close()
+    assert not (tmp_path / "goodput.json").exists()
+    worker._state.pop("standby")
+    step._save_goodput()
+    assert (tmp_path / "goodput.json").exists()
+
+
 def test_a_relabelled_output_switches_logs_where_the_child_marked_it_not_when_told(tmp_path, capsys):
     # CI once found a spare's first line as a worker in the spare's log: the supervisor
     # switched logs when it wrote the assignment, and its reader thread was behind or ahead

@@ -693,8 +693,8 @@ class ResilientStep:
         return self._goodput_recorder.totals()
 
     def _save_goodput(self) -> None:
-        if not self.run_dir:
-            return
+        if not self.run_dir or worker.is_standby():
+            return  # (a standby process that failed before its go: the run's goodput is the live generation's)
         try:
             self._goodput_recorder.save(self.run_dir)
         except OSError as e:
