@@ -32,6 +32,7 @@ VARIANTS = {
     "store": {"store_every": 1},
     "restart": {"store_every": 0},
     "spares": {"store_every": 1, "spares": 4},
+    "standby": {"store_every": 1, "standby": True},
     "in_place": {"store_every": 1, "in_place": True, "shrink": "backend"},
     "shrink": {"store_every": 1, "in_place": True},
     "reform": {"store_every": 1, "in_place": True, "spares": 1},
@@ -69,7 +70,8 @@ def main() -> int:
                                      rng=random.Random(a.seed * 1000 + i), ref=ref, collective_timeout=5,
                                      **VARIANTS[a.variant])
             row = {k: r.get(k) for k in ("kill_to_resume_s", "phases", "lost_steps", "final_max_rel_diff",
-                                         "kill_step", "restored_step", "generations")}
+                                         "kill_step", "restored_step", "generations",
+                                         "marks_after_noticed_s")}
         except RuntimeError as e:
             row = {"error": str(e)}
         row["load_before"] = load

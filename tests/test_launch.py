@@ -472,6 +472,87 @@ def test_supervisor_spares_become_the_next_generations_workers_and_are_refilled(
             f"assigned: g1 p{i}\n"
 
 
+# A worker of the standby test below (no JAX): a standby process parks in the real
+# `worker.standby_wait` (its first standby generation's process 0 dies instead: the supervisor
+# drops that one and starts another); generation 0's process 1 fails once a standby
+# generation is parked, its process 0 waits to be stopped; generation 1 exits 0.
+STANDBY_WORKER = r"""
+import glob, json, os, sys, time
+from resilax._src.runtime import worker
+e = worker.LaunchEnv.from_env()
+hb = worker._Heartbeat(e)
+go = os.environ.get(worker.STANDBY_ENV)
+if go:
+    if os.path.basename(go).startswith("standby1.") and e.process_id == 0:
+        sys.exit(7)
+    worker._state.update(env=e, hb=hb, standby=go)
+    e = worker.standby_wait()
+    assert worker.env() == e and not worker.is_standby() and worker.STANDBY_ENV not in os.environ
+print(f"g{e.generation} p{e.process_id} standby={bool(go)}", flush=True)
+hb.first_step_t = time.time()
+hb.beat()
+with open(os.path.join(e.run_dir, f"g{e.generation}.p{e.process_id}.json"), "w") as f:
+    json.dump({"pid": os.getpid(), "was_standby": bool(go), "host_store_step": e.host_store_step,
+               "heartbeat_file": e.heartbeat_file}, f)
+def parked():
+    pids = (json.load(open(os.path.join(e.run_dir, "processes.json"))).get("standby") or {}).values()
+    phases = {}
+    for f in glob.glob(os.path.join(e.run_dir, "heartbeats", "standby*.json")):
+        try:
+            h = json.load(open(f))
+        except (OSError, ValueError):
+            continue
+        phases[h["pid"]] = h["phase"]
+    return len(pids) == 2 and all(phases.get(p) == "standby" for p in pids)
+if e.generation == 0:
+    if e.process_id == 0:
+        time.sleep(120)
+    t0 = time.time()
+    while not parked():
+        if time.time() - t0 > 60:
+            sys.exit(5)
+        time.sleep(0.05)
+    sys.exit(3)
+"""
+
+
+def test_supervisor_drops_a_broken_standby_generation_and_hands_the_next_one_the_failed_generations_places(
+        tmp_path, capsys):
+    run = tmp_path / "run"
+    sup = _sup(tmp_path, STANDBY_WORKER, standby=True, max_restarts=1)
+    assert sup.run() == 0
+    hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["failed", "done"] and "process 1 " in hist[0]["why"], hist
+    out = capsys.readouterr().out
+    assert re.search(r"standby generation 1 dropped: process 0 \(pid \d+\) exited with code 7", out), out[-3000:]
+    assert "standby generation 2 (set up ahead) told to go" in out, out[-3000:]
+    g1 = [json.loads((run / f"g1.p{i}.json").read_text()) for i in range(2)]
+    # generation 1 is the standby processes, each now a worker of generation 1 with its heartbeat file
+    assert all(r["was_standby"] and r["heartbeat_file"].endswith(f"g1.p{i}.json") for i, r in enumerate(g1)), g1
+    assert not any(json.loads((run / f"g0.p{i}.json").read_text())["was_standby"] for i in range(2))
+    assert [f"[g1 p{i}] g1 p{i} standby=True" in out for i in range(2)] == [True, True], out[-3000:]
+    procs = _processes(run)
+    assert procs["status"] == "done" and procs["standby"] == {} and procs["generation"] == 1
+
+
+def test_a_standby_process_that_fails_before_its_go_leaves_the_runs_goodput_alone(tmp_path, monkeypatch):
+    """A standby process shares the job's run directory; one whose set-up fails before it was
+    told to go (its `with step:` closes the step) must not overwrite the live generation's
+    goodput.json; after its go it writes it like any worker."""
+    import resilax
+    from resilax._src.runtime import worker
+    from resilax.tools import example as ex
+
+    step = resilax.wrap(ex.train_step, topology=resilax.Topology.load("cpu-2x4"),
+                        config=resilax.Config(run_dir=str(tmp_path), log=None, peers=None))
+    monkeypatch.setitem(worker._state, "standby", str(tmp_path / "go.json"))
+    step.close()
+    assert not (tmp_path / "goodput.json").exists()
+    worker._state.pop("standby")
+    step._save_goodput()
+    assert (tmp_path / "goodput.json").exists()
+
+
 def test_a_relabelled_output_switches_logs_where_the_child_marked_it_not_when_told(tmp_path, capsys):
     # CI once found a spare's first line as a worker in the spare's log: the supervisor
     # switched logs when it wrote the assignment, and its reader thread was behind or ahead
@@ -534,6 +615,15 @@ def test_launch_cli_rejects_negative_spares(tmp_path, capsys):
     rc, err = cli(["launch", "-n", "2", "--spares", "-1", "--run-dir", str(tmp_path), "--", sys.executable, "-c", "pass"],
                   capsys)
     assert rc == 2 and "--spares must be an integer >= 0" in err, err
+    assert not (tmp_path / PROCESSES_JSON).exists()
+
+
+def test_launch_cli_rejects_standby_with_in_place_or_nodes(tmp_path, capsys):
+    for extra, said in ((["--in-place"], "--standby readies a whole new generation"),
+                        (["--nodes", "2", "--node-rank", "0"], "--standby cannot be combined with --nodes")):
+        rc, err = cli(["launch", "-n", "2", "--standby", *extra, "--run-dir", str(tmp_path), "--", sys.executable,
+                       "-c", "pass"], capsys)
+        assert rc == 2 and said in err, err
     assert not (tmp_path / PROCESSES_JSON).exists()
 
 
@@ -660,6 +750,10 @@ def test_hang_then_whole_job_kill_then_sigterm_each_resumes_exactly(tmp_path, la
     assert _same(out, launched_reference)  # the same program without the failures: bitwise
 
 
+# the program of the 2 x 4 bit-exact tests below (their failure-free reference run is shared)
+TRAIN_2X4 = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", "8", "--quiet"]
+
+
 def test_bit_exact_mode_with_4_device_domains_keeps_its_bits_when_processes_go(tmp_path):
     """The bit-exact mode on ``cpu-2x4`` as 2 processes x 4 devices (``--layout sharded``: each
     domain's gradient executable holds all-reduces over its 4 devices). Process 1 hangs after
@@ -674,10 +768,9 @@ def test_bit_exact_mode_with_4_device_domains_keeps_its_bits_when_processes_go(t
     steps; ``benchmarks/collective_order_probe.py``). This case was refused before that was
     known."""
 
-    train = ["resilax", "train", "--topology", "cpu-2x4", "--layout", "sharded", "--steps", "8", "--quiet"]
-    text, _ = _re_form_2x4_alone(tmp_path, train, "hang@4:after_step/1")
+    text, _ = _re_form_2x4_alone(tmp_path, TRAIN_2X4, "hang@4:after_step/1")
     assert "[g1 p0] resumed at step 4 (host store" in text, text[-3000:]
-    _launched_ref_bitwise(tmp_path, train)
+    _launched_ref_bitwise(tmp_path, TRAIN_2X4)
 
 
 def test_a_pipeline_job_loses_a_whole_replica_process_and_keeps_its_bits(tmp_path):
@@ -715,19 +808,84 @@ def _re_form_2x4_alone(tmp_path, train, fault):
     return text, run
 
 
-def _launched_ref_bitwise(tmp_path, train):
-    """Runs ``train`` failure-free as ``launch -n 1 --devices-per-process 8`` (run dir
-    ``ref_run``) and checks ``final.npz`` is bitwise its final state."""
+_LAUNCHED_REFS: dict = {}  # train argv -> the directory of its failure-free `launch -n 1` run (once per session)
+
+
+def _launched_ref_bitwise(tmp_path, train) -> pathlib.Path:
+    """Runs ``train`` failure-free as ``launch -n 1 --devices-per-process 8`` (once per
+    session for each ``train``: tests of the same program share it) and checks
+    ``tmp_path/final.npz`` is bitwise its final state. Returns that run's directory (its run
+    dir is ``ref_run`` in it)."""
     from helpers import child_env
 
-    ref = tmp_path / "ref.npz"
-    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "1", "--devices-per-process", "8", "--run-dir",
-           str(tmp_path / "ref_run"), "--max-restarts", "0", "--", *train, "--out", str(ref)]
-    r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
-    a, b = np.load(tmp_path / "final.npz", allow_pickle=False), np.load(ref, allow_pickle=False)
+    d = _LAUNCHED_REFS.get(tuple(train))
+    if d is None:
+        d = tmp_path
+        cmd = [sys.executable, "-m", "resilax", "launch", "-n", "1", "--devices-per-process", "8", "--run-dir",
+               str(d / "ref_run"), "--max-restarts", "0", "--", *train, "--out", str(d / "ref.npz")]
+        r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+        _LAUNCHED_REFS[tuple(train)] = d
+    a, b = np.load(tmp_path / "final.npz", allow_pickle=False), np.load(d / "ref.npz", allow_pickle=False)
     assert sorted(a.files) == sorted(b.files)
     assert all(np.array_equal(a[k], b[k]) for k in a.files), _rel_diff(a, b)
+    return d
+
+
+def _standby_parked(run_dir, n):
+    """The pids of the supervisor's standby generation once all ``n`` are parked, else None."""
+    pids = (_processes(run_dir) or {}).get("standby") or {}
+    phases = {}
+    for f in (run_dir / "heartbeats").glob("standby*.p*.json"):
+        try:
+            hb = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        phases[hb.get("pid")] = hb.get("phase")
+    return pids if len(pids) == n and all(phases.get(pid) == "standby" for pid in pids.values()) else None
+
+
+def test_a_standby_generation_replaces_a_killed_one_with_its_programs_built_ahead_and_keeps_its_bits(tmp_path):
+    """``--standby``: the next generation's 2 processes attach to their own service, build
+    their programs and park while generation 0 trains (here: while its workers are SIGSTOPped
+    past step 3, so that the job is still running when they are parked). Process 1 of
+    generation 0 is SIGKILLed; the standby processes become generation 1 (same pids), resume
+    from the host stores at the step generation 0 had reached, built nothing after the go,
+    and the job ends bitwise equal to a failure-free run of the same program."""
+    from helpers import child_env
+
+    run, out = tmp_path / "run", tmp_path / "final.npz"
+    cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
+           "--standby", "--heartbeat", "0.2", "--heartbeat-timeout", "60", "--min-step-deadline", "120",
+           "--max-restarts", "1", "--", *TRAIN_2X4, "--out", str(out)]
+    with open(tmp_path / "launch.log", "wb") as log:
+        p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait(lambda: _past_n(run, 0, 3, 2), 180, "generation 0 past step 3", p)
+            workers = _processes(run)["workers"]
+            for pid in workers.values():  # (holds the job before its end, and frees the cores for the standby)
+                os.kill(pid, signal.SIGSTOP)
+            reached = max(_steps(run, 0).values())
+            standby = _wait(lambda: _standby_parked(run, 2), 180, "the standby generation parked", p)
+            os.kill(workers["1"], signal.SIGKILL)
+            os.kill(workers["0"], signal.SIGCONT)
+            rc = p.wait(timeout=180)
+        finally:
+            kill_tree(p)
+    text = (tmp_path / "launch.log").read_text(errors="replace")
+    assert rc == 0, text[-5000:]
+    assert "standby generation 1 (set up ahead) told to go" in text, text[-3000:]
+    resumed = [int(m.group(1)) for m in re.finditer(r"\[g1 p\d\] resumed at step (\d+) \(host store", text)]
+    assert len(resumed) == 2 and resumed[0] == resumed[1] >= reached, (resumed, reached, text[-3000:])
+    hist = json.loads((run / "launch_history.json").read_text())["generations"]
+    assert [g["outcome"] for g in hist] == ["failed", "done"], hist
+    g1 = heartbeats(run, 1)
+    assert sorted(h["pid"] for h in g1.values()) == sorted(standby.values()), (g1, standby)
+    for h in g1.values():  # attached and built before the kill; after the go only the restore and the step
+        m = h["marks"]
+        assert m["attached"] < m["programs"] <= m["parked"] < m["go"] < h["first_step_t"], m
+    assert _processes(run)["standby"] == {}, "the next standby generation is dropped when the job ends"
+    _launched_ref_bitwise(tmp_path, TRAIN_2X4)
 
 
 def test_a_process_that_dies_during_the_last_save_is_re_formed_around_in_place(tmp_path):
@@ -743,8 +901,8 @@ def test_a_process_that_dies_during_the_last_save_is_re_formed_around_in_place(t
     text, run = _re_form_2x4_alone(tmp_path, train, "kill_process@8:during_save/1")
     assert "the save of step 8 at the end failed" in text and "[g1 p0] resumed at step 8 (host store" in text, \
         text[-3000:]
-    _launched_ref_bitwise(tmp_path, train)
-    got, want = (_checkpoint_sums(d / "checkpoints" / "8") for d in (run, tmp_path / "ref_run"))
+    ref = _launched_ref_bitwise(tmp_path, train)
+    got, want = (_checkpoint_sums(d / "checkpoints" / "8") for d in (run, ref / "ref_run"))
     assert got[1] == want[1] and np.array_equal(got[0], want[0]), (got, want)
 
 

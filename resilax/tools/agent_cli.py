@@ -146,7 +146,8 @@ def main(cmd, args, environ=os.environ) -> int | None:
     `Agent` (exit 2 on bad options). None: not a job across hosts; the caller runs the
     single-host launch."""
     other = [o for o, v in (("--shrink backend", getattr(args, "shrink", "reform") == "backend"),
-                            ("--min-in-place (across hosts: --min-nodes)", getattr(args, "min_in_place", None) is not None))
+                            ("--min-in-place (across hosts: --min-nodes)", getattr(args, "min_in_place", None) is not None),
+                            ("--standby", bool(getattr(args, "standby", False))))
              if v]
     spare = bool(getattr(args, "spare", False))
     try:

@@ -19,7 +19,11 @@ every shard from the hosts' stores, the dead host's from its neighbour's mirror)
 ``--host-store-every 0`` (relaunch + the newest Orbax checkpoint: ``restart_*``); with
 ``--spares S`` a third time with the host state store and S warm spares (``spares_*``: the
 new generation's first S workers are processes that already imported JAX and resilax; the
-kill waits until they are warm); with ``--in-place --shrink backend`` (``in_place_*``: the survivors go
+kill waits until they are warm); with ``--standby`` once more with the host state store
+and a standby generation (``standby_*``: the next generation's processes attached to their
+own service, built their programs and parked before the kill; ``agree`` is then the death
+noticed -> the go, and ``marks_after_noticed_s`` splits the rest by the workers' set-up
+marks); with ``--in-place --shrink backend`` (``in_place_*``: the survivors go
 on in place on their own devices, no new generation; kill -> every live worker back at the
 step it had reached, phases from the survivors' ``recovery`` event: ``agree`` is from the
 kill to the agreement on the step: the survivors leave their broken collective, those not
@@ -51,6 +55,9 @@ from resilax._src.io import write_json
 from resilax.tools.launch import heartbeats, spare_heartbeats
 
 
+PHASES = ("detect", "agree", "restore", "compile", "replay")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("-n", type=int, default=4, help="worker processes")
@@ -61,6 +68,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
     p.add_argument("--spares", type=int, default=0, metavar="S",
                    help="also measure the host-store run with `resilax launch --spares S` (0: not measured)")
+    p.add_argument("--standby", action="store_true",
+                   help="also measure the host-store run with `resilax launch --standby` (the next generation set up "
+                        "ahead and parked; the kill waits until it is)")
     p.add_argument("--collective-timeout", type=int, default=5, metavar="S",
                    help="resilax launch --collective-timeout for every run: in place, the survivors that were not "
                         "connected to the dead worker notice it only when their collective times out")
@@ -104,6 +114,24 @@ def _warm_spares(run: pathlib.Path) -> int:
                for k, pid in (procs.get("spares") or {}).items())
 
 
+def _standby_parked(run: pathlib.Path, n: int) -> bool:
+    """The supervisor's standby generation has all ``n`` processes parked (``standby``)."""
+    try:
+        pids = json.loads((run / "processes.json").read_text()).get("standby") or {}
+    except (OSError, ValueError):
+        return False
+    if len(pids) != n:
+        return False
+    got = {}
+    for f in (run / "heartbeats").glob("standby*.p*.json"):
+        try:
+            hb = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        got[hb.get("pid")] = hb.get("phase")
+    return all(got.get(pid) == "standby" for pid in pids.values())
+
+
 def _live(run: pathlib.Path, epoch: int, step: int) -> bool:
     """Every live worker of generation 0 completed ``step`` under membership ``epoch``."""
     try:
@@ -128,7 +156,7 @@ def _resumed(run: pathlib.Path, n1: int, cond):
 
 
 def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, kill_after, rng, store_every,
-                   ref, collective_timeout, spares=0, in_place=False, shrink=None) -> dict:
+                   ref, collective_timeout, spares=0, in_place=False, shrink=None, standby=False) -> dict:
     """One launch; SIGKILL one random worker once every worker is past ``kill_after`` (and
     ``spares`` spares are warm)."""
     run, out, summ = work / "run", work / "final.npz", work / "summary.json"
@@ -137,7 +165,7 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
            "--run-dir", str(run), "--heartbeat", "0.1", "--heartbeat-timeout", "3", "--max-restarts", "2",
            "--collective-timeout", str(collective_timeout),
            "--host-store-every", str(store_every), "--spares", str(spares), *(["--in-place"] if in_place else []),
-           *(["--shrink", shrink] if shrink else []),
+           *(["--shrink", shrink] if shrink else []), *(["--standby"] if standby else []),
            "--", *train, "--out", str(out),
            "--summary", str(summ)]
     log = open(work / "launch.log", "wb")
@@ -147,6 +175,8 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
               600, f"every worker past step {kill_after}", p)
         if spares:
             _wait(lambda: _warm_spares(run) >= spares, 600, f"{spares} warm spares", p)
+        if standby:
+            _wait(lambda: _standby_parked(run, n), 600, "the standby generation parked", p)
         time.sleep(rng.uniform(0, 0.5))
         procs = json.loads((run / "processes.json").read_text())
         victim = rng.randrange(n)
@@ -168,6 +198,10 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
                          "the new generation's first step", p)
         joined_t = max(x["joined_t"] for x in first.values())
         first_t = max(x["first_step_t"] for x in first.values())
+        marks = {}  # each set-up mark of the new generation: its slowest worker's
+        for x in first.values():
+            for k, t in (x.get("marks") or {}).items():
+                marks[k] = max(marks.get(k, t), t)
         g, _ = _wait(lambda: _resumed(run, n1, lambda h: (h.get("step") or 0) >= kill_step), 600,
                      f"the new generation back at step {kill_step}", p)
         t_resume = time.time()
@@ -194,6 +228,9 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
 
     gen1 = [line for line in log if f"] generation {g}: " in line]
     return {
+        # since the death was noticed: attached (to the service) / go (a standby told to go) / programs
+        # (built ahead) / compiled (the first step's programs ready, every worker past the barrier)
+        "marks_after_noticed_s": {k: t - noticed for k, t in sorted(marks.items(), key=lambda kv: kv[1])},
         "kill_to_resume_s": t_resume - t_kill,
         "phases": {"detect": noticed - t_kill, "agree": joined_t - noticed, "restore": restore_s,
                    "compile": max(0.0, first_t - joined_t - restore_s), "replay": t_resume - first_t},
@@ -201,7 +238,7 @@ def _kill_and_time(work: pathlib.Path, train: list, *, n, devices_per_process, k
         "final_max_rel_diff": _rel_diff(np.load(out, allow_pickle=False), ref),
         "killed_process": victim, "kill_step": kill_step, "restored_step": restored_step,
         "restored_from": [e["source"] for e in restore], "detected_as": hist[0]["why"],
-        "spares": spares, "generation_1": gen1[0].split("] ", 1)[1] if gen1 else None,
+        "spares": spares, "standby": standby, "generation_1": gen1[0].split("] ", 1)[1] if gen1 else None,
         "resumed_in_generation": g, "generations": [[h["outcome"], h["why"]] for h in hist],
     }
 
@@ -235,13 +272,13 @@ def _in_place_result(work, rc, t_kill, t_resume, kill_step, victim, ref) -> dict
 
 
 def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=40, checkpoint_every=5,
-                       kill_after=12, seed=None, workdir=None, spares=0, collective_timeout=5) -> dict:
+                       kill_after=12, seed=None, workdir=None, spares=0, collective_timeout=5, standby=False) -> dict:
     import numpy as np
 
     if spares < 0:
         raise ValueError(f"resilax bench multiprocess: --spares must be >= 0, got {spares}")
     rng = random.Random(seed)
-    runs = 7 if spares else 6
+    runs = 6 + bool(spares) + bool(standby)
     own = workdir is None
     work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-bench-mp-"))
     shutil.rmtree(work, ignore_errors=True)
@@ -263,7 +300,14 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         done[0] += 1
         print(f"[{done[0]}/{runs}] {what}", flush=True)
         (work / name).mkdir()
-        return _kill_and_time(work / name, train, rng=random.Random(rng.random()), **common, **kw)
+        try:
+            return _kill_and_time(work / name, train, rng=random.Random(rng.random()), **common, **kw)
+        except RuntimeError as err:  # one launch that did not come back the measured way loses its column only
+            print(f"      failed: {err}", flush=True)
+            nan = float("nan")
+            return {"error": str(err), "kill_to_resume_s": nan, "phases": dict.fromkeys(PHASES, nan),
+                    "lost_steps": -1, "final_max_rel_diff": nan, "kill_step": -1, "restored_step": -1,
+                    "generations": None}
 
     a = measure("store", f"resilax launch -n {n} --devices-per-process {devices_per_process} (host state store every "
                          f"step): SIGKILL a random worker past step {kill_after}", store_every=1)
@@ -271,6 +315,9 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
                 store_every=0)
     c = measure("spares", f"the host-store run with --spares {spares}: the new generation's workers come from warm "
                           f"spares", store_every=1, spares=spares) if spares else None
+    sb = measure("standby", "the host-store run with --standby: the next generation's processes attached, built their "
+                            "programs and parked ahead; the kill waits until they are", store_every=1,
+                 standby=True) if standby else None
     d = measure("in_place", "the host-store run with --in-place --shrink backend: the survivors go on without the "
                             "dead worker on their backend", store_every=1, in_place=True, shrink="backend")
     f = measure("shrink", "--in-place, no spare: the survivors re-form alone as a smaller job without restarting",
@@ -293,9 +340,10 @@ def bench_multiprocess(*, n=4, devices_per_process=2, topology="cpu-4x2", steps=
         "host_store_run": a, "restart_run": b,
         "setup": {"processes": n, "devices_per_process": devices_per_process, "topology": topology, "steps": steps,
                   "checkpoint_every": checkpoint_every, "cpu_count": os.cpu_count(), "spares": spares,
-                  "collective_timeout_s": collective_timeout},
+                  "collective_timeout_s": collective_timeout, "standby": standby},
         **keys("in_place", d), **keys("reform", e), **keys("shrink_reform", f),
         **(keys("spares", c) if c is not None else {}),
+        **(keys("standby", sb) if sb is not None else {}),
     }
     if own:
         shutil.rmtree(work, ignore_errors=True)
@@ -306,11 +354,11 @@ def run(args) -> int:
     r = bench_multiprocess(n=args.n, devices_per_process=args.devices_per_process, topology=args.topology,
                            steps=args.steps, checkpoint_every=args.checkpoint_every, kill_after=args.kill_after,
                            seed=args.seed, workdir=args.workdir, spares=args.spares,
-                           collective_timeout=args.collective_timeout)
+                           collective_timeout=args.collective_timeout, standby=args.standby)
     runs = [r["host_store_run"], r["restart_run"]] + ([r["spares_run"]] if "spares_run" in r else []) + \
-        [r["in_place_run"], r["shrink_reform_run"], r["reform_run"]]
+        ([r["standby_run"]] if "standby_run" in r else []) + [r["in_place_run"], r["shrink_reform_run"], r["reform_run"]]
     heads = ["host store", "restart"] + ([f"+{args.spares} spares"] if "spares_run" in r else []) + \
-        ["in place", "re-form -1", "re-form"]
+        (["+standby"] if "standby_run" in r else []) + ["in place", "re-form -1", "re-form"]
 
     def row(label, vals, fmt):
         print(f"{label:<28}" + "".join(format(v, fmt) for v in vals))
@@ -322,9 +370,9 @@ def run(args) -> int:
     row("killed at step", [x["kill_step"] for x in runs], "14d")
     row("restored step", [x["restored_step"] for x in runs], "14d")
     row("lost steps", [x["lost_steps"] for x in runs], "14d")
-    row("generations after kill", [len(x.get("generations") or [0, 0]) - 1 for x in runs], "14d")
+    row("generations after kill", [len(x["generations"]) - 1 if x.get("generations") else -1 for x in runs], "14d")
     row("final max rel diff", [x["final_max_rel_diff"] for x in runs], "14.1e")
-    print("(final max rel diff: vs a failure-free single-process run)")
+    print("(final max rel diff: vs a failure-free single-process run; nan / -1: that launch failed, see its error)")
     if args.json:
         write_json(args.json, r)
         print(f"wrote {args.json}")

@@ -55,6 +55,15 @@ failure); spares are killed on SIGTERM and when the job ends. Their output goes 
 ``D/logs/spare<k>.log`` (prefix ``[spare<k>]``), then, once assigned, to the worker's log
 with its ``[g<g> p<i>]`` prefix.
 
+``--standby`` keeps the next generation set up ahead (`resilax.tools.standby`): N processes
+of CMD attached to generation g+1's own service, with their backends up and their programs
+built, parked in `ResilientStep.init` before anything reads or writes the job's state. A
+generation that fails (path B) is replaced by it: the supervisor writes each process its
+place (the same process id, the host-store step to restore) and only the restore and the
+first step remain. One that cannot serve (a process died, hung or was not parked in time)
+is dropped and another started; a failure that finds none parked starts the new generation
+the usual way. Not with ``--in-place`` (the survivors re-form there) or ``--nodes``.
+
 Why a new generation and not a rejoin: a replacement joining the same service under the
 same process id connects, but gloo then fails (``ALREADY_EXISTS: key cpu:gloo/...``);
 measured on jax 0.10.2 (docs/multiprocess.md).
@@ -119,7 +128,7 @@ class Supervisor:
                  min_step_deadline_s: float = 30.0, collective_timeout_s: int | None = None,
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int | None = None, grace_s: float = 60.0,
                  host_store_every: int = 1, spares: int = 0, in_place: bool = False, min_in_place: int | None = None,
-                 shrink: str = "reform"):
+                 shrink: str = "reform", standby: bool = False):
         if not cmd:
             raise ValueError("resilax launch: a worker command is required after --")
         if n < 1 or devices_per_process < 1:
@@ -170,6 +179,13 @@ class Supervisor:
         if shrink not in SHRINK_MODES:
             raise ValueError(f"resilax launch: --shrink must be one of {SHRINK_MODES}, got {shrink!r}")
         self.shrink = shrink
+        if standby and in_place:
+            raise ValueError("resilax launch: --standby readies a whole new generation (path B); with --in-place the "
+                             "survivors re-form instead: use --spares for the dead places")
+        self.standby_on = bool(standby)
+        self._standby = None  # the standby generation (`tools/standby.py`), or None
+        self._standby_count = 0
+        self._standby_backoff = (0.0, 0)  # (not before, failures in a row)
         self.slots = list(range(n))  # the job's process index of each process id of this generation
         self.epoch = 0  # in-place shrinks within this generation
         # generations started after a failure since the job last got further than before (a
@@ -194,6 +210,7 @@ class Supervisor:
             "epoch": self.epoch,
             "slots": {str(w.process_id): w.slot for w in self.workers},
             "spares": self.pool.pids(),
+            "standby": self._standby.pids() if self._standby is not None else {},
         })
 
     # ------------------------------------------------------------------ one generation
@@ -209,6 +226,8 @@ class Supervisor:
         g = self.generation
         self.slots = list(range(self.n)) if slots is None else sorted(slots)
         m = len(self.slots)
+        if self._take_standby(carry, m):
+            return
         port = free_port()
         self._service = jaxdist.start_service(port, m, heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
         (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
@@ -219,17 +238,7 @@ class Supervisor:
         carried = {w.slot: w for w in carry or ()}
         smaller = m < self.n
         for i, slot in enumerate(self.slots):
-            env = LaunchEnv(
-                coordinator=f"127.0.0.1:{port}", process_id=i, num_processes=m, generation=g,
-                devices_per_process=self.k, run_dir=str(self.run_dir),
-                heartbeat_file=str(heartbeat_file(self.run_dir, g, i)), heartbeat_s=self.heartbeat_s,
-                jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
-                init_timeout_s=int(min(self.startup_timeout_s, 600)),
-                host_store=str(self.store_root or ""), host_store_every=self.host_store_every,
-                host_store_step=-1 if self.store_step is None else self.store_step,
-                in_place_wait_s=(self.min_deadline + self.heartbeat_timeout_s + 10.0) if self.in_place else 0.0,
-                step_deadline_factor=self.factor,
-                slots=",".join(map(str, self.slots)) if smaller else "", num_slots=self.n if smaller else 0)
+            env = self._env(g, i, port, self.slots)
             prefix, log = f"[g{g} p{i}] ", self.run_dir / "logs" / f"g{g}.p{i}.log"
             if slot in carried:  # a live worker of the generation that re-formed: it re-attaches without restarting
                 w = carried[slot]  # (its assignment is named by its process id in that generation)
@@ -251,6 +260,91 @@ class Supervisor:
              + (f"; processes {from_spares} from warm spares "
                 f"{[w.spare for w in self.workers if w.spare is not None]}" if from_spares else "")
              + (f"; processes {sorted(carried)} re-attached without restarting" if carried else ""))
+
+    def _env(self, g: int, i: int, port: int, slots: list, heartbeat: str | None = None) -> LaunchEnv:
+        """Process ``i``'s place in generation ``g`` (service on ``port``; ``slots``: the job's
+        process index of each process id)."""
+        smaller = len(slots) < self.n
+        return LaunchEnv(
+            coordinator=f"127.0.0.1:{port}", process_id=i, num_processes=len(slots), generation=g,
+            devices_per_process=self.k, run_dir=str(self.run_dir),
+            heartbeat_file=heartbeat or str(heartbeat_file(self.run_dir, g, i)), heartbeat_s=self.heartbeat_s,
+            jax_heartbeat_timeout_s=self.jax_heartbeat_timeout_s, collective_timeout_s=self.collective_timeout_s,
+            init_timeout_s=int(min(self.startup_timeout_s, 600)),
+            host_store=str(self.store_root or ""), host_store_every=self.host_store_every,
+            host_store_step=-1 if self.store_step is None else self.store_step,
+            in_place_wait_s=(self.min_deadline + self.heartbeat_timeout_s + 10.0) if self.in_place else 0.0,
+            step_deadline_factor=self.factor,
+            slots=",".join(map(str, slots)) if smaller else "", num_slots=self.n if smaller else 0)
+
+    # ------------------------------------------------------------------ the standby generation
+    def _tend_standby(self, now: float):
+        """Drops a standby generation that cannot serve; starts one (generation g+1, all -n
+        processes) with generation 0, and after a recovery once every worker of generation g
+        has completed a step (it must not take CPU from a recovering generation), none is
+        dead, and no SIGTERM is being handled."""
+        from resilax._src.runtime import jaxdist
+        from resilax.tools.standby import StandbyGeneration
+
+        sb = self._standby
+        if sb is not None:
+            why = sb.broken(now, self.heartbeat_timeout_s, self.startup_timeout_s)
+            if why is None and sb.generation == self.generation + 1:
+                return
+            self._drop_standby(why or f"it was readied for generation {sb.generation}, the next is "
+                                      f"{self.generation + 1}", failed=why is not None)
+            return
+        not_before, _ = self._standby_backoff
+        if self._term is not None or now < not_before or len(self.workers) != self.n or any(
+                w.proc.poll() is not None for w in self.workers) or not processes.generation_settled(
+                self.workers, self.generation == 0, self._t_gen, self.startup_timeout_s, now):
+            return  # (with generation 0 at once, as spares: no progress to win back yet)
+        self._standby_count += 1
+        k, g = self._standby_count, self.generation + 1
+        port = free_port()
+        service = jaxdist.start_service(port, self.n, heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
+        envs = [self._env(g, i, port, list(range(self.n)),
+                          heartbeat=str(StandbyGeneration.heartbeat_file(self.run_dir, k, i))) for i in range(self.n)]
+        self._standby = StandbyGeneration(k, g, service, port, envs, self._popen, self.run_dir)
+        self._write_processes("running")
+        say(f"standby generation {k} for generation {g}: {self.n} processes set up ahead on 127.0.0.1:{port}, pids "
+            f"{[p.pid for p, *_ in self._standby.procs]}")
+
+    def _drop_standby(self, why: str, failed: bool = False):
+        sb, self._standby = self._standby, None
+        if sb is None:
+            return
+        sb.drop()
+        if failed:  # back off: 2, 4, ... up to 60 s before the next one
+            n = self._standby_backoff[1] + 1
+            self._standby_backoff = (time.time() + min(60.0, 2.0 ** n), n)
+        say(f"standby generation {sb.index} dropped: {why}")
+        self._write_processes("running")
+
+    def _take_standby(self, carry, m: int) -> bool:
+        """Makes the parked standby generation generation ``self.generation`` (path B with all
+        -n processes, and it is parked); else drops it (it would take CPU from the new
+        generation's set-up). Returns whether it was taken."""
+        sb = self._standby
+        if sb is None:
+            return False
+        if carry or m != self.n or sb.generation != self.generation or not sb.ready(self.heartbeat_timeout_s):
+            self._drop_standby("not parked when generation " f"{self.generation} was needed" if carry is None and
+                               m == self.n else f"generation {self.generation} re-forms instead")
+            return False
+        g = self.generation
+        self._standby, self._service = None, sb.service
+        self._standby_backoff = (0.0, 0)
+        self.workers, self.departed, self.epoch = [], [], 0
+        (self.run_dir / membership.MEMBERSHIP_JSON).unlink(missing_ok=True)
+        envs = [self._env(g, i, sb.port, self.slots) for i in range(m)]
+        self.workers = sb.take(envs, lambda i: f"[g{g} p{i}] ", lambda i: self.run_dir / "logs" / f"g{g}.p{i}.log")
+        self._t_gen = time.time()
+        self._write_processes("running")
+        say(f"generation {g}: {m} workers x {self.k} devices, coordinator 127.0.0.1:{sb.port}, pids "
+            f"{[w.proc.pid for w in self.workers]}: standby generation {sb.index} (set up ahead) told to go"
+            + (f" from host-store step {self.store_step}" if self.store_step is not None else ""))
+        return True
 
     def _popen(self, env: dict):
         return popen(self.cmd, env)  # (`processes.popen`: from the main thread only)
@@ -346,8 +440,11 @@ class Supervisor:
                 if self.spares:
                     self._kill_spares()  # nothing to save; none are started from now on
                     self._write_processes("running")
+                self._drop_standby("SIGTERM")
             if self.num_spares:
                 self._tend_spares(now)
+            if self.standby_on:
+                self._tend_standby(now)
             for w in self.workers:
                 why = self._check(w, now)
                 if why is not None:
@@ -485,7 +582,7 @@ class Supervisor:
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._heartbeats_in_ram()
-        if self.num_spares or self.in_place:  # (re-forming workers read their assignment there too)
+        if self.num_spares or self.in_place or self.standby_on:  # (re-forming workers and standbys read theirs there too)
             shutil.rmtree(self.run_dir / SPARES, ignore_errors=True)  # a former launch's assignments
             (self.run_dir / SPARES).mkdir(parents=True)
             (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
@@ -526,6 +623,7 @@ class Supervisor:
                     self.history[-1]["outcome"] = outcome
                 if outcome in ("done", "term"):
                     self._kill_spares()
+                    self._drop_standby("the job ended")
                     self._stop_generation("generation ended")
                     self._write_processes("done" if outcome == "done" else "preempted")
                     say(f"generation {self.generation}: all {len(self.workers)} workers exited 0"
@@ -562,6 +660,9 @@ class Supervisor:
             for w in self.workers:
                 w.kill()
             self._kill_spares()
+            if self._standby is not None:
+                self._standby.drop()
+                self._standby = None
             if self._service is not None:
                 self._service.shutdown()
                 self._service = None

@@ -37,6 +37,12 @@ def register_cli(sub) -> None:
     p.add_argument("--spares", type=int, default=0, metavar="S",
                    help="keep S processes of the command warm (JAX imported, waiting); a new generation takes its "
                         "workers from them first (0: every worker starts fresh). With --nodes: S on each host")
+    p.add_argument("--standby", action="store_true",
+                   help="keep the next generation set up ahead: -n processes attached to its own coordination "
+                        "service, backends up, programs built, parked before the restore; a generation that fails "
+                        "is replaced by it, so a new generation waits only for the restore and its first step. "
+                        "Doubles the processes (and their memory) on this machine; not with --in-place or --nodes",
+                   )
     p.add_argument("--in-place", action="store_true",
                    help="when a worker dies and every other one can (the bit-exact mode with one failure domain per "
                         "process, host store on), the others go on in place on their own devices instead of a new "
@@ -69,7 +75,7 @@ def _cmd_launch(args) -> int:
                          min_step_deadline_s=args.min_step_deadline, collective_timeout_s=args.collective_timeout,
                          startup_timeout_s=args.startup_timeout, host_store_every=args.host_store_every,
                          spares=args.spares, in_place=args.in_place, min_in_place=args.min_in_place,
-                         shrink=args.shrink)
+                         shrink=args.shrink, standby=args.standby)
     except ValueError as e:
         print(f"resilax: error: {e}", file=sys.stderr)
         return 2

@@ -354,6 +354,7 @@ class WorkerProcess:
         self.proc = proc
         self.out = out
         self.spare = spare  # the spare index it was, or None (started fresh)
+        self.standby: int | None = None  # the standby generation it came from, or None
         self.started = time.time()
         self.rc: int | None = None
         self.killed_for: str | None = None

@@ -125,6 +125,9 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+abstract_of = _abstract  # (arrays or abstract arrays with shardings -> abstract arrays)
+
+
 def _layout(sharding):
     """``sharding`` up to equivalence a compiled program accepts: a step's outputs carry
     ``P('fsdp', None)`` where the state it started from had ``P('fsdp')`` (unequal objects,
@@ -299,6 +302,12 @@ class CheckpointStore:
         layout serves the saves, the record log's anchors (the start's is taken before the
         warm-up: it compiles it), a restore's verification and a resume's check of the log."""
         return self._sums_program(_abstract(tree))(tree)
+
+    def adopt_checksums(self, abstract, compiled) -> None:
+        """Takes ``compiled``, `tree_checksums` compiled for ``abstract`` before this store
+        existed (a standby process builds it while it waits: `ResilientStep.init`), as the
+        checksum program of that layout."""
+        self._sums.setdefault(_layout_key(abstract), compiled)
 
     def _sums_program(self, abstract):
         """The compiled checksum program for ``abstract``. Never waits for another thread's

@@ -35,6 +35,10 @@ ENV_PREFIX = "RESILAX_"
 SPARE_ENV = "RESILAX_SPARE"  # a spare: the path of the assignment file the supervisor writes
 SPARE_HEARTBEAT_ENV = "RESILAX_SPARE_HEARTBEAT"  # where a spare writes its heartbeat
 SPARE_HEARTBEAT_S_ENV = "RESILAX_SPARE_HEARTBEAT_S"
+# a process of a standby generation (`resilax launch --standby`): the path of its "go" file,
+# where the supervisor writes its place (the same process id in the same generation, with
+# the step to restore) when the generation it stands by for has failed
+STANDBY_ENV = "RESILAX_STANDBY"
 # written into a launched worker's output where it takes a new place (a spare assigned, a
 # worker re-attached to a new generation): the supervisor's copy of its output switches logs
 # there (`tools.processes.Output`) and drops the marker
@@ -192,7 +196,8 @@ class _Heartbeat:
         self.step = None
         self.step_t = None
         self.step_s = None
-        self.joined_t = None  # wall clock: attached to the service
+        self.joined_t = None  # wall clock: attached to the service (a standby: told to go)
+        self.marks: dict = {}  # wall clock of the set-up's phases (`mark`): where a new generation's seconds go
         self.first_step_t = None  # wall clock: first step of this process completed
         self.started = None  # the step being computed
         self.in_place = False  # this worker can go on in place when another dies (`offer_in_place`)
@@ -211,7 +216,7 @@ class _Heartbeat:
         rec = {"pid": os.getpid(), "generation": self.env.generation, "process_id": self.env.process_id,
                "t": time.time(), "phase": self.phase, "step": self.step, "step_t": self.step_t, "step_s": self.step_s,
                "joined_t": self.joined_t, "first_step_t": self.first_step_t, "started": self.started,
-               "in_place": self.in_place, "epoch": self.epoch, "exiting": self.exiting}
+               "in_place": self.in_place, "epoch": self.epoch, "exiting": self.exiting, "marks": dict(self.marks)}
         tmp = f"{self.env.heartbeat_file}.{threading.get_ident()}.tmp"  # the main thread beats too
         with open(tmp, "w") as f:
             f.write(json.dumps(rec))
@@ -418,9 +423,71 @@ def initialize() -> LaunchEnv | None:
                                   heartbeat_timeout_s=e.jax_heartbeat_timeout_s, init_timeout_s=e.init_timeout_s,
                                   collective_timeout_s=e.collective_timeout_s)
         hb.joined_t = time.time()
+        hb.marks["attached"] = hb.joined_t
         _state["env"], _state["hb"] = e, hb
+        if os.environ.get(STANDBY_ENV):
+            _state["standby"] = os.environ[STANDBY_ENV]
         membership.joined(e)
         return e
+
+
+def is_standby() -> bool:
+    """True in a process of a standby generation that has not been told to go yet: it is
+    attached to the next generation's service with its backend up, and must not touch the
+    job's durable state (checkpoints, host stores, outputs) before `standby_wait` returns."""
+    return "standby" in _state
+
+
+def standby_wait() -> LaunchEnv | None:
+    """In a process of a standby generation (`resilax launch --standby`): says ``standby`` in
+    its heartbeat and blocks until the supervisor tells it to go, i.e. writes its place (the
+    same coordinator, process id and generation it attached as, now with the heartbeat file
+    of a worker and the host store's step to restore) to its go file; then that place is
+    this worker's (`env()`, the ``RESILAX_*`` variables) and it goes on as a worker of the
+    generation. Elsewhere returns None at once. `ResilientStep.init` calls it once the
+    programs are built and before anything reads or writes the job's state.
+
+    Raises:
+      ResilaxError: the go file is not a LaunchEnv, or names another place than the one
+        this process attached as (it cannot move to another service or process id).
+    """
+    path = _state.get("standby")
+    if path is None:
+        return None
+    from resilax._src.errors import ResilaxError
+
+    hb, e = _state["hb"], _state["env"]
+    hb.phase = "standby"
+    hb.marks["parked"] = time.time()
+    hb.beat()
+    new = _await_assignment(path, "the standby generation's go", poll_s=0.01)
+    same = ("coordinator", "process_id", "num_processes", "generation", "devices_per_process", "run_dir", "slots")
+    moved = [f for f in same if getattr(new, f) != getattr(e, f)]
+    if moved:
+        raise ResilaxError(f"resilax launch --standby: the go file {path} moves this process to another place "
+                           f"({', '.join(f'{f} {getattr(e, f)!r} -> {getattr(new, f)!r}' for f in moved)}); a standby "
+                           f"process stays attached where it is")
+    _switch_log()
+    os.environ.update(new.to_env())
+    os.environ.pop(STANDBY_ENV, None)
+    with _lock:
+        _state.pop("standby", None)
+        _state["env"] = new
+    membership.joined(new)
+    hb.env = new  # from now on it beats into the worker's heartbeat file
+    hb.joined_t = time.time()
+    hb.marks["go"] = hb.joined_t
+    hb.phase = "init"
+    hb.beat()
+    return new
+
+
+def mark(name: str) -> None:
+    """Records the wall-clock time of set-up phase ``name`` in the heartbeat (``marks``):
+    `resilax bench multiprocess` splits a new generation's way back by them."""
+    hb = _state.get("hb")
+    if hb is not None:
+        hb.marks[name] = time.time()
 
 
 _exit_hook = []  # (registered once per process: `_state` is cleared by `reattach`)

@@ -177,6 +177,7 @@ class ResilientStep:
         self.step = 0
         self.mesh = None
         self._program: Program | None = None
+        self._warm: Program | None = None  # built before its first batch (a standby generation: `_build_standby`)
         self.events: list[Event] = []
         self._live = None
         self._guard = None
@@ -263,8 +264,18 @@ class ResilientStep:
         self._guard = None
         if cfg.anomaly is not None:
             self._guard = _sh.put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
+        if worker.is_standby():
+            # a process of a standby generation (`resilax launch --standby`): build the programs
+            # now, then wait for the generation it stands by for to fail; nothing above touched
+            # the job's checkpoints or host stores, everything below may
+            self._warm, sums = self._build_standby(state, data)
+            worker.standby_wait()
+        else:
+            sums = None
         if cfg.checkpoint is not None:
             self._ckpt = Checkpoints(cfg.checkpoint)
+            if sums is not None:
+                self._ckpt.store.adopt_checksums(*sums)
         if cfg.log is not None:
             self._log = RecordLog(cfg.log, cfg.log_directory, peers=cfg.peers is not None,
                                   checksums=self._ckpt.store.checksums if cfg.checkpoint is not None else None)
@@ -286,7 +297,9 @@ class ResilientStep:
         if cfg.health is not None and cfg.health.hang_detect_s is not None and jax.process_count() == 1:
             from resilax._src.runtime.health import Liveness
             self._liveness = Liveness(cfg.health, self._domains, self._alive)
+        worker.mark("protections")
         state = _resume.newest_state(self, state, self._state_sh, job)
+        worker.mark("restored")
         self._data_position = encode_data_state(data.get_state()) if data is not None else None
         state = _resume.replay_disk_log(self, state, self._first_program)
         if self.step > 0:
@@ -308,8 +321,37 @@ class ResilientStep:
                             _anomaly.abstract_guard(self.config.anomaly))
 
     # ---------------------------------------------------------------- programs
+    def _build_standby(self, state, data):
+        """A standby process's programs, built before it is told to go: ``(program, (abstract,
+        checksum program) or None)``. The first batch's shapes come from ``data`` (one batch
+        read, then its position set back; the restore sets it again anyway); without
+        ``data`` no step program is built (the first call builds it, as in a fresh process).
+        Also compiles the update that keeps its input (the first save after the resume uses
+        it) and, with checkpoints, the checksum program of the state (the record log's
+        anchor at the start and every save use it)."""
+        sums = None
+        if self.config.checkpoint is not None:
+            from resilax._src.protect.checkpoints import abstract_of
+            from resilax._src.protect.checksum import anchor_tree, tree_checksums
+
+            abstract = abstract_of(anchor_tree(_sh.abstract(state, self._state_sh), self._guard))
+            sums = (abstract, tree_checksums.lower(abstract).compile())
+        prog = None
+        if data is not None:
+            pos = data.get_state()
+            batch = next(data)
+            data.set_state(pos)
+            prog = self._first_program(_sh.abstract(batch))
+            prog.update(None, keep_input=True)
+        worker.mark("programs")
+        return prog, sums
+
     def _first_program(self, abstract_batch) -> Program:
-        """The full mesh's program; validates the step against the state and batch."""
+        """The full mesh's program; validates the step against the state and batch. A program
+        built ahead for the same batch shapes (`_build_standby`) is taken instead."""
+        warm, self._warm = self._warm, None
+        if warm is not None and _same_abstract(warm.spec.abstract_batch, abstract_batch):
+            return warm
         spec = program_spec(self.config, self.topology, self._split, self._state_spec, self._batch_spec,
                             self._abstract_state, abstract_batch, self._reductions)
         check_step(self._split, self._abstract_state, abstract_batch, self.mesh)
@@ -426,9 +468,12 @@ class ResilientStep:
             self._program = self._first_program(_sh.abstract(batch))
             for p in self._protections:
                 p.start(self, self._live)
+                worker.mark("start:" + type(p).__name__)
+            worker.mark("started")
             self.compile_ahead()
             worker.offer_in_place(in_place.possible(self))
             membership.barrier("compiled")  # no worker enters the first collective while another still compiles
+            worker.mark("compiled")
         elif key[1] is None or key != self._batch_key:  # the same shapes as the last batch: checked already
             _sh.check_batch(batch, self._program.spec.abstract_batch)
         self._batch_key = (self._program, key[1])
@@ -666,8 +711,8 @@ class ResilientStep:
         self._goodput_recorder.continue_from(prev)
 
     def _save_goodput(self) -> None:
-        if not self.run_dir:
-            return
+        if not self.run_dir or worker.is_standby():
+            return  # (a standby process that failed before its go: the run's goodput is the live generation's)
         try:
             self._goodput_recorder.save(self.run_dir)
         except OSError as e:
@@ -711,3 +756,10 @@ class ResilientStep:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _same_abstract(a, b) -> bool:
+    """Whether two abstract batches have the same tree, shapes and dtypes."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb))
