@@ -179,9 +179,9 @@ class NetHosts:
         ``shared``: directories under ``/tmp`` or ``/dev/shm`` that stay the shared ones (the
         run directory), bound back over the private tmpfs."""
         keep = _kept(shared)
-        stash = "".join(f"mkdir -p /run/{self.base}-{i}-{k} && mount --bind {d} /run/{self.base}-{i}-{k} && "
+        stash = "".join(f"mkdir -p /run/{self.base}-{i}-{k} && mount --rbind {d} /run/{self.base}-{i}-{k} && "
                         for k, d in enumerate(keep))
-        back = "".join(f"mkdir -p {d} && mount --bind /run/{self.base}-{i}-{k} {d} && " for k, d in enumerate(keep))
+        back = "".join(f"mkdir -p {d} && mount --rbind /run/{self.base}-{i}-{k} {d} && " for k, d in enumerate(keep))
         script = (f"mount --make-rprivate / && {stash}mount -t tmpfs -o size=2g tmpfs /dev/shm && "
                   f"mount -t tmpfs tmpfs /tmp && {back}"
                   f"mount --bind {self.etc / f'hosts{i}'} /etc/hosts && hostname {self.hostname(i)} && "
