@@ -201,3 +201,47 @@ def test_a_full_run_directory_at_a_save_is_a_clear_error_the_job_waits_and_nothi
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {done[-1]}" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
     assert _distance(out, ref) == 0.0
+
+
+@pytest.mark.skipif(WHY is None and not netns.netem_available() and shutil.which("iptables") is None,
+                    reason="a fixed delay needs tc netem in the kernel or iptables' NFQUEUE (apt-get install iptables)")
+def test_a_fixed_delay_holds_every_packet_a_host_sends():
+    """`NetHosts.delay(i, 50)`: a TCP round trip between two hosts takes 50 ms more for each
+    delayed end (measured at the application: the data is late, not only the timestamps), and
+    nothing once cleared. Cheap: no job, two small processes."""
+    import subprocess
+    import sys
+
+    code = ("import socket,sys,time\n"
+            "if sys.argv[1]=='srv':\n"
+            " s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+            " s.bind(('0.0.0.0',5998));s.listen(1);c,_=s.accept()\n"
+            " c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1)\n"
+            " while (b:=c.recv(1)): c.sendall(b)\n"
+            "else:\n"
+            " c=socket.create_connection((sys.argv[2],5998));c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1);ts=[]\n"
+            " for _ in range(6):\n"
+            "  t=time.perf_counter();c.sendall(b'x');c.recv(1);ts.append(time.perf_counter()-t)\n"
+            " print(sorted(ts)[3]*1000)\n")
+    with netns.NetHosts(2, tag="dly") as hosts:
+        def round_trip_ms():
+            srv = subprocess.Popen(hosts.wrap(1, [sys.executable, "-c", code, "srv"]))
+            try:
+                for _ in range(50):  # until it listens
+                    r = subprocess.run(hosts.wrap(0, [sys.executable, "-c", code, "cli", hosts.address(1)]),
+                                       capture_output=True, text=True, timeout=30)
+                    if r.returncode == 0:
+                        return float(r.stdout.strip())
+                raise AssertionError(r.stderr[-2000:])
+            finally:
+                srv.kill()
+                srv.wait()
+
+        assert round_trip_ms() < 10
+        hosts.delay(0, 50)
+        assert 50 <= round_trip_ms() < 80
+        hosts.delay(1, 50)
+        assert 100 <= round_trip_ms() < 130
+        hosts.clear(0)
+        hosts.clear(1)
+        assert round_trip_ms() < 10

@@ -19,6 +19,8 @@ mode (``--no-deterministic``: the default mode, within 1e-4), checkpoints every
   120 s), then both come back;
 - ``lossy``: from the start, one host's link drops 5% of packets each way and is slowed
   (``tc netem`` delay 50 ms where the kernel has it; else a rate limit): no fault time;
+- ``delay``: from the start, every packet one host sends arrives 50 ms late (`NetHosts.delay`:
+  netem, or an NFQUEUE rule at the receivers; no loss): no fault time;
 - ``flap-short`` / ``flap-long``: a host's link and its run-directory view go for half a
   lease / 1.5 leases (at least 2 s / 5 s), then come back;
 - ``skew``: a host's clock (the rendezvous' clock, ``RESILAX_TEST_CLOCK_SKEW_S``) jumps 2.5
@@ -64,7 +66,7 @@ from resilax.tools.bench_multihost import (BenchError, Hang, _back, _committed, 
                                            _topology)
 from resilax.tools.processes import heartbeats
 
-CASES = ("none", "partition", "partition-service", "cut", "lossy", "flap-short", "flap-long", "skew", "full")
+CASES = ("none", "partition", "partition-service", "cut", "lossy", "delay", "flap-short", "flap-long", "skew", "full")
 SOAK_CASES = ("partition", "partition-service", "cut")
 
 
@@ -192,6 +194,8 @@ def _run_case(run, out, cmd, opts, res, case, *, nodes, work, kill_after, lease,
             applied = None
             if case == "lossy":
                 applied = hosts.lossy(victim, loss=0.05, delay_ms=50)
+            elif case == "delay":
+                applied = hosts.delay(victim, 50)
             if lossy_also is not None:
                 res["lossy_also"] = f"host {lossy_also}: " + hosts.lossy(lossy_also, loss=0.05, delay_ms=50)
             for r in range(nodes):
@@ -237,7 +241,7 @@ def _run_case(run, out, cmd, opts, res, case, *, nodes, work, kill_after, lease,
                     res["kept_checkpoint"] = str(work / "kept_checkpoint")
                 (run / "filler").unlink()
                 res["healed_s"] = time.time() - t_fault
-                log(f"      a save failed, the job waits; {res['healed_s']:.1f} s after: freed (committed: {done})")
+                log(f"      a write failed, the job waits; {res['healed_s']:.1f} s after: freed (committed: {done})")
             elif down is not None:
                 hosts.partition(target)
                 if cut:
