@@ -12,8 +12,8 @@ rejects left outside quarantine, processes.json of the rendezvous' own generatio
 twice in a generation). Without root (or without ``ip``/``unshare``) every test here is
 skipped, saying why; the loopback tests (test_agent, test_bench_multihost) do not need it.
 
-Each test takes 40-90 s on the 2-core test machine (marked ``netns``: ``-m "not netns"``
-leaves them out). Namespaces are removed in the case's ``finally`` and, for anything a
+Each job test takes 20-80 s on the 2-core test machine (the fixed-delay test 2 s; all are
+marked ``netns``: ``-m "not netns"`` leaves them out). Namespaces are removed in the case's ``finally`` and, for anything a
 killed test left, at the end of the session (conftest).
 """
 
