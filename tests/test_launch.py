@@ -1204,9 +1204,12 @@ def test_a_workers_broken_collective_is_one_line_and_its_traceback_a_file(tmp_pa
         except jax.errors.JaxRuntimeError as e:  # (as the step's error unwinds through close())
             raise RuntimeError("the final wait failed too") from e
 
+    exits = []  # (the worker exits with os._exit: Orbax's commit thread waits on the others; not in pytest)
+    monkeypatch.setattr(worker, "exit_after_broken_collective", exits.append)
     monkeypatch.setattr(worker, "env", lambda: SimpleNamespace(run_dir=str(tmp_path), generation=2, process_id=1))
     monkeypatch.setattr(report, "_cli_main", step_failed)
     assert cli.main(["report", str(tmp_path)]) == 1
+    assert exits == [1]
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "collective with another process broke" in err and "Timed out waiting 5000ms" in err, err
@@ -1220,3 +1223,4 @@ def test_a_workers_broken_collective_is_one_line_and_its_traceback_a_file(tmp_pa
     monkeypatch.setattr(report, "_cli_main", step_failed)
     with pytest.raises(RuntimeError, match="the final wait failed too"):  # no supervisor to act: as it is
         cli.main(["report", str(tmp_path)])
+    assert exits == [1]

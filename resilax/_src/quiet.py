@@ -135,7 +135,10 @@ class _OrbaxOnOwnDirectories(logging.Filter):
     checkpoints, after logging them to resilax's debug log: records that name the directory
     of an open resilax checkpoint store, and any made while resilax's own Orbax call is in
     flight (`reporting`: a save through its commit, a wait, a restore, a close; every Orbax
-    save in the process holds `ORBAX_LOCK` as they do, so the Orbax work then is theirs).
+    save in the process holds `ORBAX_LOCK` as they do, so the Orbax work then is theirs),
+    and those made on Orbax's own threads while a resilax store is open (a multi-process
+    save's background write that failed on a full disk names no directory: each of the other
+    processes printed a 50-line traceback while process 0 said the disk was full).
 
     A save that fails there (a full disk) raises in resilax's own wait, as a `StorageError`
     that says what happened and that the committed checkpoints are intact; a restore that
@@ -153,7 +156,9 @@ class _OrbaxOnOwnDirectories(logging.Filter):
         if _in_op[0] <= 0:
             with _DIRS_LOCK:
                 dirs = list(_DIRS)
-            if not any(d in text for d in dirs):
+            # (a save's background write that failed names no directory: on Orbax's own thread
+            # while a resilax store is open, it is that store's save)
+            if not any(d in text for d in dirs) and not (dirs and _orbax_thread()):
                 return True
         log.debug("resilax: Orbax on a resilax checkpoint (resilax raises or reports it): %s", text[:4000])
         return False

@@ -19,10 +19,19 @@ mode (``--no-deterministic``: the default mode, within 1e-4), checkpoints every
   120 s), then both come back;
 - ``lossy``: from the start, one host's link drops 5% of packets each way and is slowed
   (``tc netem`` delay 50 ms where the kernel has it; else a rate limit): no fault time;
+- ``delay``: from the start, every packet one host sends arrives 50 ms late (`NetHosts.delay`:
+  netem, or an NFQUEUE rule at the receivers; no loss): no fault time;
 - ``flap-short`` / ``flap-long``: a host's link and its run-directory view go for half a
   lease / 1.5 leases (at least 2 s / 5 s), then come back;
 - ``skew``: a host's clock (the rendezvous' clock, ``RESILAX_TEST_CLOCK_SKEW_S``) jumps 2.5
-  leases ahead: it must withdraw, not be a second owner of its rank.
+  leases ahead: it must withdraw, not be a second owner of its rank;
+- ``full``: the shared run directory is a file system of its own (a 64 MiB tmpfs, mounted
+  before the hosts start, so each host's mount namespace holds it): it is filled up (one
+  file takes every free byte) until a write fails on it (a save, the record log, a lease),
+  then freed two leases later (no
+  lease can be renewed meanwhile; every agent must wait, none exit). The newest checkpoint
+  committed before the failure is copied aside (``kept_checkpoint``: the caller can restore
+  it) and ``committed_at_fault`` lists the committed ones then.
 
 Per case (JSON ``cases``: ``name``, ``detect_s``, ``back_s``, ``lost_steps``,
 ``generations``, ``ok``, and more): ``detect_s`` the fault -> the first agent ended
@@ -57,7 +66,7 @@ from resilax.tools.bench_multihost import (BenchError, Hang, _back, _committed, 
                                            _topology)
 from resilax.tools.processes import heartbeats
 
-CASES = ("none", "partition", "partition-service", "cut", "lossy", "flap-short", "flap-long", "skew")
+CASES = ("none", "partition", "partition-service", "cut", "lossy", "delay", "flap-short", "flap-long", "skew", "full")
 SOAK_CASES = ("partition", "partition-service", "cut")
 
 
@@ -162,15 +171,31 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
     opts = ["-n", "1", "--devices-per-process", "2", "--lease", str(lease), "--heartbeat", "0.2",
             "--heartbeat-timeout", "10", "--rendezvous-timeout", "120", "--collective-timeout", f"{collective_timeout:g}",
             "--startup-timeout", "120"]
+    res: dict = {"name": case, "detect_s": None, "back_s": None, "lost_steps": 0, "generations": 0, "ok": False}
+    if case == "full":  # (before the hosts start: each host's mount namespace is a copy holding it)
+        run.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(run)], check=True, capture_output=True)
+    try:
+        return _run_case(run, out, cmd, opts, res, case, nodes=nodes, work=work, kill_after=kill_after, lease=lease,
+                         timeout=timeout, hold=hold, lossy_also=lossy_also, ref=ref, tol=tol, log=log)
+    finally:
+        if case == "full":
+            (run / "filler").unlink(missing_ok=True)
+            subprocess.run(["umount", "-l", str(run)], capture_output=True)  # (the files go with it)
+
+
+def _run_case(run, out, cmd, opts, res, case, *, nodes, work, kill_after, lease, timeout, hold, lossy_also, ref, tol,
+              log) -> dict:
     victim = nodes - 1  # never the service host (node 0, the lowest rank, proposes generation 0)
     skew_file = work / "skew"
-    res: dict = {"name": case, "detect_s": None, "back_s": None, "lost_steps": 0, "generations": 0, "ok": False}
     with netns.NetHosts(nodes) as hosts:
         job = Job(hosts, work, cmd, opts, time.time() + timeout)
         try:
             applied = None
             if case == "lossy":
                 applied = hosts.lossy(victim, loss=0.05, delay_ms=50)
+            elif case == "delay":
+                applied = hosts.delay(victim, 50)
             if lossy_also is not None:
                 res["lossy_also"] = f"host {lossy_also}: " + hosts.lossy(lossy_also, loss=0.05, delay_ms=50)
             for r in range(nodes):
@@ -194,6 +219,29 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
             if case == "skew":
                 skew_file.write_text(str(2.5 * lease))
                 log(f"      host {target}'s clock jumps {2.5 * lease:g} s ahead at step {fault_step}")
+            elif case == "full":
+                st = os.statvfs(run)
+                log(f"      the run directory fills up at step {fault_step} ({st.f_bavail * st.f_frsize / 2**20:.1f} MiB "
+                    f"free before: " + subprocess.run(["du", "-sh", *map(str, run.iterdir())], capture_output=True,
+                                                      text=True).stdout.replace("\n", "; ") + ")")
+                _fill(run / "filler")
+                # a worker's write (a save, the record log) or an agent's (its lease) fails first
+                job.wait(lambda: (t := job.text()) and ("the disk is full" in t or "No space left on device" in t),
+                         "a write to fail on the full run directory")
+                t_full = time.time()
+                while time.time() < t_full + 2 * lease:  # two leases: none can be renewed meanwhile
+                    for r, p in job.agents.items():
+                        if p.poll() is not None:
+                            raise BenchError(f"agent {r} exited with {p.returncode} while the run directory was full")
+                    time.sleep(0.1)
+                done = _checkpoints(run)
+                res["committed_at_fault"] = done
+                if done:  # copied aside while the job waits: the caller restores it
+                    shutil.copytree(run / "checkpoints" / str(done[-1]), work / "kept_checkpoint" / str(done[-1]))
+                    res["kept_checkpoint"] = str(work / "kept_checkpoint")
+                (run / "filler").unlink()
+                res["healed_s"] = time.time() - t_fault
+                log(f"      a write failed, the job waits; {res['healed_s']:.1f} s after: freed (committed: {done})")
             elif down is not None:
                 hosts.partition(target)
                 if cut:
@@ -254,6 +302,29 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
             return res
         finally:
             job.close()
+
+
+def _fill(path: pathlib.Path) -> None:
+    """One file takes every free byte of ``path``'s file system (ENOSPC ends it)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    except OSError:  # (full already)
+        return
+    try:
+        for size in (1 << 20, 4096):  # then the last partial megabyte
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def _checkpoints(run: pathlib.Path) -> list[int]:
+    """The committed checkpoints' steps (Orbax commits by renaming ``<step>.orbax-checkpoint-tmp``)."""
+    d = run / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 
 
 def bench_netns(*, steps=40, checkpoint_every=5, kill_after=10, cases=None, soak=0, lease=4.0, timeout=300.0,

@@ -257,9 +257,15 @@ def main(argv=None) -> int:
         return int(args.func(args) or 0)
     except ResilaxError as e:
         print(f"resilax: error: {e}", file=sys.stderr)
+        from resilax._src.runtime import worker
+
+        if worker.collective_broke(e):  # (a save whose collective broke: no waiting on the other processes)
+            worker.exit_after_broken_collective(2)
         return 2
     except Exception as e:
-        where = _peer_broke(e)
+        from resilax._src.runtime import worker
+
+        where = worker.collective_broke(e)
         if where is None:
             raise
         from resilax._src.messages import short_reason
@@ -267,33 +273,8 @@ def main(argv=None) -> int:
         print(f"resilax: this worker's collective with another process broke ({short_reason(where, 300)}); it "
               f"exits for the supervisor to act (`resilax launch` names the process that failed; the traceback: "
               f"{_save_traceback(e)})", file=sys.stderr, flush=True)
+        worker.exit_after_broken_collective(1)
         return 1
-
-
-# what a collective's transport says when a peer process died or hung (gloo on CPU, the
-# coordination service, NCCL/gRPC): the worker's error is then a consequence, not the failure
-_PEER_BROKE = ("gloo", "timed out waiting", "connection reset", "connection closed", "connection refused",
-               "deadline_exceeded", "unavailable:", "heartbeat", "barrier", "nccl", "socket closed")
-
-
-def _peer_broke(e: BaseException) -> str | None:
-    """Under `resilax launch` (a worker of a multi-process job): ``"Type: message"`` of the
-    `JaxRuntimeError` in ``e``'s chain that says a collective's transport broke (another
-    process died or hung: the supervisor names it and acts), else None (any other error is
-    printed as Python prints it: it may be the user's to act on)."""
-    from resilax._src.runtime import worker
-
-    if worker.env() is None:
-        return None
-    import jax
-
-    seen, x = set(), e
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
-        if isinstance(x, jax.errors.JaxRuntimeError) and any(w in str(x).lower() for w in _PEER_BROKE):
-            return f"{type(x).__name__}: {x}"
-        x = x.__cause__ or x.__context__
-    return None
 
 
 def _save_traceback(e: BaseException) -> str:

@@ -19,6 +19,9 @@ Faults, from outside the host (its processes keep running):
   loss is an nftables rule in the host's namespace (``numgen random``, both directions) and
   the delay is a token-bucket rate limit (``tc tbf``; queueing delay under load, not a fixed
   one): `lossy` returns what it applied;
+- `delay` / `clear`: a fixed delay on every packet the host sends: ``tc netem`` where the
+  kernel has it; else an iptables ``NFQUEUE`` rule and `nfq_delay` in each other host's
+  namespace, which holds each packet from it that long where it arrives (needs ``iptables``);
 - `cut_run_dir` / `restore_run_dir`: the host's view of a directory (the run directory)
   replaced by an empty tmpfs in its mount namespace, and given back: a host cut off its
   shared storage whose writes land nowhere the others see.
@@ -131,6 +134,7 @@ class NetHosts:
         self.etc = pathlib.Path(tempfile.mkdtemp(prefix=f"{self.base}-etc-", dir="/run"))
         self._made: list[tuple[str, str]] = []
         self._lossy: dict[int, str] = {}
+        self._delays: dict[int, list[subprocess.Popen]] = {}  # `delay`'s nfq_delay processes, per delayed host
         try:
             self._setup()
         except BaseException:
@@ -179,9 +183,9 @@ class NetHosts:
         ``shared``: directories under ``/tmp`` or ``/dev/shm`` that stay the shared ones (the
         run directory), bound back over the private tmpfs."""
         keep = _kept(shared)
-        stash = "".join(f"mkdir -p /run/{self.base}-{i}-{k} && mount --bind {d} /run/{self.base}-{i}-{k} && "
+        stash = "".join(f"mkdir -p /run/{self.base}-{i}-{k} && mount --rbind {d} /run/{self.base}-{i}-{k} && "
                         for k, d in enumerate(keep))
-        back = "".join(f"mkdir -p {d} && mount --bind /run/{self.base}-{i}-{k} {d} && " for k, d in enumerate(keep))
+        back = "".join(f"mkdir -p {d} && mount --rbind /run/{self.base}-{i}-{k} {d} && " for k, d in enumerate(keep))
         script = (f"mount --make-rprivate / && {stash}mount -t tmpfs -o size=2g tmpfs /dev/shm && "
                   f"mount -t tmpfs tmpfs /tmp && {back}"
                   f"mount --bind {self.etc / f'hosts{i}'} /etc/hosts && hostname {self.hostname(i)} && "
@@ -229,12 +233,55 @@ class NetHosts:
         self._lossy[i] = how
         return how
 
+    def delay(self, i: int, delay_ms: float = 50.0) -> str:
+        """Every packet host ``i`` sends arrives ``delay_ms`` late (as netem's delay on its
+        link's sending side); returns what was applied. ``tc netem`` where the kernel has it;
+        else, in every other host's namespace, an iptables ``NFQUEUE`` rule on the packets
+        from host ``i`` and `nfq_delay`, which holds each one's verdict ``delay_ms`` (all of
+        them: handshakes, acknowledgements, retransmissions). The packets are held where they
+        arrive, not where they leave: a sender's packet held in its own output path still
+        counts against TCP's small-queue limit, which then let 2 packets through per delay
+        (60 kB/s). Raises `NetnsError` when neither is available."""
+        dev, ns = self._dev(i), self.ns(i)
+        if netem_available():
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay",
+                 f"{delay_ms:g}ms")
+            return f"tc netem: delay {delay_ms:g} ms"
+        if shutil.which("iptables") is None:
+            raise NetnsError("resilax netns: no tc netem in this kernel and no 'iptables' for an NFQUEUE delay "
+                             "(apt-get install iptables)")
+        import sys
+
+        for j in range(self.n):
+            if j == i:
+                continue
+            proc = subprocess.Popen(["ip", "netns", "exec", self.ns(j), sys.executable, "-m", "resilax.tools.nfq_delay",
+                                     "--queue", str(i), "--delay-ms", f"{delay_ms:g}"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            ready = proc.stdout.readline().strip()  # (it prints "ready" once bound, or exits saying why)
+            if ready != "ready":
+                proc.kill()
+                raise NetnsError(f"resilax netns: the NFQUEUE delay did not start: {proc.stderr.read().strip()}")
+            self._delays.setdefault(i, []).append(proc)
+            # --queue-bypass: were the program gone, packets pass undelayed rather than dropped
+            _run("ip", "netns", "exec", self.ns(j), "iptables", "-A", "INPUT", "-s", self.address(i), "-j", "NFQUEUE",
+                 "--queue-num", str(i), "--queue-bypass")
+        return f"iptables NFQUEUE + nfq_delay at the receivers: every packet host {i} sends arrives {delay_ms:g} ms late"
+
     def clear(self, i: int) -> None:
-        """Removes `lossy`'s rules from host ``i``'s link."""
+        """Removes `lossy`'s and `delay`'s rules from host ``i``'s link."""
         ns = self.ns(i)
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", self._dev(i), "root", check=False)
         _run("ip", "netns", "exec", ns, "nft", "delete", "table", "inet", f"{PREFIX}loss", check=False)
         self._lossy.pop(i, None)
+        procs = self._delays.pop(i, [])
+        for j in range(self.n) if procs else ():
+            if j != i:
+                _run("ip", "netns", "exec", self.ns(j), "iptables", "-D", "INPUT", "-s", self.address(i), "-j",
+                     "NFQUEUE", "--queue-num", str(i), "--queue-bypass", check=False)
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
     def cut_run_dir(self, i: int, path, pid: int) -> None:
         """Replaces ``path`` by an empty tmpfs in the mount namespace of process ``pid`` (of host
@@ -247,6 +294,10 @@ class NetHosts:
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
         """Kills every process in the hosts' namespaces, removes the namespaces, links and bridge."""
+        for proc in (p for ps in self._delays.values() for p in ps):  # (in a namespace: killed below too)
+            proc.kill()
+            proc.wait()
+        self._delays = {}
         for kind, name in reversed(self._made):
             if kind == "netns":
                 _kill_ns(name)

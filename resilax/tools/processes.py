@@ -163,7 +163,7 @@ class Output(threading.Thread):
 
         marker = LOG_SWITCH.encode()
         prefix, path = self._label
-        log = open(path, "ab")
+        log = self._open(path)
         try:
             for line in iter(self.proc.stdout.readline, b""):
                 if line.endswith(marker):
@@ -174,19 +174,51 @@ class Output(threading.Thread):
                             self._label = self._next.pop(0)
                     prefix, new = self._label
                     if new != path:
-                        log.close()
-                        log, path = open(new, "ab"), new
+                        self._close(log)
+                        log, path = self._open(new), new
                     continue
                 self._write(log, prefix, line)
         finally:
-            log.close()
+            self._close(log)
 
-    @staticmethod
-    def _write(log, prefix: str, line: bytes):
+    _log_failed = False  # said once per forwarder that the log file cannot be written
+
+    def _open(self, path):
+        try:
+            return open(path, "ab")
+        except OSError as e:
+            self._cannot_log(path, e)
+            return None
+
+    def _close(self, log):
+        if log is not None:
+            try:
+                log.close()
+            except OSError:  # (the unflushed tail was already reported by _write)
+                pass
+
+    def _cannot_log(self, path, e: OSError):
+        # A full, read-only or cut-off run directory: the output still goes to this agent's
+        # output, and the child's pipe is still drained (a forwarder that died of the error
+        # left the child blocked writing to a full pipe).
+        if not self._log_failed:
+            self._log_failed = True
+            try:
+                sys.stdout.write(f"{self._label[0]}resilax launch: cannot write this process's log {path} ({e}); its "
+                                 f"output goes on here only\n")
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _write(self, log, prefix: str, line: bytes):
         if not line:
             return
-        log.write(line)
-        log.flush()
+        if log is not None:
+            try:
+                log.write(line)
+                log.flush()
+            except OSError as e:
+                self._cannot_log(getattr(log, "name", "?"), e)
         text = line.decode(errors="replace")
         try:  # an unterminated line (a child killed mid-line) must not swallow the next one written here
             sys.stdout.write(prefix + text + ("" if text.endswith("\n") else "\n"))

@@ -42,11 +42,13 @@ ones after the restored checkpoint; steps after it are trained again from the da
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import pathlib
 import queue
+import shutil
 import struct
 import threading
 import time
@@ -58,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resilax._src.errors import ReplayLogError, StorageError
+from resilax._src.errors import ReplayLogError, StorageError, _is_disk_full
 
 MAGIC = b"RXLOG01\n"
 FORMAT = 1
@@ -520,6 +522,14 @@ class DiskLog:
                 self.sync()
         except Exception as e:
             where = str(self.directory / entry_name(step, kind))
+            if _is_disk_full(e):  # (tensorstore says RESOURCE_EXHAUSTED, with a page of spec)
+                try:
+                    free = shutil.disk_usage(self.directory).free
+                except OSError:
+                    free = 0
+                raise StorageError(errno.ENOSPC, f"resilax replay log: writing entry {step} ({kind}) to {where!r} "
+                                   f"failed: the disk is full ({free} bytes free); the entries written before and "
+                                   f"the committed checkpoints are intact") from e
             raise StorageError(f"resilax replay log: writing entry {step} ({kind}) to {where!r} failed: {e}") from e
         for kind, data in files:
             self.bytes_written[kind] += len(data)

@@ -736,6 +736,49 @@ def exit_if_shrunk(code: int) -> None:
     os._exit(code)
 
 
+# what a collective's transport says when a peer process died, hung or is cut off (gloo on CPU,
+# the coordination service, NCCL/gRPC): the worker's error is then a consequence, not the failure
+_PEER_BROKE = ("gloo", "timed out waiting", "connection reset", "connection closed", "connection refused",
+               "deadline_exceeded", "unavailable:", "heartbeat", "barrier", "nccl", "socket closed")
+
+
+def collective_broke(e: BaseException) -> str | None:
+    """Under `resilax launch`: ``"Type: message"`` of the `JaxRuntimeError` in ``e``'s chain
+    that says a collective's transport broke (another process died, hung or is cut off: the
+    supervisor names it and acts), else None (also outside a launch: any other error may be
+    the user's to act on)."""
+    if env() is None:
+        return None
+    import jax
+
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, jax.errors.JaxRuntimeError) and any(w in str(x).lower() for w in _PEER_BROKE):
+            return f"{type(x).__name__}: {x}"
+        x = x.__cause__ or x.__context__
+    return None
+
+
+def exit_after_broken_collective(code: int) -> None:
+    """Ends this worker now (``os._exit``) after its collective with another process broke
+    and its outputs are written (`ResilientStep.close` ran): says ``exiting`` in the
+    heartbeat first. A normal exit joins every non-daemon thread, and Orbax's commit thread of
+    the checkpoint in flight (``async_save``) waits at a barrier that needs every process:
+    across a partition it waited until the link came back (8 s and more after the collective
+    had timed out, TCP's retransmission back-off included), and the interpreter's teardown
+    then waited for the coordination client's shutdown against a service it could not reach
+    (1-5 s). The supervisor acts once the worker exits, so both delayed detection."""
+    stuck = [t.name for t in threading.enumerate()
+             if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if stuck:
+        say(f"exiting without waiting for thread(s) {stuck}: they wait on the other processes")
+    exiting()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def is_primary() -> bool:
     """True in the process that writes job-wide outputs (the lowest live process id), or
     outside a launch."""
