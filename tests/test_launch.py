@@ -410,7 +410,8 @@ from resilax._src.runtime import worker
 was_spare = worker.is_spare()
 if was_spare:
     print("warm and waiting", flush=True)
-e = worker.wait_for_assignment(prefetch=False)
+from resilax._src.runtime import spares
+e = spares.wait_for_assignment(prefetch=False)
 assert worker.env() == e and os.environ["RESILAX_PROCESS_ID"] == str(e.process_id) and not worker.is_spare()
 print(f"assigned: g{e.generation} p{e.process_id}", flush=True)
 hb = worker._Heartbeat(e)
@@ -549,7 +550,9 @@ def test_a_standby_process_that_fails_before_its_go_leaves_the_runs_goodput_alon
     step.close()
     assert not (tmp_path / "goodput.json").exists()
     worker._state.pop("standby")
-    step._save_goodput()
+    from resilax._src.step import saving
+
+    saving.save_goodput(step)
     assert (tmp_path / "goodput.json").exists()
 
 

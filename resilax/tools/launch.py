@@ -81,7 +81,7 @@ from resilax._src.io import write_json
 from resilax._src.protect import hoststore_files
 from resilax._src.runtime import membership, rendezvous
 from resilax._src.runtime.worker import LaunchEnv
-from resilax.tools import processes
+from resilax.tools import processes, standby
 from resilax.tools.processes import (HEARTBEATS, Output, SparePool, WorkerProcess, exit_reason, heartbeat_file,
                                      popen, read_json, say, stop_all)
 
@@ -278,73 +278,15 @@ class Supervisor:
             slots=",".join(map(str, slots)) if smaller else "", num_slots=self.n if smaller else 0)
 
     # ------------------------------------------------------------------ the standby generation
+    # ------------------------------------------------------------------ a standby generation (`standby`)
     def _tend_standby(self, now: float):
-        """Drops a standby generation that cannot serve; starts one (generation g+1, all -n
-        processes) with generation 0, and after a recovery once every worker of generation g
-        has completed a step (it must not take CPU from a recovering generation), none is
-        dead, and no SIGTERM is being handled."""
-        from resilax._src.runtime import jaxdist
-        from resilax.tools.standby import StandbyGeneration
-
-        sb = self._standby
-        if sb is not None:
-            why = sb.broken(now, self.heartbeat_timeout_s, self.startup_timeout_s)
-            if why is None and sb.generation == self.generation + 1:
-                return
-            self._drop_standby(why or f"it was readied for generation {sb.generation}, the next is "
-                                      f"{self.generation + 1}", failed=why is not None)
-            return
-        not_before, _ = self._standby_backoff
-        if self._term is not None or now < not_before or len(self.workers) != self.n or any(
-                w.proc.poll() is not None for w in self.workers) or not processes.generation_settled(
-                self.workers, self.generation == 0, self._t_gen, self.startup_timeout_s, now):
-            return  # (with generation 0 at once, as spares: no progress to win back yet)
-        self._standby_count += 1
-        k, g = self._standby_count, self.generation + 1
-        port = free_port()
-        service = jaxdist.start_service(port, self.n, heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
-        envs = [self._env(g, i, port, list(range(self.n)),
-                          heartbeat=str(StandbyGeneration.heartbeat_file(self.run_dir, k, i))) for i in range(self.n)]
-        self._standby = StandbyGeneration(k, g, service, port, envs, self._popen, self.run_dir)
-        self._write_processes("running")
-        say(f"standby generation {k} for generation {g}: {self.n} processes set up ahead on 127.0.0.1:{port}, pids "
-            f"{[p.pid for p, *_ in self._standby.procs]}")
+        standby.tend(self, now)
 
     def _drop_standby(self, why: str, failed: bool = False):
-        sb, self._standby = self._standby, None
-        if sb is None:
-            return
-        sb.drop()
-        if failed:  # back off: 2, 4, ... up to 60 s before the next one
-            n = self._standby_backoff[1] + 1
-            self._standby_backoff = (time.time() + min(60.0, 2.0 ** n), n)
-        say(f"standby generation {sb.index} dropped: {why}")
-        self._write_processes("running")
+        standby.drop(self, why, failed)
 
     def _take_standby(self, carry, m: int) -> bool:
-        """Makes the parked standby generation generation ``self.generation`` (path B with all
-        -n processes, and it is parked); else drops it (it would take CPU from the new
-        generation's set-up). Returns whether it was taken."""
-        sb = self._standby
-        if sb is None:
-            return False
-        if carry or m != self.n or sb.generation != self.generation or not sb.ready(self.heartbeat_timeout_s):
-            self._drop_standby("not parked when generation " f"{self.generation} was needed" if carry is None and
-                               m == self.n else f"generation {self.generation} re-forms instead")
-            return False
-        g = self.generation
-        self._standby, self._service = None, sb.service
-        self._standby_backoff = (0.0, 0)
-        self.workers, self.departed, self.epoch = [], [], 0
-        (self.run_dir / membership.MEMBERSHIP_JSON).unlink(missing_ok=True)
-        envs = [self._env(g, i, sb.port, self.slots) for i in range(m)]
-        self.workers = sb.take(envs, lambda i: f"[g{g} p{i}] ", lambda i: self.run_dir / "logs" / f"g{g}.p{i}.log")
-        self._t_gen = time.time()
-        self._write_processes("running")
-        say(f"generation {g}: {m} workers x {self.k} devices, coordinator 127.0.0.1:{sb.port}, pids "
-            f"{[w.proc.pid for w in self.workers]}: standby generation {sb.index} (set up ahead) told to go"
-            + (f" from host-store step {self.store_step}" if self.store_step is not None else ""))
-        return True
+        return standby.take(self, carry, m)
 
     def _popen(self, env: dict):
         return popen(self.cmd, env)  # (`processes.popen`: from the main thread only)

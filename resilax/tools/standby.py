@@ -25,9 +25,11 @@ from __future__ import annotations
 import pathlib
 import time
 
-from resilax._src.runtime import worker
+from resilax._src.runtime import membership, worker
+from resilax._src.runtime.rendezvous import free_port
 from resilax._src.runtime.worker import LaunchEnv
-from resilax.tools.processes import HEARTBEATS, SPARES, Output, WorkerProcess, exit_reason, hand_place, read_json, \
+from resilax.tools import processes
+from resilax.tools.processes import HEARTBEATS, SPARES, Output, WorkerProcess, exit_reason, hand_place, read_json, say, \
     stop_all
 
 
@@ -122,3 +124,72 @@ class _Proc:  # what `stop_all` needs of a process
         from resilax.tools.processes import kill_group
 
         kill_group(self.proc)
+
+
+# ---------------------------------------------------------------- the supervisor's side (`launch.Supervisor`)
+def tend(sup, now: float):
+    """Drops a standby generation that cannot serve; starts one (generation g+1, all -n
+    processes) with generation 0, and after a recovery once every worker of generation g
+    has completed a step (it must not take CPU from a recovering generation), none is
+    dead, and no SIGTERM is being handled."""
+    from resilax._src.runtime import jaxdist
+
+    sb = sup._standby
+    if sb is not None:
+        why = sb.broken(now, sup.heartbeat_timeout_s, sup.startup_timeout_s)
+        if why is None and sb.generation == sup.generation + 1:
+            return
+        drop(sup, why or f"it was readied for generation {sb.generation}, the next is "
+                                  f"{sup.generation + 1}", failed=why is not None)
+        return
+    not_before, _ = sup._standby_backoff
+    if sup._term is not None or now < not_before or len(sup.workers) != sup.n or any(
+            w.proc.poll() is not None for w in sup.workers) or not processes.generation_settled(
+            sup.workers, sup.generation == 0, sup._t_gen, sup.startup_timeout_s, now):
+        return  # (with generation 0 at once, as spares: no progress to win back yet)
+    sup._standby_count += 1
+    k, g = sup._standby_count, sup.generation + 1
+    port = free_port()
+    service = jaxdist.start_service(port, sup.n, heartbeat_timeout_s=sup.jax_heartbeat_timeout_s)
+    envs = [sup._env(g, i, port, list(range(sup.n)),
+                      heartbeat=str(StandbyGeneration.heartbeat_file(sup.run_dir, k, i))) for i in range(sup.n)]
+    sup._standby = StandbyGeneration(k, g, service, port, envs, sup._popen, sup.run_dir)
+    sup._write_processes("running")
+    say(f"standby generation {k} for generation {g}: {sup.n} processes set up ahead on 127.0.0.1:{port}, pids "
+        f"{[p.pid for p, *_ in sup._standby.procs]}")
+
+def drop(sup, why: str, failed: bool = False):
+    sb, sup._standby = sup._standby, None
+    if sb is None:
+        return
+    sb.drop()
+    if failed:  # back off: 2, 4, ... up to 60 s before the next one
+        n = sup._standby_backoff[1] + 1
+        sup._standby_backoff = (time.time() + min(60.0, 2.0 ** n), n)
+    say(f"standby generation {sb.index} dropped: {why}")
+    sup._write_processes("running")
+
+def take(sup, carry, m: int) -> bool:
+    """Makes the parked standby generation generation ``sup.generation`` (path B with all
+    -n processes, and it is parked); else drops it (it would take CPU from the new
+    generation's set-up). Returns whether it was taken."""
+    sb = sup._standby
+    if sb is None:
+        return False
+    if carry or m != sup.n or sb.generation != sup.generation or not sb.ready(sup.heartbeat_timeout_s):
+        drop(sup, "not parked when generation " f"{sup.generation} was needed" if carry is None and
+                           m == sup.n else f"generation {sup.generation} re-forms instead")
+        return False
+    g = sup.generation
+    sup._standby, sup._service = None, sb.service
+    sup._standby_backoff = (0.0, 0)
+    sup.workers, sup.departed, sup.epoch = [], [], 0
+    (sup.run_dir / membership.MEMBERSHIP_JSON).unlink(missing_ok=True)
+    envs = [sup._env(g, i, sb.port, sup.slots) for i in range(m)]
+    sup.workers = sb.take(envs, lambda i: f"[g{g} p{i}] ", lambda i: sup.run_dir / "logs" / f"g{g}.p{i}.log")
+    sup._t_gen = time.time()
+    sup._write_processes("running")
+    say(f"generation {g}: {m} workers x {sup.k} devices, coordinator 127.0.0.1:{sb.port}, pids "
+        f"{[w.proc.pid for w in sup.workers]}: standby generation {sb.index} (set up ahead) told to go"
+        + (f" from host-store step {sup.store_step}" if sup.store_step is not None else ""))
+    return True

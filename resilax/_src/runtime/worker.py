@@ -266,140 +266,13 @@ class _Heartbeat:
         self._stop.set()
 
 
-class _SpareHeartbeat(threading.Thread):
-    """A spare's heartbeat: ``{"pid", "spare", "t", "phase"}`` with phase ``warming`` (importing)
-    then ``spare`` (ready for an assignment); the supervisor kills a spare whose file goes stale."""
-
-    def __init__(self, path: str, every_s: float):
-        super().__init__(name="resilax-spare-heartbeat", daemon=True)
-        self.path, self.every_s, self.phase = path, every_s, "warming"
-        self._halt = threading.Event()
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.beat()
-        self.start()
-
-    def beat(self):
-        tmp = f"{self.path}.{threading.get_ident()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"pid": os.getpid(), "spare": os.environ.get(SPARE_ENV), "t": time.time(),
-                                "phase": self.phase}))
-        os.replace(tmp, self.path)
-
-    def run(self):
-        while not self._halt.wait(self.every_s):
-            try:
-                self.beat()
-            except OSError:
-                pass
-
-    def stop(self):
-        self._halt.set()
-
-
-# Imported ahead by a spare: what a worker imports between joining and its first step. None
-# of these starts a JAX backend (that waits for jax_num_cpu_devices and the client).
-PREFETCH = ("jax", "jax.numpy", "jax.experimental.multihost_utils", "numpy", "orbax.checkpoint", "tensorstore",
-            "flax.linen", "optax", "resilax", "resilax._src.step.driver", "resilax.tools.runner",
-            "resilax.tools.example")
-
-
-def _prefetch() -> None:
-    import importlib
-
-    for name in PREFETCH:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass  # what the command cannot import it will not need (or will fail on after assignment)
-    from resilax._src.runtime import jaxdist
-
-    jaxdist.check()  # its JaxAssumptionError now rather than after the assignment
-    if jaxdist.backends_initialized():
-        from resilax._src.errors import ResilaxError
-
-        raise ResilaxError("resilax launch spare: JAX's backends already exist in this spare (some JAX call ran "
-                           "before resilax.launched.initialize()), so it cannot take a place in the job")
-
-
-def wait_for_assignment(prefetch: bool = True, poll_s: float = 0.01) -> LaunchEnv | None:
-    """In a spare: imports ahead (``prefetch``), reports ``spare`` in its heartbeat and blocks
-    until the supervisor writes its assignment; then sets the ``RESILAX_*`` variables to it
-    and returns it. Elsewhere: `env()` (no wait). `initialize` calls this first.
-
-    Raises:
-      ResilaxError: the assignment file is not a LaunchEnv, or JAX started in this spare.
-    """
-    if not is_spare():
-        return env()
-    path = os.environ[SPARE_ENV]
-    hb = _SpareHeartbeat(os.environ[SPARE_HEARTBEAT_ENV], float(os.environ.get(SPARE_HEARTBEAT_S_ENV, "0.5")))
-    try:
-        if prefetch:
-            _prefetch()
-        hb.phase = "spare"
-        hb.beat()
-        e = _await_assignment(path, "the assignment", poll_s=poll_s)
-        hb.phase = "assigned"
-        hb.beat()
-    finally:
-        hb.stop()
-    _switch_log()
-    os.environ.update(e.to_env())  # child code (and LaunchEnv.from_env) sees the assigned place
-    os.environ.pop(SPARE_ENV, None)
-    _state["assigned"] = e
-    return e
-
-
-def _switch_log() -> None:
-    """Marks, in this process's output, where the lines of its new place begin (`LOG_SWITCH`):
-    what Python buffered is flushed first, so that it lands in the old log."""
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    try:
-        os.write(1, LOG_SWITCH.encode())
-    except OSError:
-        pass
-
-
-def _await_assignment(path: str, what: str, *, poll_s: float = 0.01, timeout_s: float | None = None,
-                      beat=None) -> LaunchEnv:
-    """Waits for the supervisor to write ``path`` (whole: temporary file + rename) and reads
-    the `LaunchEnv` in it; ``beat()`` is called while waiting.
-
-    Raises:
-      ResilaxError: nothing within ``timeout_s`` (None: no limit), or not a LaunchEnv's JSON.
-    """
-    from resilax._src.errors import ResilaxError
-
-    deadline = None if timeout_s is None else time.time() + timeout_s
-    while True:
-        try:
-            with open(path) as f:
-                raw = f.read()
-            break
-        except FileNotFoundError:
-            if deadline is not None and time.time() > deadline:
-                raise ResilaxError(f"resilax launch: {what} {path} did not come within {timeout_s:g} s") from None
-            if beat is not None:
-                beat()
-            time.sleep(poll_s)
-    try:
-        d = json.loads(raw)
-    except ValueError as err:
-        raise ResilaxError(f"resilax launch: {what} {path} is not JSON: {err}") from err
-    return LaunchEnv.from_dict(d, f"{what} {path}")
-
-
 _state: dict = {}
 _lock = threading.Lock()
 
 
 def initialize() -> LaunchEnv | None:
     """Joins the job `resilax launch` set up (idempotent); None outside `resilax launch`. In a
-    spare it first waits for the assignment (`wait_for_assignment`).
+    spare it first waits for the assignment (`spares.wait_for_assignment`).
 
     Raises:
       ResilaxError: JAX already started in this process, the service cannot be reached,
@@ -408,7 +281,9 @@ def initialize() -> LaunchEnv | None:
     with _lock:
         if "env" in _state:
             return _state["env"]
-        e = wait_for_assignment()  # a spare waits here for its place in the job
+        from resilax._src.runtime import spares
+
+        e = spares.wait_for_assignment()  # a spare waits here for its place in the job
         if e is None:
             return None
         from resilax._src.runtime import jaxdist
@@ -455,19 +330,20 @@ def standby_wait() -> LaunchEnv | None:
     if path is None:
         return None
     from resilax._src.errors import ResilaxError
+    from resilax._src.runtime import spares
 
     hb, e = _state["hb"], _state["env"]
     hb.phase = "standby"
     hb.marks["parked"] = time.time()
     hb.beat()
-    new = _await_assignment(path, "the standby generation's go", poll_s=0.01)
+    new = spares.await_assignment(path, "the standby generation's go", poll_s=0.01)
     same = ("coordinator", "process_id", "num_processes", "generation", "devices_per_process", "run_dir", "slots")
     moved = [f for f in same if getattr(new, f) != getattr(e, f)]
     if moved:
         raise ResilaxError(f"resilax launch --standby: the go file {path} moves this process to another place "
                            f"({', '.join(f'{f} {getattr(e, f)!r} -> {getattr(new, f)!r}' for f in moved)}); a standby "
                            f"process stays attached where it is")
-    _switch_log()
+    spares.switch_log()
     os.environ.update(new.to_env())
     os.environ.pop(STANDBY_ENV, None)
     with _lock:
@@ -648,10 +524,12 @@ def reattach() -> LaunchEnv:
     _reset_orbax_process_state()
     hb.stop()
     # beating while it waits: the supervisor tells a waiting worker from a dead one
-    new = _await_assignment(membership.reform_assignment(e.run_dir, e.generation + 1, e.process_id),
+    from resilax._src.runtime import spares
+
+    new = spares.await_assignment(membership.reform_assignment(e.run_dir, e.generation + 1, e.process_id),
                             f"the re-form assignment for generation {e.generation + 1}", poll_s=0.02,
                             timeout_s=e.init_timeout_s, beat=hb.beat)
-    _switch_log()
+    spares.switch_log()
     os.environ.update(new.to_env())
     with _lock:
         _state.clear()

@@ -14,6 +14,9 @@ once, when the backend starts: setting it later in a process changes nothing.
 
 from __future__ import annotations
 
+import os
+import warnings
+
 FLAG = "--xla_gpu_deterministic_ops"
 
 # what becomes "within tolerance" instead of bitwise without the flag
@@ -50,3 +53,15 @@ def determinism_warning(platform: str, xla_flags: str | None) -> str | None:
             f"reductions are not deterministic and these promises hold within tolerance (rounding, growing over "
             f"steps) instead of bitwise: {'; '.join(PROMISES)}. Set XLA_FLAGS='{FLAG}=true' before JAX starts "
             f"(`resilax train` and `resilax launch` do it for their workers)")
+
+
+_gpu_warned = False
+
+
+def warn_once_nondeterministic(platform: str) -> None:
+    """Once per process: a GPU run without deterministic XLA is not bitwise (`determinism_warning`)."""
+    global _gpu_warned
+    msg = determinism_warning(platform, os.environ.get("XLA_FLAGS", ""))
+    if msg is not None and not _gpu_warned:
+        _gpu_warned = True
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)

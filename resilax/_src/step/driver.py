@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 import warnings
 from typing import Any, Callable
@@ -36,7 +35,7 @@ from resilax._src.protect.sdc import SdcCheck
 from resilax._src.runtime import fence, membership, worker
 from resilax._src.runtime import xlaflags as _xlaflags
 from resilax._src.runtime.faults import FaultPlan
-from resilax._src.runtime.goodput import GOODPUT_FILE, GoodputFileError, GoodputRecorder, load_goodput
+from resilax._src.runtime.goodput import GoodputRecorder
 from resilax._src.runtime.topology import Topology
 from resilax._src.step import in_place
 from resilax._src.step import preemption as _preemption
@@ -44,21 +43,9 @@ from resilax._src.step import resume as _resume
 from resilax._src.step import saving as _saving
 from resilax._src.step import sharding as _sh
 from resilax._src.step.program import REDUCTIONS, Program
-from resilax._src.step.programs import Programs, check_step, make, program_spec
+from resilax._src.step.programs import Programs, build_standby, check_step, make, program_spec
 from resilax._src.step.recovery import Recovery
 from resilax._src.step.split import Split
-
-
-_gpu_warned = False
-
-
-def _warn_nondeterministic_gpu(platform: str) -> None:
-    """Once per process: a GPU run without deterministic XLA is not bitwise (runtime/xlaflags.py)."""
-    global _gpu_warned
-    msg = _xlaflags.determinism_warning(platform, os.environ.get("XLA_FLAGS", ""))
-    if msg is not None and not _gpu_warned:
-        _gpu_warned = True
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
 def wrap(
@@ -177,7 +164,7 @@ class ResilientStep:
         self.step = 0
         self.mesh = None
         self._program: Program | None = None
-        self._warm: Program | None = None  # built before its first batch (a standby generation: `_build_standby`)
+        self._warm: Program | None = None  # built before its first batch (a standby generation: `programs.build_standby`)
         self.events: list[Event] = []
         self._live = None
         self._guard = None
@@ -218,7 +205,7 @@ class ResilientStep:
                 f"resilax.wrap: topology {topology.name!r} has one failure domain, so there are no peers to hold "
                 f"copies of the state; losing it is recoverable only from checkpoints (+ the record log)",
                 RuntimeWarning, stacklevel=3)
-        _warn_nondeterministic_gpu(topology.platform)
+        _xlaflags.warn_once_nondeterministic(topology.platform)
 
     # ================================================================ set-up
     @property
@@ -265,14 +252,11 @@ class ResilientStep:
         self._guard = None
         if cfg.anomaly is not None:
             self._guard = _sh.put(_anomaly.init_guard(cfg.anomaly), NamedSharding(self.mesh, P()))
-        if worker.is_standby():
-            # a process of a standby generation (`resilax launch --standby`): build the programs
-            # now, then wait for the generation it stands by for to fail; nothing above touched
-            # the job's checkpoints or host stores, everything below may
-            self._warm, sums = self._build_standby(state, data)
+        sums = None
+        if worker.is_standby():  # (`resilax launch --standby`): programs now, then wait for the go;
+            # nothing above touched the job's checkpoints or host stores, everything below may
+            self._warm, sums = build_standby(self, state, data)
             worker.standby_wait()
-        else:
-            sums = None
         if cfg.checkpoint is not None:
             self._ckpt = Checkpoints(cfg.checkpoint)
             if sums is not None:
@@ -304,7 +288,7 @@ class ResilientStep:
         self._data_position = encode_data_state(data.get_state()) if data is not None else None
         state = _resume.replay_disk_log(self, state, self._first_program)
         if self.step > 0:
-            self._continue_goodput()
+            _saving.continue_goodput(self)
         fence.record_resume(job, self.step)  # across hosts: older generations' later checkpoints are fenced off
         # the plan on a restart: what belongs before this step is done (faults.py)
         self._faults.resume(self.step, self.run_dir or cfg.log_directory, jax.process_index())
@@ -315,43 +299,14 @@ class ResilientStep:
 
     def _abstract_guard(self, mesh):
         """The anomaly detector's state as abstract arrays replicated on ``mesh`` (None without one)."""
-        if self.config.anomaly is None:
-            return None
-        rep = NamedSharding(mesh, P())
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                            _anomaly.abstract_guard(self.config.anomaly))
+        return None if self.config.anomaly is None else _sh.replicated(_anomaly.abstract_guard(self.config.anomaly), mesh)
 
     # ---------------------------------------------------------------- programs
-    def _build_standby(self, state, data):
-        """A standby process's programs, built before it is told to go: ``(program, (abstract,
-        checksum program) or None)``. The first batch's shapes come from ``data`` (one batch
-        read, then its position set back; the restore sets it again anyway); without
-        ``data`` no step program is built (the first call builds it, as in a fresh process).
-        Also compiles the update that keeps its input (the first save after the resume uses
-        it) and, with checkpoints, the checksum program of the state (the record log's
-        anchor at the start and every save use it)."""
-        sums = None
-        if self.config.checkpoint is not None:
-            from resilax._src.protect.checkpoints import abstract_of
-            from resilax._src.protect.checksum import anchor_tree, tree_checksums
-
-            abstract = abstract_of(anchor_tree(_sh.abstract(state, self._state_sh), self._guard))
-            sums = (abstract, tree_checksums.lower(abstract).compile())
-        prog = None
-        if data is not None:
-            pos = data.get_state()
-            batch = next(data)
-            data.set_state(pos)
-            prog = self._first_program(_sh.abstract(batch))
-            prog.update(None, keep_input=True)
-        worker.mark("programs")
-        return prog, sums
-
     def _first_program(self, abstract_batch) -> Program:
         """The full mesh's program; validates the step against the state and batch. A program
-        built ahead for the same batch shapes (`_build_standby`) is taken instead."""
+        built ahead for the same batch shapes (`programs.build_standby`) is taken instead."""
         warm, self._warm = self._warm, None
-        if warm is not None and _same_abstract(warm.spec.abstract_batch, abstract_batch):
+        if warm is not None and _sh.same_abstract(warm.spec.abstract_batch, abstract_batch):
             return warm
         spec = program_spec(self.config, self.topology, self._split, self._state_spec, self._batch_spec,
                             self._abstract_state, abstract_batch, self._reductions)
@@ -678,7 +633,7 @@ class ResilientStep:
     def save(self, state=None) -> float:
         """Checkpoints the live state as step ``self.step`` (async); returns seconds blocked."""
         dt, self._keep_input = _saving.save(self, self._live if state is None else state, self._recover,
-                                            self._save_goodput)
+                                            lambda: _saving.save_goodput(self))
         return dt
 
     @property
@@ -698,30 +653,6 @@ class ResilientStep:
     def goodput(self) -> dict[str, float]:
         """Seconds of wall time (since `wrap`) per bucket; they sum to the wall time."""
         return self._goodput_recorder.totals()
-
-    def _continue_goodput(self) -> None:
-        """A resumed run: the goodput.json that the processes before this one saved in the run
-        directory is kept as their part of the run (`GoodputRecorder.continue_from`), so
-        ``resilax report`` covers the whole run. A damaged file is reported and left out."""
-        if not self.run_dir or not os.path.exists(os.path.join(self.run_dir, GOODPUT_FILE)):
-            return
-        try:
-            prev = load_goodput(self.run_dir)
-        except GoodputFileError as e:
-            warnings.warn(f"resilax: the run's earlier goodput is left out of its report: {e}", RuntimeWarning,
-                          stacklevel=3)
-            return
-        self._goodput_recorder.continue_from(prev)
-
-    def _save_goodput(self) -> None:
-        if not self.run_dir or worker.is_standby():
-            return  # (a standby process that failed before its go: the run's goodput is the live generation's)
-        try:
-            self._goodput_recorder.save(self.run_dir)
-        except OSError as e:
-            if not self._goodput_warned:
-                self._goodput_warned = True
-                warnings.warn(f"resilax: could not write goodput.json to {self.run_dir!r}: {e}", RuntimeWarning, stacklevel=3)
 
     def close(self) -> None:
         """Reads the last verdict, waits for pending checkpoint and log writes. Idempotent."""
@@ -759,17 +690,10 @@ class ResilientStep:
                         self._liveness.close()
                     self._programs.close(wait=self._reforming)  # re-forming drops the backend: no compile then
                     self._loop_span.close()
-                    self._save_goodput()
+                    _saving.save_goodput(self)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _same_abstract(a, b) -> bool:
-    """Whether two abstract batches have the same tree, shapes and dtypes."""
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    return ta == tb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb))

@@ -19,6 +19,8 @@ from resilax._src.protect import anomaly as _anomaly
 from resilax._src.step.deterministic import DeterministicProgram
 from resilax._src.step.program import Program, ProgramSpec
 from resilax._src.step.split import update_reads_batch
+from resilax._src.step import sharding as _sh
+from resilax._src.runtime import worker
 
 
 def make(spec: ProgramSpec, mesh, *, full_mesh: bool) -> Program:
@@ -226,3 +228,29 @@ def _build_ahead(spec, mesh, variants) -> Program:
         for v in variants:
             prog.update(v)
     return prog
+
+
+def build_standby(run, state, data):
+    """A standby process's programs, built before it is told to go: ``(program, (abstract,
+    checksum program) or None)``. The first batch's shapes come from ``data`` (one batch
+    read, then its position set back; the restore sets it again anyway); without
+    ``data`` no step program is built (the first call builds it, as in a fresh process).
+    Also compiles the update that keeps its input (the first save after the resume uses
+    it) and, with checkpoints, the checksum program of the state (the record log's
+    anchor at the start and every save use it)."""
+    sums = None
+    if run.config.checkpoint is not None:
+        from resilax._src.protect.checkpoints import abstract_of
+        from resilax._src.protect.checksum import anchor_tree, tree_checksums
+
+        abstract = abstract_of(anchor_tree(_sh.abstract(state, run._state_sh), run._guard))
+        sums = (abstract, tree_checksums.lower(abstract).compile())
+    prog = None
+    if data is not None:
+        pos = data.get_state()
+        batch = next(data)
+        data.set_state(pos)
+        prog = run._first_program(_sh.abstract(batch))
+        prog.update(None, keep_input=True)
+    worker.mark("programs")
+    return prog, sums

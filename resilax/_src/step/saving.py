@@ -9,9 +9,13 @@ dropped).
 from __future__ import annotations
 
 import time
+import os
+import warnings
 from typing import Callable
 
 from resilax._src.errors import StorageError, WrapError
+from resilax._src.runtime import worker
+from resilax._src.runtime.goodput import GOODPUT_FILE, GoodputFileError, load_goodput
 
 
 def save(run, state, recover: Callable[[], None], save_goodput: Callable[[], None]) -> tuple[float, bool]:
@@ -65,3 +69,31 @@ def save(run, state, recover: Callable[[], None], save_goodput: Callable[[], Non
     if log is not None:  # uncopied: the buffers stay valid, the log's writer checksums them
         log.anchor(run.step, state, run._guard, defer=keep_input or not donate)
     return dt, keep_input
+
+
+def continue_goodput(run) -> None:
+    """A resumed run: the goodput.json that the processes before this one saved in the run
+    directory is kept as their part of the run (`GoodputRecorder.continue_from`), so
+    ``resilax report`` covers the whole run. A damaged file is reported and left out."""
+    if not run.run_dir or not os.path.exists(os.path.join(run.run_dir, GOODPUT_FILE)):
+        return
+    try:
+        prev = load_goodput(run.run_dir)
+    except GoodputFileError as e:
+        warnings.warn(f"resilax: the run's earlier goodput is left out of its report: {e}", RuntimeWarning,
+                      stacklevel=3)
+        return
+    run._goodput_recorder.continue_from(prev)
+
+
+def save_goodput(run) -> None:
+    """Writes the run's goodput.json (after each committed save, and at close); a failure to
+    write it is warned about once, never raised."""
+    if not run.run_dir or worker.is_standby():
+        return  # (a standby process that failed before its go: the run's goodput is the live generation's)
+    try:
+        run._goodput_recorder.save(run.run_dir)
+    except OSError as e:
+        if not run._goodput_warned:
+            run._goodput_warned = True
+            warnings.warn(f"resilax: could not write goodput.json to {run.run_dir!r}: {e}", RuntimeWarning, stacklevel=3)

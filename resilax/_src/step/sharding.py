@@ -231,3 +231,16 @@ def abstract(tree, shardings=None):
     if shardings is None:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=s), tree, shardings)
+
+
+def same_abstract(a, b) -> bool:
+    """Whether two abstract batches have the same tree, shapes and dtypes."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb))
+
+
+def replicated(abstract_tree, mesh):
+    """``abstract_tree``'s leaves as abstract arrays replicated on ``mesh``."""
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), abstract_tree)
