@@ -65,9 +65,9 @@ def _case(job, case, monkeypatch, **kw):
     d = work / case
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir()
-    lease = kw.pop("lease", LEASE)
+    lease, kill_after = kw.pop("lease", LEASE), kw.pop("kill_after", KILL_AFTER)
     try:
-        res = bench_netns.run_case(d, case, train=train, ref=ref, tol=0.0, kill_after=KILL_AFTER, lease=lease,
+        res = bench_netns.run_case(d, case, train=train, ref=ref, tol=0.0, kill_after=kill_after, lease=lease,
                                    timeout=240, **kw)
     except Exception as e:  # (a hang or an agent that exited early: its log says why)
         text = "\n".join(p.read_text(errors="replace") for p in sorted(d.glob("agent*.log")))
@@ -89,7 +89,10 @@ def test_a_partitioned_host_keeps_running_then_heals_the_job_comes_back_bitwise(
     For the service host the next generation's service is on the partitioned host itself
     (the lowest live rank): it waits for the heal. No host is taken for dead, nothing lost
     but the step being stored, bitwise; no split brain."""
-    res, text = _case(job, case, monkeypatch, hold=8.0)
+    # the cut starts past step 12, not at the save of step 10: a cut that begins while every
+    # worker waits in a save's barrier on the coordination service (no collective runs) and
+    # ends before it times out is survived with no new generation (seen once in CI)
+    res, text = _case(job, case, monkeypatch, hold=8.0, kill_after=12)
     assert res["ok"], (res, _tails(text))
     assert res["exit_codes"] == {0: 0, 1: 0, 2: 0} and res["distance"] == 0.0 and not res["split_brain"], res
     assert res["generations"] >= 2 and res["detect_s"] is not None and res["back_s"] is not None, res

@@ -11,7 +11,6 @@ import pytest
 
 import resilax
 from resilax._src.runtime import xlaflags
-from resilax._src.step import driver
 
 F = "--xla_gpu_deterministic_ops"
 
@@ -51,7 +50,7 @@ def _step(state, batch):
 
 
 def test_wrap_on_a_gpu_topology_warns_once_without_the_flag(monkeypatch):
-    monkeypatch.setattr(driver, "_gpu_warned", False)
+    monkeypatch.setattr(xlaflags, "_gpu_warned", False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/nothing")
     gpu = resilax.Topology.load("gpu-h100-8")
     cfg = resilax.Config(peers=None)
@@ -60,7 +59,7 @@ def test_wrap_on_a_gpu_topology_warns_once_without_the_flag(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         resilax.wrap(_step, topology=gpu, config=cfg)  # once per process
-        monkeypatch.setattr(driver, "_gpu_warned", False)
+        monkeypatch.setattr(xlaflags, "_gpu_warned", False)
         monkeypatch.setenv("XLA_FLAGS", f"{F}=true")
         resilax.wrap(_step, topology=gpu, config=cfg)  # with the flag: silent
         monkeypatch.delenv("XLA_FLAGS")
