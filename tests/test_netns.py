@@ -131,14 +131,17 @@ def test_a_host_cut_off_the_run_directory_is_fenced_its_workers_stop_and_it_rejo
                     reason="packet loss needs tc netem in the kernel or nftables' 'nft' (apt-get install nftables)")
 def test_a_lossy_slow_link_and_a_short_flap_are_not_a_death(job, monkeypatch):
     """Two faults in one job: host 1's link drops 5% of packets each way and is slowed for the
-    whole run (TCP retransmits), and host 2's link and run-directory view go for 2 s (a quarter of the
-    lease) at step 10, then come back (the lease survives: renewed every lease/3, a failed
-    write retried; the collectives wait out the gap within their timeout). No host is taken
-    for dead, nothing is lost; bitwise. The collective timeout is 15 s here: after a 2 s gap,
-    on a link that also drops 5%, TCP's retransmission timer backs off past 5 s (a CI run at
-    5 s took the flap for a death, then recovered bitwise with one step redone), and the lease
-    is twice the other cases' (a quarter-lease gap: at half a lease a loaded CI run let the
-    lease expire during the cut)."""
+    whole run (TCP retransmits), and host 2's link and run-directory view go for 4 s (half the
+    lease) at step 10, then come back. The lease survives: renewed every lease/3, a failed
+    write retried every lease/40, so the next renewal lands within 2/3 of a lease plus the
+    retry of the last one (about 1.1 s before it expires; the retry used to wait a third of a
+    lease, which put the next renewal at the instant of expiry: a loaded CI run saw "lease
+    expired"). The collectives wait out the gap within their timeout. No host is taken for
+    dead, nothing is lost; bitwise. The collective timeout is 15 s here: after the gap, on a
+    link that also drops 5%, TCP's retransmission timer backs off past 5 s (a CI run at 5 s
+    took the flap for a death, then recovered bitwise with one step redone); the lease is
+    twice the other cases' so that the gap (at least 2 s, half a lease) leaves the renewal
+    more than a second to spare on a loaded machine."""
     res, text = _case(job, "flap-short", monkeypatch, lossy_also=1, collective_timeout=15.0, lease=2 * LEASE)
     assert res["ok"], (res, _tails(text))
     assert "dropped" in res["lossy_also"] or "netem" in res["lossy_also"], res
