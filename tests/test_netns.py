@@ -190,12 +190,6 @@ def test_a_full_run_directory_at_a_save_is_a_clear_error_the_job_waits_and_nothi
     Once space is freed the job goes on from the hosts' stores and ends bitwise. The newest
     checkpoint committed before the failure (copied aside while the job waited) restores in a
     plain run that then ends bitwise the reference: nothing saved was lost or overwritten."""
-    import subprocess
-    import sys
-
-    from helpers import child_env
-    from resilax.tools.bench_multihost import _distance
-
     res, text = _case(job, "full", monkeypatch)
     assert res["ok"], (res, _tails(text))
     assert res["distance"] == 0.0 and not res["split_brain"] and res["exit_codes"] == {0: 0, 1: 0, 2: 0}, res
@@ -204,15 +198,52 @@ def test_a_full_run_directory_at_a_save_is_a_clear_error_the_job_waits_and_nothi
     assert ("the disk is full" in text and "committed checkpoints are intact" in text
             or "cannot write to the run directory" in text and "No space left on device" in text), _tails(text)
     assert "Traceback" not in text, _tails(text)
+    _kept_restores_bitwise(job, res, "full")
+
+
+def _kept_restores_bitwise(job, res, case):
+    """The newest checkpoint committed before the fault (copied aside while the job waited)
+    restores in a plain run that ends bitwise the reference."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+    from resilax.tools.bench_multihost import _distance
+
     done = res["committed_at_fault"]
     assert done and done[-1] >= 5, res
     work, train, ref = job
-    kept, out = pathlib.Path(res["kept_checkpoint"]), work / "full" / "from_kept.npz"
+    kept, out = pathlib.Path(res["kept_checkpoint"]), work / case / "from_kept.npz"
     r = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir", str(kept),
                         "--out", str(out)], env=child_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {done[-1]}" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
     assert _distance(out, ref) == 0.0
+
+
+def test_a_run_directory_turned_read_only_at_a_save_is_a_clear_error_the_job_waits_and_nothing_is_lost(job,
+                                                                                                      monkeypatch):
+    """At step 10 the shared run directory turns read-only for every host, as an NFS export
+    turned read-only looks to its clients: in each host's mount namespace a bind mount of it
+    onto itself, remounted read-only (`NetHosts.read_only_run_dir`, which first checks that a
+    file created there fails with EROFS). Files already open for writing keep working; a new
+    write fails. (``mount -o remount,ro`` of the file system itself is refused, EBUSY, while
+    files on it are open for writing.) The first worker write that fails says so (a
+    `StorageError` naming the file and "Read-only file system") and that worker exits at
+    once; no traceback. For two leases every agent waits
+    (none exits). Writable again, the job goes on from the hosts' stores and ends bitwise,
+    every agent exits 0; the newest checkpoint committed before the fault restores in a
+    plain run that ends bitwise: nothing saved was lost or overwritten."""
+    res, text = _case(job, "readonly", monkeypatch)
+    assert res["ok"], (res, _tails(text))
+    assert res["distance"] == 0.0 and not res["split_brain"] and res["exit_codes"] == {0: 0, 1: 0, 2: 0}, res
+    run = str(job[0] / "readonly" / "run")
+    # the worker that hit it says so and exits (it does not wait for the save in flight, whose
+    # commit needs every process: waiting, it hung silent until its agent stopped it)
+    assert any("resilax: error: " in ln and "Read-only file system" in ln and run in ln for ln in text.splitlines()), \
+        _tails(text)
+    assert "Traceback" not in text, _tails(text)
+    _kept_restores_bitwise(job, res, "readonly")
 
 
 @pytest.mark.skipif(WHY is None and not netns.netem_available() and shutil.which("iptables") is None,
