@@ -131,14 +131,17 @@ def test_a_host_cut_off_the_run_directory_is_fenced_its_workers_stop_and_it_rejo
                     reason="packet loss needs tc netem in the kernel or nftables' 'nft' (apt-get install nftables)")
 def test_a_lossy_slow_link_and_a_short_flap_are_not_a_death(job, monkeypatch):
     """Two faults in one job: host 1's link drops 5% of packets each way and is slowed for the
-    whole run (TCP retransmits), and host 2's link and run-directory view go for 2 s (a quarter of the
-    lease) at step 10, then come back (the lease survives: renewed every lease/3, a failed
-    write retried; the collectives wait out the gap within their timeout). No host is taken
-    for dead, nothing is lost; bitwise. The collective timeout is 15 s here: after a 2 s gap,
-    on a link that also drops 5%, TCP's retransmission timer backs off past 5 s (a CI run at
-    5 s took the flap for a death, then recovered bitwise with one step redone), and the lease
-    is twice the other cases' (a quarter-lease gap: at half a lease a loaded CI run let the
-    lease expire during the cut)."""
+    whole run (TCP retransmits), and host 2's link and run-directory view go for 4 s (half the
+    lease) at step 10, then come back. The lease survives: renewed every lease/3, a failed
+    write retried every lease/40, so the next renewal lands within 2/3 of a lease plus the
+    retry of the last one (about 1.1 s before it expires; the retry used to wait a third of a
+    lease, which put the next renewal at the instant of expiry: a loaded CI run saw "lease
+    expired"). The collectives wait out the gap within their timeout. No host is taken for
+    dead, nothing is lost; bitwise. The collective timeout is 15 s here: after the gap, on a
+    link that also drops 5%, TCP's retransmission timer backs off past 5 s (a CI run at 5 s
+    took the flap for a death, then recovered bitwise with one step redone); the lease is
+    twice the other cases' so that the gap (at least 2 s, half a lease) leaves the renewal
+    more than a second to spare on a loaded machine."""
     res, text = _case(job, "flap-short", monkeypatch, lossy_also=1, collective_timeout=15.0, lease=2 * LEASE)
     assert res["ok"], (res, _tails(text))
     assert "dropped" in res["lossy_also"] or "netem" in res["lossy_also"], res
@@ -187,12 +190,6 @@ def test_a_full_run_directory_at_a_save_is_a_clear_error_the_job_waits_and_nothi
     Once space is freed the job goes on from the hosts' stores and ends bitwise. The newest
     checkpoint committed before the failure (copied aside while the job waited) restores in a
     plain run that then ends bitwise the reference: nothing saved was lost or overwritten."""
-    import subprocess
-    import sys
-
-    from helpers import child_env
-    from resilax.tools.bench_multihost import _distance
-
     res, text = _case(job, "full", monkeypatch)
     assert res["ok"], (res, _tails(text))
     assert res["distance"] == 0.0 and not res["split_brain"] and res["exit_codes"] == {0: 0, 1: 0, 2: 0}, res
@@ -201,15 +198,52 @@ def test_a_full_run_directory_at_a_save_is_a_clear_error_the_job_waits_and_nothi
     assert ("the disk is full" in text and "committed checkpoints are intact" in text
             or "cannot write to the run directory" in text and "No space left on device" in text), _tails(text)
     assert "Traceback" not in text, _tails(text)
+    _kept_restores_bitwise(job, res, "full")
+
+
+def _kept_restores_bitwise(job, res, case):
+    """The newest checkpoint committed before the fault (copied aside while the job waited)
+    restores in a plain run that ends bitwise the reference."""
+    import subprocess
+    import sys
+
+    from helpers import child_env
+    from resilax.tools.bench_multihost import _distance
+
     done = res["committed_at_fault"]
     assert done and done[-1] >= 5, res
     work, train, ref = job
-    kept, out = pathlib.Path(res["kept_checkpoint"]), work / "full" / "from_kept.npz"
+    kept, out = pathlib.Path(res["kept_checkpoint"]), work / case / "from_kept.npz"
     r = subprocess.run([sys.executable, "-m", *train, "--no-log", "--no-peers", "--checkpoint-dir", str(kept),
                         "--out", str(out)], env=child_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {done[-1]}" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
     assert _distance(out, ref) == 0.0
+
+
+def test_a_run_directory_turned_read_only_at_a_save_is_a_clear_error_the_job_waits_and_nothing_is_lost(job,
+                                                                                                      monkeypatch):
+    """At step 10 the shared run directory turns read-only for every host, as an NFS export
+    turned read-only looks to its clients: in each host's mount namespace a bind mount of it
+    onto itself, remounted read-only (`NetHosts.read_only_run_dir`, which first checks that a
+    file created there fails with EROFS). Files already open for writing keep working; a new
+    write fails. (``mount -o remount,ro`` of the file system itself is refused, EBUSY, while
+    files on it are open for writing.) The first worker write that fails says so (a
+    `StorageError` naming the file and "Read-only file system") and that worker exits at
+    once; no traceback. For two leases every agent waits
+    (none exits). Writable again, the job goes on from the hosts' stores and ends bitwise,
+    every agent exits 0; the newest checkpoint committed before the fault restores in a
+    plain run that ends bitwise: nothing saved was lost or overwritten."""
+    res, text = _case(job, "readonly", monkeypatch)
+    assert res["ok"], (res, _tails(text))
+    assert res["distance"] == 0.0 and not res["split_brain"] and res["exit_codes"] == {0: 0, 1: 0, 2: 0}, res
+    run = str(job[0] / "readonly" / "run")
+    # the worker that hit it says so and exits (it does not wait for the save in flight, whose
+    # commit needs every process: waiting, it hung silent until its agent stopped it)
+    assert any("resilax: error: " in ln and "Read-only file system" in ln and run in ln for ln in text.splitlines()), \
+        _tails(text)
+    assert "Traceback" not in text, _tails(text)
+    _kept_restores_bitwise(job, res, "readonly")
 
 
 @pytest.mark.skipif(WHY is None and not netns.netem_available() and shutil.which("iptables") is None,

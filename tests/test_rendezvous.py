@@ -276,3 +276,29 @@ def test_agree_times_out_with_what_it_waited_for(tmp_path):
     finally:
         a.close()
     assert a.leases() == {}  # released on close
+
+
+def test_a_renewal_that_failed_is_retried_soon_a_gap_of_half_a_lease_does_not_expire_it(tmp_path):
+    """The leases directory is gone (renamed away: the run directory cut off) for half a lease,
+    from just before a renewal, so that two tries on the lease/3 cadence fail. A failed try is
+    retried every lease/40: the lease is renewed before it expires. (Retried only on the
+    lease/3 cadence, the next try came at the very instant the lease expired, and after it on a
+    loaded host: a 4 s flap expired an 8 s lease in a netns test.) No temporary files left."""
+    lease = 3.0
+    a = Rendezvous(tmp_path, 0, workers=1, lease_s=lease)
+    a.register()
+    try:
+        path, leases = a._lease_path(0), a.root / "leases"
+        t0 = rdv.read_record(path)["t"]
+        while (last := rdv.read_record(path))["t"] == t0:
+            time.sleep(0.005)
+        time.sleep(lease / 3 - 0.1)
+        os.rename(leases, a.root / "away")  # the tries at +lease/3 and +2 lease/3 fail
+        time.sleep(lease / 2)
+        os.rename(a.root / "away", leases)
+        while (now := rdv.read_record(path))["t"] == last["t"]:
+            time.sleep(0.005)
+        assert now["t"] < last["expires"], (now["t"] - last["t"], "s between renewals, lease", lease)
+        assert not [p.name for p in leases.iterdir() if p.name.endswith(".tmp")]
+    finally:
+        a.close()

@@ -76,6 +76,7 @@ its lease, claims that rank once (`rendezvous.standby`) and runs as its agent.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -415,7 +416,8 @@ class Agent:
             except OSError as e:  # the run directory (the rendezvous) cannot be read: cut off from it?
                 cut, why = cut or now, None
                 if now - cut > self.lease_s:  # this host's lease cannot have been renewed: the others go on
-                    return "ended", 1, (f"cut off from the run directory {self.run_dir} for more than the lease "
+                    how = "unable to write to" if e.errno in (errno.EROFS, errno.ENOSPC) else "cut off from"
+                    return "ended", 1, (f"{how} the run directory {self.run_dir} for more than the lease "
                                         f"({self.lease_s:g} s; {e}): this host's lease was not renewed, so the other "
                                         f"hosts may go on without it: its workers stop (fenced) and it rejoins once "
                                         f"the run directory is back")

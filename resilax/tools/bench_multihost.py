@@ -134,7 +134,8 @@ def add_arguments(p) -> None:
                                                    "unless something failed)")
     p.add_argument("--netns", action="store_true",
                    help="hosts that are really apart (root): each host a network namespace with its own /dev/shm and "
-                        "/tmp; cases partition, partition-service, cut, lossy, delay, flap-short, flap-long, skew, full "
+                        "/tmp; cases partition, partition-service, cut, lossy, delay, flap-short, flap-long, skew, full, "
+                        "readonly, readonly-host "
                         "(resilax/tools/bench_netns.py); --soak N: N runs of the partition cases")
     p.add_argument("--hold", type=float, default=8.0, metavar="S", help="--netns: how long a partition lasts")
 

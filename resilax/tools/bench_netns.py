@@ -31,7 +31,12 @@ mode (``--no-deterministic``: the default mode, within 1e-4), checkpoints every
   then freed two leases later (no
   lease can be renewed meanwhile; every agent must wait, none exit). The newest checkpoint
   committed before the failure is copied aside (``kept_checkpoint``: the caller can restore
-  it) and ``committed_at_fault`` lists the committed ones then.
+  it) and ``committed_at_fault`` lists the committed ones then;
+- ``readonly``: the run directory turns read-only for every host (`NetHosts.read_only_run_dir`:
+  a read-only bind mount of it in each host's mount namespace; files already open, such as
+  logs, keep working, as on an NFS export turned read-only) until a write fails on it, then
+  writable again two leases later; as ``full`` otherwise; ``readonly-host``: the same for one
+  host's view only (a host without the service).
 
 Per case (JSON ``cases``: ``name``, ``detect_s``, ``back_s``, ``lost_steps``,
 ``generations``, ``ok``, and more): ``detect_s`` the fault -> the first agent ended
@@ -66,7 +71,8 @@ from resilax.tools.bench_multihost import (BenchError, Hang, _back, _committed, 
                                            _topology)
 from resilax.tools.processes import heartbeats
 
-CASES = ("none", "partition", "partition-service", "cut", "lossy", "delay", "flap-short", "flap-long", "skew", "full")
+CASES = ("none", "partition", "partition-service", "cut", "lossy", "delay", "flap-short", "flap-long", "skew", "full",
+         "readonly", "readonly-host")
 SOAK_CASES = ("partition", "partition-service", "cut")
 
 
@@ -216,32 +222,45 @@ def _run_case(run, out, cmd, opts, res, case, *, nodes, work, kill_after, lease,
             down = {"partition": hold, "partition-service": hold, "cut": 3 * lease,
                     "flap-short": max(2.0, lease / 2), "flap-long": max(5.0, 1.5 * lease)}.get(case)
             cut = case in ("cut", "flap-short", "flap-long")
+            ro_hosts = {"readonly": range(nodes), "readonly-host": [victim]}.get(case, ())
             if case == "skew":
                 skew_file.write_text(str(2.5 * lease))
                 log(f"      host {target}'s clock jumps {2.5 * lease:g} s ahead at step {fault_step}")
-            elif case == "full":
-                st = os.statvfs(run)
-                log(f"      the run directory fills up at step {fault_step} ({st.f_bavail * st.f_frsize / 2**20:.1f} MiB "
-                    f"free before: " + subprocess.run(["du", "-sh", *map(str, run.iterdir())], capture_output=True,
-                                                      text=True).stdout.replace("\n", "; ") + ")")
-                _fill(run / "filler")
+            elif case in ("full", "readonly", "readonly-host"):
+                if case == "full":
+                    st = os.statvfs(run)
+                    log(f"      the run directory fills up at step {fault_step} ({st.f_bavail * st.f_frsize / 2**20:.1f}"
+                        f" MiB free before: " + subprocess.run(["du", "-sh", *map(str, run.iterdir())],
+                                                               capture_output=True, text=True).stdout.replace("\n", "; ")
+                        + ")")
+                    _fill(run / "filler")
+                    said = ("the disk is full", "No space left on device")
+                else:  # every host's view (an NFS export turned read-only: every client sees it), or one's
+                    for r in ro_hosts:
+                        hosts.read_only_run_dir(r, run, job.agent_pid(r))
+                    log(f"      the run directory turns read-only for host(s) {list(ro_hosts)} at step {fault_step}")
+                    said = ("Read-only file system",)
                 # a worker's write (a save, the record log) or an agent's (its lease) fails first
-                job.wait(lambda: (t := job.text()) and ("the disk is full" in t or "No space left on device" in t),
-                         "a write to fail on the full run directory")
+                job.wait(lambda: (t := job.text()) and any(x in t for x in said), f"a write to fail ({said[-1]})")
                 t_full = time.time()
                 while time.time() < t_full + 2 * lease:  # two leases: none can be renewed meanwhile
                     for r, p in job.agents.items():
                         if p.poll() is not None:
-                            raise BenchError(f"agent {r} exited with {p.returncode} while the run directory was full")
+                            raise BenchError(f"agent {r} exited with {p.returncode} while the run directory was "
+                                             f"{case}")
                     time.sleep(0.1)
                 done = _checkpoints(run)
                 res["committed_at_fault"] = done
                 if done:  # copied aside while the job waits: the caller restores it
                     shutil.copytree(run / "checkpoints" / str(done[-1]), work / "kept_checkpoint" / str(done[-1]))
                     res["kept_checkpoint"] = str(work / "kept_checkpoint")
-                (run / "filler").unlink()
+                if case == "full":
+                    (run / "filler").unlink()
+                for r in ro_hosts:
+                    hosts.writable_run_dir(r, run, job.agent_pid(r))
                 res["healed_s"] = time.time() - t_fault
-                log(f"      a write failed, the job waits; {res['healed_s']:.1f} s after: freed (committed: {done})")
+                log(f"      a write failed, the job waits; {res['healed_s']:.1f} s after: "
+                    f"{'freed' if case == 'full' else 'writable again'} (committed: {done})")
             elif down is not None:
                 hosts.partition(target)
                 if cut:

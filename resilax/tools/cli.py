@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         print(f"resilax: error: {e}", file=sys.stderr)
         from resilax._src.runtime import worker
 
-        if worker.collective_broke(e):  # (a save whose collective broke: no waiting on the other processes)
+        if worker.collective_broke(e) or worker.storage_failed(e):  # (no waiting on the other processes)
             worker.exit_after_broken_collective(2)
         return 2
     except Exception as e:

@@ -24,7 +24,10 @@ Faults, from outside the host (its processes keep running):
   namespace, which holds each packet from it that long where it arrives (needs ``iptables``);
 - `cut_run_dir` / `restore_run_dir`: the host's view of a directory (the run directory)
   replaced by an empty tmpfs in its mount namespace, and given back: a host cut off its
-  shared storage whose writes land nowhere the others see.
+  shared storage whose writes land nowhere the others see;
+- `read_only_run_dir` / `writable_run_dir`: the host's view of a directory turned read-only
+  (a bind mount of it onto itself, read-only when attached, in its mount namespace: new
+  writes there fail with EROFS, open files keep working), and writable again.
 
 Requires root, ``ip`` (iproute2), ``unshare`` and ``nsenter`` (util-linux); `unavailable`
 says why not. `close` removes the namespaces, veths and bridge (a namespace's processes
@@ -134,6 +137,7 @@ class NetHosts:
         self.etc = pathlib.Path(tempfile.mkdtemp(prefix=f"{self.base}-etc-", dir="/run"))
         self._made: list[tuple[str, str]] = []
         self._lossy: dict[int, str] = {}
+        self._ro: dict[tuple[int, str], int] = {}  # `read_only_run_dir`'s binds: (host, path) -> pid
         self._delays: dict[int, list[subprocess.Popen]] = {}  # `delay`'s nfq_delay processes, per delayed host
         try:
             self._setup()
@@ -291,9 +295,42 @@ class NetHosts:
     def restore_run_dir(self, i: int, path, pid: int) -> None:
         _run("nsenter", f"--mount=/proc/{pid}/ns/mnt", "umount", "-l", str(path))
 
+    def read_only_run_dir(self, i: int, path, pid: int) -> None:
+        """``path`` turns read-only for host ``i``, in the mount namespace of its process ``pid``:
+        a bind mount of ``path`` onto itself, read-only from the moment it is attached (the
+        mount API's ``open_tree`` clone, made read-only by ``mount_setattr`` while detached, then
+        ``move_mount``: `_READ_ONLY_BIND`). Files already open keep working; a new open for
+        writing, a create, rename or unlink there fails with EROFS, as on an NFS export turned
+        read-only. (``mount -o remount,ro`` of the file system is refused, EBUSY, while files on
+        it are open for writing; so is ``mount --bind`` then ``remount,bind,ro`` once a write
+        was opened through the new bind in between.) Checked: a file created there from that
+        namespace must fail with "Read-only file system" (else `NetnsError`, the bind removed).
+        The bind lives in that mount namespace only: `writable_run_dir` removes it, and it goes
+        with the host's processes."""
+        import sys
+
+        ns, path = f"--mount=/proc/{pid}/ns/mnt", str(path)
+        self._ro[(i, path)] = pid
+        try:
+            _run("nsenter", ns, sys.executable, "-c", _READ_ONLY_BIND, path)
+            r = _run("nsenter", ns, "touch", f"{path}/.resilax-read-only-probe", check=False)
+            if r.returncode == 0 or "Read-only file system" not in r.stderr:
+                raise NetnsError(f"resilax netns: {path} bound read-only in host {i}'s mount namespace, yet creating a "
+                                 f"file there gave {r.returncode} ({r.stderr.strip()!r}), not EROFS")
+        except BaseException:
+            self.writable_run_dir(i, path, pid)
+            raise
+
+    def writable_run_dir(self, i: int, path, pid: int) -> None:
+        """Undoes `read_only_run_dir` (its bind mount detached; a no-op when there is none)."""
+        if self._ro.pop((i, str(path)), None) is not None:
+            _run("nsenter", f"--mount=/proc/{pid}/ns/mnt", "umount", "-l", str(path), check=False)
+
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
         """Kills every process in the hosts' namespaces, removes the namespaces, links and bridge."""
+        for (i, path), pid in list(self._ro.items()):  # (they go with the host's processes too)
+            self.writable_run_dir(i, path, pid)
         for proc in (p for ps in self._delays.values() for p in ps):  # (in a namespace: killed below too)
             proc.kill()
             proc.wait()
@@ -312,6 +349,25 @@ class NetHosts:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# a read-only bind of argv[1] onto itself, read-only before it is attached (Linux >= 5.12;
+# the syscall numbers are the same on every architecture): open_tree(OPEN_TREE_CLONE),
+# mount_setattr(MOUNT_ATTR_RDONLY), move_mount(MOVE_MOUNT_F_EMPTY_PATH)
+_READ_ONLY_BIND = """
+import ctypes, os, sys
+libc, path = ctypes.CDLL(None, use_errno=True), sys.argv[1].encode()
+def call(*a):
+    r = libc.syscall(*a)
+    if r < 0:
+        e = ctypes.get_errno()
+        sys.exit(f"syscall {a[0]} on {sys.argv[1]}: {os.strerror(e)}")
+    return r
+fd = call(428, -100, path, 1 | os.O_CLOEXEC)
+attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)
+call(442, fd, b"", 0x1000, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+call(429, fd, b"", -100, path, 4)
+"""
 
 
 def _kept(shared) -> list[str]:

@@ -14,15 +14,17 @@ Files, under ``<run_dir>/rendezvous/`` (every record JSON with a ``sha256`` of i
 fields; a record that does not parse or whose checksum does not match raises
 `CorruptRecordError` naming the file; no pickle):
 
-- ``leases/node<R>.json``: agent R's lease ``{rank, incarnation, pid, host, address,
-  store, workers, t, expires}`` (``store``: its host store's server), rewritten every ``lease_s / 3`` by a thread. A lease whose
-  ``expires`` has passed is dead (wall clocks of the hosts must agree to well within
-  ``lease_s``: NTP; checked against the file system's clock at every lease write and before
-  another's lease is taken for expired: `ClockSkewError` past a quarter of the lease). ``incarnation`` is new for every agent process: a replacement with a
-  dead agent's rank takes the rank over once the old lease expired (never while it is
-  live: `RankTakenError`), and the old agent, should it wake up (SIGSTOP, SIGCONT), finds
-  its incarnation claimed (below) or another incarnation in its lease, stops renewing and is
-  *fenced* (`LeaseLostError`). A renewal that was under way when the agent stopped (its
+- ``leases/node<R>.json``: agent R's lease ``{rank, incarnation, pid, host, address, store,
+  workers, t, expires}`` (``store``: its host store's server), rewritten every ``lease_s / 3``
+  by a thread, a failed write retried every ``lease_s / 40`` (a gap of up to about 2/3 of a
+  lease is survived). A lease whose ``expires`` has passed is dead (wall clocks of the hosts
+  must agree to well within ``lease_s``: NTP; checked against the file system's clock at
+  every lease write and before another's lease is taken for expired: `ClockSkewError` past
+  a quarter of the lease). ``incarnation`` is new for every agent process: a replacement
+  with a dead agent's rank takes the rank over once the old lease expired (never while it
+  is live: `RankTakenError`), and the old agent, should it wake up (SIGSTOP, SIGCONT), finds
+  its incarnation claimed (below) or another incarnation in its lease, stops renewing and
+  is *fenced* (`LeaseLostError`). A renewal that was under way when the agent stopped (its
   lease read, not yet written) may still land on its successor's lease once; the claim
   decides: the woken agent finds it after its write and stops, and the successor, finding a
   claimed incarnation in its lease, writes its own back at its next renewal.
@@ -53,8 +55,7 @@ numbers are dense and each has at most one proposal. The agent layer (`resilax l
 while it runs to learn that it must end (a member lost, replaced or asking, an agent
 joined, a newer proposal), then `agree(after=k)` again.
 
-Cost: one small file write per agent per ``lease_s / 3``; reading the directory
-(``N`` leases) per `changed` call.
+Cost: one small file write per agent per ``lease_s / 3``; reading ``N`` leases per `changed`.
 """
 
 from __future__ import annotations
@@ -120,11 +121,16 @@ def _tmp(path: pathlib.Path) -> pathlib.Path:
 
 def _write_tmp(path: pathlib.Path, rec: dict, sync: bool = True) -> pathlib.Path:
     tmp = _tmp(path)
-    with open(tmp, "wb") as f:
-        f.write(_sealed(rec))
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_sealed(rec))
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+    except BaseException:  # (a full disk: no temporary file left at each retry)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     return tmp
 
 
@@ -372,13 +378,15 @@ class Rendezvous:
             raise LeaseLostError(f"resilax rendezvous: node {self.rank} lost its lease to another agent")
 
     def _renew_loop(self):
-        while not self._stop.wait(self.lease_s / 3):
+        wait = self.lease_s / 3
+        while not self._stop.wait(wait):
             try:
                 self.renew()
+                wait = self.lease_s / 3
             except LeaseLostError:
                 return
-            except (OSError, CorruptRecordError):
-                continue  # a transient shared-file-system error: the lease ages; the next try may work
+            except (OSError, CorruptRecordError):  # a transient shared-file-system error: the lease ages
+                wait = min(self.lease_s / 3, max(self.poll_s, self.lease_s / 40))
 
     def close(self, *, release: bool = True) -> None:
         """Stops renewing; ``release``: removes the lease now (the others see this agent gone at
@@ -642,15 +650,10 @@ _NO_FENCE_FS = ("fuse.gcsfuse", "fuse.s3fs", "fuse.goofys", "fuse.mountpoint-s3"
 
 def _fs_type(path: pathlib.Path) -> str:
     best, kind = "", ""
-    try:
-        with open("/proc/mounts") as f:
-            for ln in f:
-                parts = ln.split()
-                if len(parts) > 2 and (str(path) + "/").startswith(parts[1].rstrip("/") + "/") and \
-                        len(parts[1]) >= len(best):
-                    best, kind = parts[1], parts[2]
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for parts in (ln.split() for ln in f):
+            if len(parts) > 2 and f"{path}/".startswith(parts[1].rstrip("/") + "/") and len(parts[1]) >= len(best):
+                best, kind = parts[1], parts[2]
     return kind
 
 

@@ -638,6 +638,29 @@ def collective_broke(e: BaseException) -> str | None:
     return None
 
 
+def storage_failed(e: BaseException) -> str | None:
+    """Under a `resilax launch` of more than one process: the message of the `StorageError` in
+    ``e``'s chain (a write under the run directory failed: full, read-only, an I/O error),
+    else None. This worker then leaves its step while the others wait for it in their next
+    collective, and the save in flight commits only once every process passed Orbax's
+    barrier: it must not wait for that save (`ResilientStep.close` abandons it) nor for
+    Orbax's commit thread at exit (`exit_after_broken_collective`). Waiting, a worker of a job
+    whose run directory turned read-only hung in its close until its agent stopped it, its
+    error never shown."""
+    got = env()
+    if got is None or got.num_processes < 2:
+        return None
+    from resilax._src.errors import StorageError
+
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, StorageError):
+            return f"{type(x).__name__}: {x}"
+        x = x.__cause__ or x.__context__
+    return None
+
+
 def exit_after_broken_collective(code: int) -> None:
     """Ends this worker now (``os._exit``) after its collective with another process broke
     and its outputs are written (`ResilientStep.close` ran): says ``exiting`` in the

@@ -172,7 +172,7 @@ class ResilientStep:
         self._data_position = None  # the data iterator's encoded position after step ``self.step``
         self._closed = False
         self._broken: str | None = None
-        self._collective_broke: str | None = None  # under `launch`: a collective with another process broke
+        self._collective_broke: str | None = None  # under `launch`: a collective broke, or a write (the others wait)
         self._reforming = False  # leaving for the next generation (`in_place.leave_for_reform`)
         self.preempted = False  # set by the call whose step was the agreed preemption point (`resilax launch`)
         self._protections: list = []
@@ -409,7 +409,7 @@ class ResilientStep:
                     return out
             self._broken_if_lost()  # (under --in-place: no process was declared dead, the error stands)
             if not in_place.possible(self):
-                self._collective_broke = self._collective_broke or worker.collective_broke(e)
+                self._collective_broke = self._collective_broke or worker.collective_broke(e) or worker.storage_failed(e)
             if self._broken and not isinstance(e, ResilaxError):
                 raise ResilaxError(f"resilax.ResilientStep: the step failed after the state was donated ({e!r}); "
                                    f"step.state holds nothing usable") from e
@@ -675,7 +675,7 @@ class ResilientStep:
                         # a partition that waited for the link to come back, and the supervisor acts only
                         # once this worker exits. The newest committed checkpoint and the host stores stay.
                         self._ckpt.store.abandon()
-                        self._event("checkpoint_abandoned", self.step, why=f"a collective broke: "
+                        self._event("checkpoint_abandoned", self.step, why=f"this worker's step failed: "
                                     f"{self._collective_broke[:200]}")
                     if self._ckpt is not None:
                         with self._goodput_recorder.span("checkpoint_save", phase="final wait"):
