@@ -629,10 +629,17 @@ def collective_broke(e: BaseException) -> str | None:
         return None
     import jax
 
+    return _in_chain(e, lambda x: isinstance(x, jax.errors.JaxRuntimeError)
+                     and any(w in str(x).lower() for w in _PEER_BROKE))
+
+
+def _in_chain(e: BaseException, match) -> str | None:
+    """``"Type: message"`` of the first exception in ``e``'s chain (causes, contexts) that
+    ``match`` accepts, else None."""
     seen, x = set(), e
     while x is not None and id(x) not in seen:
         seen.add(id(x))
-        if isinstance(x, jax.errors.JaxRuntimeError) and any(w in str(x).lower() for w in _PEER_BROKE):
+        if match(x):
             return f"{type(x).__name__}: {x}"
         x = x.__cause__ or x.__context__
     return None
@@ -652,13 +659,7 @@ def storage_failed(e: BaseException) -> str | None:
         return None
     from resilax._src.errors import StorageError
 
-    seen, x = set(), e
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
-        if isinstance(x, StorageError):
-            return f"{type(x).__name__}: {x}"
-        x = x.__cause__ or x.__context__
-    return None
+    return _in_chain(e, lambda x: isinstance(x, StorageError))
 
 
 def exit_after_broken_collective(code: int) -> None:

@@ -506,8 +506,7 @@ class _ReadsParts:
         self.exe, self.keep = exe, keep
 
     def __call__(self, state, *rest):
-        parts = jax.tree_util.tree_flatten(state, is_leaf=lambda x: x is not state)[0]
-        return self.exe(tuple([parts[i] for i in self.keep]), *rest)
+        return self.exe(_parts(state, self.keep), *rest)
 
     def __getattr__(self, name):
         return getattr(self.exe, name)
