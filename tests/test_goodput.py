@@ -343,3 +343,24 @@ def test_report_of_a_launch_run_dir_lists_its_generations_in_the_supervisors_wor
     assert r["events"][0] == "generation 0 failed: process 1 (pid 7) exited with signal SIGKILL", r["events"]
     assert len(r["events"]) == 2 and "restored step 5 from the host store (host0/own)" in r["events"][1]
     assert "failures and recoveries: 2" in capsys.readouterr().out
+
+
+def test_only_process_0_of_a_multi_process_job_writes_the_runs_goodput(tmp_path, monkeypatch):
+    """Every process of a launched job shares the run directory: process 0 writes
+    goodput.json, the others leave it alone (each wrote its own timings to the same file
+    before, and the last to finish decided the report)."""
+    import jax
+
+    import resilax
+    from resilax._src.step import saving
+    from resilax.tools import example as ex
+
+    step = resilax.wrap(ex.train_step, topology=resilax.Topology.load("cpu-2x4"),
+                        config=resilax.Config(run_dir=str(tmp_path), log=None, peers=None))
+    monkeypatch.setattr(jax, "process_index", lambda *a: 1)
+    saving.save_goodput(step)
+    assert not (tmp_path / "goodput.json").exists()
+    monkeypatch.setattr(jax, "process_index", lambda *a: 0)
+    saving.save_goodput(step)
+    assert (tmp_path / "goodput.json").exists()
+    step.close()

@@ -13,6 +13,8 @@ import os
 import warnings
 from typing import Callable
 
+import jax
+
 from resilax._src.errors import StorageError, WrapError
 from resilax._src.runtime import worker
 from resilax._src.runtime.goodput import GOODPUT_FILE, GoodputFileError, load_goodput
@@ -88,9 +90,13 @@ def continue_goodput(run) -> None:
 
 def save_goodput(run) -> None:
     """Writes the run's goodput.json (after each committed save, and at close); a failure to
-    write it is warned about once, never raised."""
+    write it is warned about once, never raised. In a multi-process job process 0 writes it:
+    each process would write the same file with its own timings, and which came last would
+    decide the report."""
     if not run.run_dir or worker.is_standby():
         return  # (a standby process that failed before its go: the run's goodput is the live generation's)
+    if jax.process_index() != 0:
+        return
     try:
         run._goodput_recorder.save(run.run_dir)
     except OSError as e:
