@@ -19,6 +19,7 @@ killed test left, at the end of the session (conftest).
 
 import os
 import pathlib
+import re
 import shutil
 
 import numpy as np
@@ -164,7 +165,10 @@ def test_a_host_whose_clock_jumps_past_the_lease_withdraws_and_the_others_finish
     assert res["ok"], (res, _tails(text))
     assert res["exit_codes"] == {0: 0, 1: 0, 2: 1} and res["refused"], res
     assert res["generations"] == 2, res  # generation 0, then nodes 0 and 1: the jumped clock ended nothing else
-    assert "node 2's clock is +10." in text and "synchronise the clocks" in text, _tails(text)
+    # the offset it reports is the 10 s jump less the time its probe's write took: +9.99 s is
+    # seen on a loaded machine (the file's stamp falls after the clock was read)
+    said = re.search(r"node 2's clock is \+(\d+\.\d+) s off", text)
+    assert said and 9.0 <= float(said[1]) <= 11.0 and "synchronise the clocks" in text, _tails(text)
 
 
 def test_a_flap_longer_than_the_lease_fences_the_host_and_it_rejoins_bitwise(job, monkeypatch):
