@@ -1,6 +1,7 @@
 """Small shared pieces for tests: the example model at test size, and state comparison."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -90,29 +91,51 @@ def kill_tree(p) -> None:
 _REFERENCE_RUNS: dict = {}
 
 
-def reference_run(tmp_path_factory, *args) -> dict:
+def shared_tmp(tmp_path_factory):
+    """A directory of this test session shared by its pytest-xdist workers."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+def shared_topology(tmp_path_factory, domains: int, devices: int = 2) -> str:
+    """The path of a topology spec of ``domains`` emulated CPU slices x ``devices`` (one failure
+    domain per worker process, as `resilax bench multihost` writes it), at the same path for
+    every test of the session: a `reference_run` keyed on a command that names it is shared by
+    the tests that run that program."""
+    import tempfile
+
+    from resilax.tools.bench_multihost import _topology
+
+    d = shared_tmp(tmp_path_factory) / "topologies"
+    d.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=d) as t:  # written aside, then renamed: xdist workers may race
+        made = _topology(pathlib.Path(t), workers=1, devices=devices, nodes=domains)
+        path = d / os.path.basename(made)
+        os.replace(made, path)
+    return str(path)
+
+
+def reference_run(tmp_path_factory, *args, env: dict | None = None) -> dict:
     """The final state (``{name: array}``) of a failure-free ``python -m resilax train *args``
-    run (with a checkpoint directory of its own), made once per test session for each
-    argument list: the crash tests of several modules that compare their restarts with the
-    same program share it (a reference run costs a process start, ~7 s of CPU), and so do
-    pytest-xdist's workers (the first makes it under a file lock in their common temporary
-    directory, the others read its ``.npz``)."""
+    run (with a checkpoint directory of its own; ``env``: variables set for it), made once per
+    test session for each argument list and ``env``: the crash tests of several modules that
+    compare their restarts with the same program share it (a reference run costs a process
+    start, ~7 s of CPU), and so do pytest-xdist's workers (the first makes it under a file lock
+    in their common temporary directory, the others read its ``.npz``)."""
     import fcntl
     import hashlib
 
-    key = tuple(str(a) for a in args)
+    key = tuple(str(a) for a in args) + tuple(f"{k}={v}" for k, v in sorted((env or {}).items()))
     if key not in _REFERENCE_RUNS:
-        root = tmp_path_factory.getbasetemp()
-        if os.environ.get("PYTEST_XDIST_WORKER"):
-            root = root.parent  # shared by the workers of this session
+        root = shared_tmp(tmp_path_factory)
         d = root / ("reference-" + hashlib.sha256("\0".join(key).encode()).hexdigest()[:16])
         d.mkdir(parents=True, exist_ok=True)
         with open(d / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (d / "done").exists():
-                cmd = [sys.executable, "-m", "resilax", "train", *key, "--checkpoint-dir", str(d / "ckpt"),
+                cmd = [sys.executable, "-m", "resilax", "train", *map(str, args), "--checkpoint-dir", str(d / "ckpt"),
                        "--out", str(d / "ref.npz")]
-                r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
+                r = subprocess.run(cmd, env=dict(child_env(), **(env or {})), capture_output=True, text=True)
                 assert r.returncode == 0, r.stderr[-2000:]
                 (d / "done").write_text("")
         _REFERENCE_RUNS[key] = load_npz(d / "ref.npz")

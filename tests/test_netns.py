@@ -19,6 +19,7 @@ killed test left, at the end of the session (conftest).
 
 import os
 import pathlib
+import re
 import shutil
 
 import numpy as np
@@ -141,8 +142,13 @@ def test_a_lossy_slow_link_and_a_short_flap_are_not_a_death(job, monkeypatch):
     link that also drops 5%, TCP's retransmission timer backs off past 5 s (a CI run at 5 s
     took the flap for a death, then recovered bitwise with one step redone); the lease is
     twice the other cases' so that the gap (at least 2 s, half a lease) leaves the renewal
-    more than a second to spare on a loaded machine."""
-    res, text = _case(job, "flap-short", monkeypatch, lossy_also=1, collective_timeout=15.0, lease=2 * LEASE)
+    more than a second to spare on a loaded machine. Without netem in the kernel the slowing is a
+    rate limit: 100 Mbit/s here. At the bench's 20 Mbit/s a step took ~1.6 s (the host stores
+    mirror every step's state, ~2 MB with Adam's moments, over that link; at 200 Mbit/s 0.5-0.8
+    s, the loss's retransmissions): 97 s for the test, 46 CPU-s, much of it six processes
+    idling through slow steps. The loss, and the retransmissions it causes, are the same."""
+    res, text = _case(job, "flap-short", monkeypatch, lossy_also=1, lossy_rate_mbit=100.0, collective_timeout=15.0,
+                      lease=2 * LEASE)
     assert res["ok"], (res, _tails(text))
     assert "dropped" in res["lossy_also"] or "netem" in res["lossy_also"], res
     assert res["distance"] == 0.0 and not res["split_brain"] and res["lost_steps"] == 0, res
@@ -159,7 +165,10 @@ def test_a_host_whose_clock_jumps_past_the_lease_withdraws_and_the_others_finish
     assert res["ok"], (res, _tails(text))
     assert res["exit_codes"] == {0: 0, 1: 0, 2: 1} and res["refused"], res
     assert res["generations"] == 2, res  # generation 0, then nodes 0 and 1: the jumped clock ended nothing else
-    assert "node 2's clock is +10." in text and "synchronise the clocks" in text, _tails(text)
+    # the offset it reports is the 10 s jump less the time its probe's write took: +9.99 s is
+    # seen on a loaded machine (the file's stamp falls after the clock was read)
+    said = re.search(r"node 2's clock is \+(\d+\.\d+) s off", text)
+    assert said and 9.0 <= float(said[1]) <= 11.0 and "synchronise the clocks" in text, _tails(text)
 
 
 def test_a_flap_longer_than_the_lease_fences_the_host_and_it_rejoins_bitwise(job, monkeypatch):

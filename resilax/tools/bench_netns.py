@@ -165,9 +165,10 @@ def _first_end(run: pathlib.Path, t_fault: float) -> float | None:
 
 def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kill_after: int, lease: float,
              timeout: float, nodes: int = 3, hold: float = 8.0, lossy_also: int | None = None,
-             collective_timeout: float = 5.0, log=print) -> dict:
+             lossy_rate_mbit: float = 20.0, collective_timeout: float = 5.0, log=print) -> dict:
     """One job of ``nodes`` hosts in namespaces; ``case`` as in the module docstring;
     ``lossy_also``: that host's link is lossy too, from the start (two faults in one job);
+    ``lossy_rate_mbit``: a lossy link's rate limit where the kernel has no netem (`NetHosts.lossy`);
     ``collective_timeout``: `resilax launch --collective-timeout` (a flap is survived when it
     is longer than the gap plus TCP's retransmission back-off)."""
     if case not in CASES:
@@ -183,15 +184,16 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kil
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(run)], check=True, capture_output=True)
     try:
         return _run_case(run, out, cmd, opts, res, case, nodes=nodes, work=work, kill_after=kill_after, lease=lease,
-                         timeout=timeout, hold=hold, lossy_also=lossy_also, ref=ref, tol=tol, log=log)
+                         timeout=timeout, hold=hold, lossy_also=lossy_also, lossy_rate_mbit=lossy_rate_mbit, ref=ref,
+                         tol=tol, log=log)
     finally:
         if case == "full":
             (run / "filler").unlink(missing_ok=True)
             subprocess.run(["umount", "-l", str(run)], capture_output=True)  # (the files go with it)
 
 
-def _run_case(run, out, cmd, opts, res, case, *, nodes, work, kill_after, lease, timeout, hold, lossy_also, ref, tol,
-              log) -> dict:
+def _run_case(run, out, cmd, opts, res, case, *, nodes, work, kill_after, lease, timeout, hold, lossy_also,
+              lossy_rate_mbit, ref, tol, log) -> dict:
     victim = nodes - 1  # never the service host (node 0, the lowest rank, proposes generation 0)
     skew_file = work / "skew"
     with netns.NetHosts(nodes) as hosts:
@@ -199,11 +201,12 @@ def _run_case(run, out, cmd, opts, res, case, *, nodes, work, kill_after, lease,
         try:
             applied = None
             if case == "lossy":
-                applied = hosts.lossy(victim, loss=0.05, delay_ms=50)
+                applied = hosts.lossy(victim, loss=0.05, delay_ms=50, rate_mbit=lossy_rate_mbit)
             elif case == "delay":
                 applied = hosts.delay(victim, 50)
             if lossy_also is not None:
-                res["lossy_also"] = f"host {lossy_also}: " + hosts.lossy(lossy_also, loss=0.05, delay_ms=50)
+                res["lossy_also"] = f"host {lossy_also}: " + hosts.lossy(lossy_also, loss=0.05, delay_ms=50,
+                                                                             rate_mbit=lossy_rate_mbit)
             for r in range(nodes):
                 job.start(r, {"RESILAX_TEST_CLOCK_SKEW_S": f"@{skew_file}"} if case == "skew" and r == victim
                           else None)

@@ -214,8 +214,9 @@ class NetHosts:
     def heal(self, i: int) -> None:
         _run("ip", "link", "set", self._port(i), "up")
 
-    def lossy(self, i: int, *, loss: float = 0.05, delay_ms: float = 50.0) -> str:
-        """Loss (a fraction) and delay on host ``i``'s link; returns what was applied."""
+    def lossy(self, i: int, *, loss: float = 0.05, delay_ms: float = 50.0, rate_mbit: float = 20.0) -> str:
+        """Loss (a fraction) and delay on host ``i``'s link; returns what was applied. Without
+        netem the delay is a rate limit's (``rate_mbit``) queue of up to ``delay_ms``."""
         dev, ns = self._dev(i), self.ns(i)
         if netem_available():
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem",
@@ -230,9 +231,9 @@ class NetHosts:
                      f" chain in {{ type filter hook input priority 0; numgen random mod 100 < {pct} drop; }}\n}}\n")
             _run("ip", "netns", "exec", ns, "nft", "-f", "-", input=rules)
             # no fixed delay without netem: a rate limit, whose queue delays packets under load
-            _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", "20mbit",
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit:g}mbit",
                  "burst", "32kb", "latency", f"{max(delay_ms, 1):g}ms")
-            how = (f"nftables: {pct}% of packets dropped each way; tc tbf: 20 mbit/s, queue up to {delay_ms:g} ms "
+            how = (f"nftables: {pct}% of packets dropped each way; tc tbf: {rate_mbit:g} mbit/s, queue up to {delay_ms:g} ms "
                    f"(no netem in this kernel: no fixed delay)")
         self._lossy[i] = how
         return how
