@@ -838,30 +838,31 @@ def _standby_parked(run_dir, n):
 
 def test_a_standby_generation_replaces_a_killed_one_with_its_programs_built_ahead_and_keeps_its_bits(tmp_path):
     """``--standby``: the next generation's 2 processes attach to their own service, build
-    their programs and park while generation 0 trains (here: while its workers are SIGSTOPped
-    past step 3, so that the job is still running when they are parked). Process 1 of
-    generation 0 is SIGKILLed; the standby processes become generation 1 (same pids), resume
-    from the host stores at the step generation 0 had reached, built nothing after the go,
-    and the job ends bitwise equal to a failure-free run of the same program. The program is
-    the relaunch test's (the default mode, 32 steps: with 8 the job could end before the test
-    saw both workers past step 3), so the two share one failure-free reference run."""
+    their programs and park while generation 0 trains (here: while the main threads of its
+    workers hang after step 3, ``--fault hang@3:after_step``, so that the job is still running
+    when they are parked, whatever the load: holding them with SIGSTOP once the test saw step
+    3 raced the job's end, with 8 steps in a CI run, with 32 faster ones under load here).
+    Process 1 of generation 0 is SIGKILLed; the standby processes become generation 1 (same
+    pids), resume from the host stores at the step generation 0 had reached, built nothing
+    after the go, and the job ends bitwise equal to a failure-free run of the same program
+    (the fault's hang only stalls; it fires once). The program is the relaunch test's (the
+    default mode, 32 steps), so the two share one failure-free reference run."""
     from helpers import child_env
 
     run, out = tmp_path / "run", tmp_path / "final.npz"
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
            "--standby", "--heartbeat", "0.2", "--heartbeat-timeout", "60", "--min-step-deadline", "120",
-           "--max-restarts", "1", "--", *RELAUNCH_TRAIN, "--out", str(out)]
+           "--max-restarts", "1", "--", *RELAUNCH_TRAIN, "--out", str(out), "--fault", "hang@3:after_step"]
     with open(tmp_path / "launch.log", "wb") as log:
         p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
+            # (the hang holds the job before its end, and frees the cores for the standby; the
+            # supervisor's step deadline, --min-step-deadline 120, leaves it alone meanwhile)
             _wait(lambda: _past_n(run, 0, 3, 2), 180, "generation 0 past step 3", p)
             workers = _processes(run)["workers"]
-            for pid in workers.values():  # (holds the job before its end, and frees the cores for the standby)
-                os.kill(pid, signal.SIGSTOP)
             reached = max(_steps(run, 0).values())
             standby = _wait(lambda: _standby_parked(run, 2), 180, "the standby generation parked", p)
             os.kill(workers["1"], signal.SIGKILL)
-            os.kill(workers["0"], signal.SIGCONT)
             rc = p.wait(timeout=180)
         finally:
             kill_tree(p)
