@@ -120,8 +120,10 @@ _DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations
 
 def pytest_collection_modifyitems(session, config, items):
     """The slowest tests first (seconds from a fresh-clone run: tests/durations.json; a test
-    not in it counts as 1 s), so that two workers end together instead of one finishing the
-    long end-to-end tests alone (`--dist worksteal` steals from the end of a queue).
+    not in it counts as 1 s), so that the workers end together instead of one finishing the
+    long end-to-end tests alone (`--dist worksteal` steals from the end of a queue). Three
+    workers on 2 cores: the multi-process tests spend a third of their wall time waiting
+    (leases, deadlines, netem), which a third worker's tests fill.
     Regenerate the file from `--durations=0` output when the suite changes much."""
     import json
 

@@ -68,7 +68,7 @@ def test_readme_is_short_and_keeps_the_two_commands():
     test_cmd = re.search(r"^python3 -m venv .* tests$", text, re.M)
     assert test_cmd, "the README's test command"
     # .ci/run runs the README's command (split over lines, with the versions printed between)
-    for part in ("pip install -q --no-compile -e '.[test]'", "python -m pytest -q -n 2 --dist worksteal --durations=15 tests"):
+    for part in ("pip install -q --no-compile -e '.[test]'", "python -m pytest -q -n 3 --dist worksteal --durations=15 tests"):
         assert part in test_cmd.group(0) and part in ci
 
 
