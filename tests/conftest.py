@@ -119,12 +119,18 @@ _DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The slowest tests first (seconds from a fresh-clone run: tests/durations.json; a test
-    not in it counts as 1 s), so that the workers end together instead of one finishing the
-    long end-to-end tests alone (`--dist worksteal` steals from the end of a queue). Three
-    workers on 2 cores: the multi-process tests spend a third of their wall time waiting
-    (leases, deadlines, netem), which a third worker's tests fill.
-    Regenerate the file from `--durations=0` output when the suite changes much."""
+    """Orders the tests for `--dist worksteal` by their seconds in a fresh-clone run
+    (tests/durations.json; a test not in it counts as 1 s). worksteal hands each worker the
+    next contiguous share of the list at the start (the i-th of n workers the next
+    ``len(left) // (n - i)``) and later lets an idle worker steal the tail half of the
+    longest queue. A list sorted slowest-first put every long end-to-end test in the first
+    worker's share, where they ran one after another while the others took the short ones.
+    So the tests are dealt slowest-first into one share per worker, each to the share with
+    the fewest seconds so far (at the sizes worksteal cuts), each share slowest-first: every
+    worker starts on long tests, and what is stolen at the end is short. Three workers on 2
+    cores: the multi-process tests spend a third of their wall time waiting (leases,
+    deadlines, netem), which a third worker's tests fill. Regenerate the file from a
+    whole-suite run when the suite changes much."""
     import json
 
     try:
@@ -132,7 +138,21 @@ def pytest_collection_modifyitems(session, config, items):
             known = json.load(f)
     except (OSError, ValueError):
         return
-    items.sort(key=lambda it: -known.get(it.nodeid, 1.0))  # stable: unknowns keep their order
+    secs = lambda it: known.get(it.nodeid, 1.0)  # noqa: E731
+    items.sort(key=lambda it: -secs(it))  # stable: unknowns keep their order
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if n <= 1:
+        return
+    sizes, left = [], len(items)
+    for i in range(n):  # the shares worksteal cuts, in its order
+        sizes.append(left // (n - i))
+        left -= sizes[-1]
+    shares, load = [[] for _ in range(n)], [0.0] * n
+    for it in items:
+        i = min((j for j in range(n) if len(shares[j]) < sizes[j]), key=lambda j: load[j])
+        shares[i].append(it)
+        load[i] += secs(it)
+    items[:] = [it for share in shares for it in share]
 
 
 @pytest.fixture(autouse=True)
