@@ -259,12 +259,17 @@ def test_a_packed_save_holds_one_group_at_a_time_on_the_devices(packed_store, mo
     assert [len(g["members"]) for g in man["groups"]] == [2, 2, 2], man
     seen = []  # at each group's copy to host: the packed groups alive on the devices
     real = packing._to_host
+    # what other tests of this worker process left alive (held here, so that no array made
+    # by the save reuses one's id): a state's (8, 64) float32 leaf looked like a packed group
+    before = list(jax.live_arrays())
+    old = {id(b) for b in before}
 
     def spy(x):
-        # (packed groups are the only (8, 64) float32 arrays here; counting them, not every live
-        # buffer, keeps what other tests of this worker process left behind out of the count)
-        seen.append([b for b in jax.live_arrays() if not b.is_deleted() and b.shape == (8, 64)
-                     and b.dtype == np.float32 and b.sharding.memory_kind in (None, "device")])
+        # (packed groups are the only (8, 64) float32 arrays the save makes; counting them,
+        # not every live buffer, keeps what other tests left behind out of the count)
+        seen.append([b for b in jax.live_arrays() if id(b) not in old and not b.is_deleted()
+                     and b.shape == (8, 64) and b.dtype == np.float32
+                     and b.sharding.memory_kind in (None, "device")])
         return real(x)
 
     monkeypatch.setattr(packing, "_to_host", spy)
