@@ -135,7 +135,7 @@ def add_arguments(p) -> None:
     p.add_argument("--netns", action="store_true",
                    help="hosts that are really apart (root): each host a network namespace with its own /dev/shm and "
                         "/tmp; cases partition, partition-service, cut, lossy, delay, flap-short, flap-long, skew, full, "
-                        "readonly, readonly-host "
+                        "readonly, readonly-host; faults joined by '+' are one job, one after the other "
                         "(resilax/tools/bench_netns.py); --soak N: N runs of the partition cases")
     p.add_argument("--hold", type=float, default=8.0, metavar="S", help="--netns: how long a partition lasts")
 

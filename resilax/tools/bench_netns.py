@@ -50,6 +50,15 @@ finish did (exit 0), the final state is the reference's (bitwise; within 1e-4), 
 ``--soak N`` runs the partition cases (``partition``, ``partition-service``, ``cut``) N
 times in turn: JSON ``soak`` = ``{runs, hangs, wrong, split_brains}``.
 
+Faults joined by ``+`` (``--cases partition+partition-service``) are one job: the first
+fault once every worker is past ``--kill-after``, each next one once every node is back in
+a generation whose every worker is 10 steps past the previous fault's step (`run_case`).
+JSON ``cases`` has one entry per fault (``name`` the fault, ``run`` the job), each with its
+own ``detect_s``, ``back_s``, ``lost_steps`` and ``generations`` (those from the generation
+at the fault to the one at the next fault) and the job's ``ok``, ``distance``,
+``exit_codes``, ``split_brain``. A job costs a few processes' start-ups (imports, tracing,
+the first step) however many faults it holds.
+
 Needs root (`netns.unavailable` says why not). Every host's processes are SIGKILLed and the
 namespaces removed in a ``finally``.
 """
@@ -153,177 +162,248 @@ class Job:
                 pass
 
 
-def _first_end(run: pathlib.Path, t_fault: float) -> float | None:
-    """The fault -> the first agent that marked generation 0 ended (its node file's mtime)."""
+def _first_end(run: pathlib.Path, t_fault: float, g: int = 0) -> float | None:
+    """The fault -> the first agent that marked generation ``g`` ended (its node file's mtime)."""
     ts = []
-    for f in (run / "nodes").glob("g0.node*.json"):
+    for f in (run / "nodes").glob(f"g{g}.node*.json"):
         rec = _json(f) or {}
         if rec.get("status") in ("stopped", "failed"):
             ts.append(f.stat().st_mtime)
     return min(ts) - t_fault if ts else None
 
 
+def faults_of(case: str) -> list[str]:
+    """The faults of ``case``, one job: ``a+b`` is fault ``a``, then, once every node is back in
+    a generation past ``fault_gap`` more steps, fault ``b`` (`run_case`). ``none``, ``lossy`` and
+    ``delay`` (no fault time) stand alone; ``skew`` (its host withdraws) comes last."""
+    faults = case.split("+")
+    bad = [f for f in faults if f not in CASES]
+    if bad or (len(faults) > 1 and (any(f in ("none", "lossy", "delay") for f in faults) or "skew" in faults[:-1])):
+        raise ValueError(f"resilax bench multihost --netns: a case is one of {', '.join(CASES)}, or faults joined by "
+                         f"'+' (not none, lossy or delay; skew last), got {case!r}")
+    return faults
+
+
 def run_case(work: pathlib.Path, case: str, *, train: list, ref, tol: float, kill_after: int, lease: float,
              timeout: float, nodes: int = 3, hold: float = 8.0, lossy_also: int | None = None,
-             lossy_rate_mbit: float = 20.0, collective_timeout: float = 5.0, log=print) -> dict:
-    """One job of ``nodes`` hosts in namespaces; ``case`` as in the module docstring;
-    ``lossy_also``: that host's link is lossy too, from the start (two faults in one job);
-    ``lossy_rate_mbit``: a lossy link's rate limit where the kernel has no netem (`NetHosts.lossy`);
-    ``collective_timeout``: `resilax launch --collective-timeout` (a flap is survived when it
-    is longer than the gap plus TCP's retransmission back-off)."""
-    if case not in CASES:
-        raise ValueError(f"resilax bench multihost --netns: the case must be one of {', '.join(CASES)}, got {case!r}")
+             lossy_rate_mbit: float = 20.0, collective_timeout: float = 5.0, fault_gap: int = 10, log=print) -> dict:
+    """One job of ``nodes`` hosts in namespaces; ``case`` as in the module docstring, or faults
+    joined by ``+`` (`faults_of`): one job, the first fault once every worker is past
+    ``kill_after``, each next one once every node is back in a generation whose every worker
+    is ``fault_gap`` steps past the previous fault's step. ``faults``: per fault ``name``,
+    ``detect_s``, ``back_s``, ``lost_steps``, ``generations`` (those committed from the one
+    at the fault to the one at the next fault, or the last) and the rest; with one fault they
+    are also the result's own keys, as they always were. ``lossy_also``: that host's link is
+    lossy too, from the start (two faults in one job); ``lossy_rate_mbit``: a lossy link's
+    rate limit where the kernel has no netem (`NetHosts.lossy`); ``collective_timeout``:
+    `resilax launch --collective-timeout` (a flap is survived when it is longer than the gap
+    plus TCP's retransmission back-off)."""
+    faults = faults_of(case)
     run, out = work / "run", work / "final.npz"
     cmd = [*train, "--out", str(out)]
     opts = ["-n", "1", "--devices-per-process", "2", "--lease", str(lease), "--heartbeat", "0.2",
             "--heartbeat-timeout", "10", "--rendezvous-timeout", "120", "--collective-timeout", f"{collective_timeout:g}",
             "--startup-timeout", "120"]
     res: dict = {"name": case, "detect_s": None, "back_s": None, "lost_steps": 0, "generations": 0, "ok": False}
-    if case == "full":  # (before the hosts start: each host's mount namespace is a copy holding it)
+    tmpfs = "full" in faults
+    if tmpfs:  # (before the hosts start: each host's mount namespace is a copy holding it)
         run.mkdir(parents=True, exist_ok=True)
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(run)], check=True, capture_output=True)
     try:
-        return _run_case(run, out, cmd, opts, res, case, nodes=nodes, work=work, kill_after=kill_after, lease=lease,
+        return _run_case(run, out, cmd, opts, res, faults, nodes=nodes, work=work, kill_after=kill_after, lease=lease,
                          timeout=timeout, hold=hold, lossy_also=lossy_also, lossy_rate_mbit=lossy_rate_mbit, ref=ref,
-                         tol=tol, log=log)
+                         tol=tol, fault_gap=fault_gap, log=log)
     finally:
-        if case == "full":
+        if tmpfs:
             (run / "filler").unlink(missing_ok=True)
             subprocess.run(["umount", "-l", str(run)], capture_output=True)  # (the files go with it)
 
 
-def _run_case(run, out, cmd, opts, res, case, *, nodes, work, kill_after, lease, timeout, hold, lossy_also,
-              lossy_rate_mbit, ref, tol, log) -> dict:
+def _settled(run, nodes: int, step: int, g: int | None):
+    """``(generation, processes.json)`` once the newest proposed generation (``g``, if given) is
+    committed with all ``nodes``, every one of its workers past ``step``, and processes.json is
+    its own and names every node; else None."""
+    g = _latest(run) if g is None else g
+    gen = _committed(run, g)
+    if gen is None or len(gen.members) != nodes:
+        return None
+    h = heartbeats(run, g)
+    if len(h) != gen.num_processes or not all((x.get("step") or 0) >= step for x in h.values()):
+        return None
+    p = _json(run / "processes.json")
+    return (g, p) if p and p.get("generation") == g and len(p.get("nodes", {})) == nodes else None
+
+
+def _run_case(run, out, cmd, opts, res, faults, *, nodes, work, kill_after, lease, timeout, hold, lossy_also,
+              lossy_rate_mbit, ref, tol, fault_gap, log) -> dict:
     victim = nodes - 1  # never the service host (node 0, the lowest rank, proposes generation 0)
     skew_file = work / "skew"
+    first = faults[0]
     with netns.NetHosts(nodes) as hosts:
         job = Job(hosts, work, cmd, opts, time.time() + timeout)
         try:
             applied = None
-            if case == "lossy":
+            if first == "lossy":
                 applied = hosts.lossy(victim, loss=0.05, delay_ms=50, rate_mbit=lossy_rate_mbit)
-            elif case == "delay":
+            elif first == "delay":
                 applied = hosts.delay(victim, 50)
             if lossy_also is not None:
                 res["lossy_also"] = f"host {lossy_also}: " + hosts.lossy(lossy_also, loss=0.05, delay_ms=50,
                                                                              rate_mbit=lossy_rate_mbit)
             for r in range(nodes):
-                job.start(r, {"RESILAX_TEST_CLOCK_SKEW_S": f"@{skew_file}"} if case == "skew" and r == victim
+                job.start(r, {"RESILAX_TEST_CLOCK_SKEW_S": f"@{skew_file}"} if "skew" in faults and r == victim
                           else None)
             t_start = time.time()
             job.wait(lambda: _committed(run, 0), "generation 0")
-            job.wait(lambda: len(h := heartbeats(run, 0)) == nodes and
-                     all((x.get("step") or 0) >= kill_after for x in h.values()),
-                     f"every worker of generation 0 past step {kill_after}")
-            procs = job.wait(lambda: (p := _json(run / "processes.json")) and len(p.get("nodes", {})) == nodes and p,
-                             "processes.json naming every node")
-            service = procs["service_node"]
-            target = service if case == "partition-service" else victim
-            fault_step = max(x.get("step") or 0 for x in heartbeats(run, 0).values())
-            back = None  # the fault -> every worker of a later generation past the fault's step
-            t_fault = time.time()
-            down = {"partition": hold, "partition-service": hold, "cut": 3 * lease,
-                    "flap-short": max(2.0, lease / 2), "flap-long": max(5.0, 1.5 * lease)}.get(case)
-            cut = case in ("cut", "flap-short", "flap-long")
-            ro_hosts = {"readonly": range(nodes), "readonly-host": [victim]}.get(case, ())
-            if case == "skew":
-                skew_file.write_text(str(2.5 * lease))
-                log(f"      host {target}'s clock jumps {2.5 * lease:g} s ahead at step {fault_step}")
-            elif case in ("full", "readonly", "readonly-host"):
-                if case == "full":
-                    st = os.statvfs(run)
-                    log(f"      the run directory fills up at step {fault_step} ({st.f_bavail * st.f_frsize / 2**20:.1f}"
-                        f" MiB free before: " + subprocess.run(["du", "-sh", *map(str, run.iterdir())],
-                                                               capture_output=True, text=True).stdout.replace("\n", "; ")
-                        + ")")
-                    _fill(run / "filler")
-                    said = ("the disk is full", "No space left on device")
-                else:  # every host's view (an NFS export turned read-only: every client sees it), or one's
-                    for r in ro_hosts:
-                        hosts.read_only_run_dir(r, run, job.agent_pid(r))
-                    log(f"      the run directory turns read-only for host(s) {list(ro_hosts)} at step {fault_step}")
-                    said = ("Read-only file system",)
-                # a worker's write (a save, the record log) or an agent's (its lease) fails first
-                job.wait(lambda: (t := job.text()) and any(x in t for x in said), f"a write to fail ({said[-1]})")
-                t_full = time.time()
-                while time.time() < t_full + 2 * lease:  # two leases: none can be renewed meanwhile
-                    for r, p in job.agents.items():
-                        if p.poll() is not None:
-                            raise BenchError(f"agent {r} exited with {p.returncode} while the run directory was "
-                                             f"{case}")
-                    time.sleep(0.1)
-                done = _checkpoints(run)
-                res["committed_at_fault"] = done
-                if done:  # copied aside while the job waits: the caller restores it
-                    shutil.copytree(run / "checkpoints" / str(done[-1]), work / "kept_checkpoint" / str(done[-1]))
-                    res["kept_checkpoint"] = str(work / "kept_checkpoint")
-                if case == "full":
-                    (run / "filler").unlink()
-                for r in ro_hosts:
-                    hosts.writable_run_dir(r, run, job.agent_pid(r))
-                res["healed_s"] = time.time() - t_fault
-                log(f"      a write failed, the job waits; {res['healed_s']:.1f} s after: "
-                    f"{'freed' if case == 'full' else 'writable again'} (committed: {done})")
-            elif down is not None:
-                hosts.partition(target)
-                if cut:
-                    hosts.cut_run_dir(target, run, job.agent_pid(target))
-                log(f"      host {target} (service on {service}): link down{' and run directory cut' if cut else ''} "
-                    f"for {down:g} s at step {fault_step}")
-                t_heal = t_fault + down
-                others = [r for r in range(nodes) if r != target]
-                while time.time() < t_heal or (case == "cut" and time.time() < t_fault + 120 and back is None):
-                    if back is None and _back(run, 0, fault_step, others if case == "cut" else None):
-                        back = time.time() - t_fault
-                    time.sleep(0.05)  # (cut: until the others are back at the step without it)
-                res["healed_s"] = time.time() - t_fault
-                if cut:
-                    hosts.restore_run_dir(target, run, job.agent_pid(target))
-                hosts.heal(target)
-            else:
-                log(f"      host {target}'s link: {applied}; nothing else happens" if applied else "      no fault")
+            per: list[dict] = []
+            back = None  # the current fault -> every worker of a later generation past the fault's step
+            for i, case in enumerate(faults):
+                at = kill_after if i == 0 else per[-1]["fault_step"] + fault_gap
+                prev = per[-1] if per else None
+
+                def ready(prev=prev, at=at, i=i):
+                    nonlocal back
+                    if prev is not None and back is None and _latest(run) > prev["generation_at_fault"] and \
+                            _back(run, prev["generation_at_fault"], prev["fault_step"]):
+                        back = time.time() - prev["t_fault"]
+                    return _settled(run, nodes, at, 0 if i == 0 else None)
+
+                g_at, procs = job.wait(ready, f"every worker of {'generation 0' if i == 0 else 'a generation of every node'}"
+                                       f" past step {at}")
+                if prev is not None:
+                    prev["back_s"] = back
+                back = None
+                service = procs["service_node"]
+                target = service if case == "partition-service" else victim
+                fault_step = max(x.get("step") or 0 for x in heartbeats(run, g_at).values())
+                t_fault = time.time()
+                f = {"name": case, "generation_at_fault": g_at, "fault_step": fault_step, "t_fault": t_fault,
+                     "target": target, "service_node": service}
+                per.append(f)
+                applied = _fault(case, f, run=run, work=work, hosts=hosts, job=job, nodes=nodes, victim=victim,
+                                 lease=lease, hold=hold, skew_file=skew_file, kept=i, applied=applied, log=log)
+                back = f.pop("back_s")  # (found while the fault lasted, if it was)
             # until every agent exits: when the job was back at the step
-            expect_exit = {r: (1 if case == "skew" and r == target else 0) for r in range(nodes)}
+            last = per[-1]
+            expect_exit = {r: (1 if faults[-1] == "skew" and r == last["target"] else 0) for r in range(nodes)}
             while any(p.poll() is None for p in job.agents.values()):
                 if time.time() > job.deadline:
                     raise Hang(f"timed out waiting for the agents to exit ({[p.poll() for p in job.agents.values()]})")
-                if back is None and _latest(run) > 0 and _back(run, 0, fault_step):
-                    back = time.time() - t_fault
+                if back is None and _latest(run) > last["generation_at_fault"] and \
+                        _back(run, last["generation_at_fault"], last["fault_step"]):
+                    back = time.time() - last["t_fault"]
                 time.sleep(0.05)
+            last["back_s"] = back
             rcs = {r: p.returncode for r, p in job.agents.items()}
             text = job.text()
-            gens = [g for g in range(_latest(run) + 1) if _committed(run, g) is not None]
-            res["generations"] = len(gens)
-            res["detect_s"] = _first_end(run, t_fault) if len(gens) > 1 else None
-            if back is None and len(gens) > 1:
-                b = _back(run, 0, fault_step)
-                back = None if b is None else max(
-                    (pathlib.Path(f).stat().st_mtime for f in (run / "heartbeats").glob(f"g{b[0]}.p*.json")),
-                    default=t_fault) - t_fault
-            res["back_s"] = back
-            b = _back(run, 0, fault_step) if len(gens) > 1 else None
-            g_back = b[0] if b is not None else None  # the generation that was back at the step
-            resumed = _resumed(text, g_back) if g_back is not None else None
-            res["generation_back"] = g_back
-            res["lost_steps"] = max(0, fault_step - resumed) if resumed is not None else 0
-            res["resumed_step"] = resumed
-            res["fault_step"] = fault_step
-            res["t_fault"] = t_fault  # (wall clock: to read the logs' times against)
-            res["target"], res["service_node"] = target, service
+            for k, f in enumerate(per):
+                _outcome(f, run, text, end=per[k + 1]["generation_at_fault"] if k + 1 < len(per) else _latest(run))
+            res["faults"] = per
+            if len(per) == 1:
+                res.update(per[0], name=faults[0])
             res["exit_codes"] = rcs
             res["total_s"] = time.time() - t_start
             res["link"] = applied
             res["split_brain"] = split_brain(run)
             res["distance"] = _distance(out, ref) if out.exists() else float("inf")
-            res["why_ended"] = [ln.split(" ended: ", 1)[1].split(";")[0] for ln in text.splitlines()
-                                if " generation 0 ended: " in ln][:3]
-            if case == "skew":
-                res["refused"] = "clock is " in text and "off the run directory's file system" in text
             res["ok"] = (rcs == expect_exit and res["distance"] <= tol and not res["split_brain"]
-                         and (case != "skew" or res["refused"]))
+                         and all(f.get("refused", True) for f in per))
             return res
         finally:
             job.close()
+
+
+def _outcome(f: dict, run, text: str, *, end: int) -> None:
+    """Fault ``f``'s results from the run directory and the agents' logs, read after the job:
+    generations ``f["generation_at_fault"]`` .. ``end`` are its."""
+    g_f, fault_step, t_fault = f["generation_at_fault"], f["fault_step"], f["t_fault"]
+    gens = [g for g in range(g_f, end + 1) if _committed(run, g) is not None]
+    f["generations"] = len(gens)
+    f["detect_s"] = _first_end(run, t_fault, g_f) if len(gens) > 1 else None
+    b = _back(run, g_f, fault_step) if len(gens) > 1 else None
+    if b is not None and b[0] > end:
+        b = None
+    if f["back_s"] is None and b is not None:
+        f["back_s"] = max((pathlib.Path(p).stat().st_mtime for p in (run / "heartbeats").glob(f"g{b[0]}.p*.json")),
+                          default=t_fault) - t_fault
+    g_back = b[0] if b is not None else None  # the generation that was back at the step
+    resumed = _resumed(text, g_back) if g_back is not None else None
+    f["generation_back"] = g_back
+    f["lost_steps"] = max(0, fault_step - resumed) if resumed is not None else 0
+    f["resumed_step"] = resumed
+    f["why_ended"] = [ln.split(" ended: ", 1)[1].split(";")[0] for ln in text.splitlines()
+                      if f" generation {g_f} ended: " in ln][:3]
+    if f["name"] == "skew":
+        f["refused"] = "clock is " in text and "off the run directory's file system" in text
+
+
+def _fault(case, f, *, run, work, hosts, job, nodes, victim, lease, hold, skew_file, kept, applied, log):
+    """Fault ``case`` now, on ``f["target"]``, and what it needs until it is over (its results
+    into ``f``); returns the link setting (``lossy``, ``delay``: from the start)."""
+    target, service, fault_step, t_fault = f["target"], f["service_node"], f["fault_step"], f["t_fault"]
+    f["back_s"] = None
+    down = {"partition": hold, "partition-service": hold, "cut": 3 * lease,
+            "flap-short": max(2.0, lease / 2), "flap-long": max(5.0, 1.5 * lease)}.get(case)
+    cut = case in ("cut", "flap-short", "flap-long")
+    ro_hosts = {"readonly": range(nodes), "readonly-host": [victim]}.get(case, ())
+    if case == "skew":
+        skew_file.write_text(str(2.5 * lease))
+        log(f"      host {target}'s clock jumps {2.5 * lease:g} s ahead at step {fault_step}")
+    elif case in ("full", "readonly", "readonly-host"):
+        said = ("the disk is full", "No space left on device") if case == "full" else ("Read-only file system",)
+        before = sum(job.text().count(x) for x in said)  # (an earlier fault's say so too)
+        if case == "full":
+            st = os.statvfs(run)
+            log(f"      the run directory fills up at step {fault_step} ({st.f_bavail * st.f_frsize / 2**20:.1f}"
+                f" MiB free before: " + subprocess.run(["du", "-sh", *map(str, run.iterdir())],
+                                                       capture_output=True, text=True).stdout.replace("\n", "; ")
+                + ")")
+            _fill(run / "filler")
+        else:  # every host's view (an NFS export turned read-only: every client sees it), or one's
+            for r in ro_hosts:
+                hosts.read_only_run_dir(r, run, job.agent_pid(r))
+            log(f"      the run directory turns read-only for host(s) {list(ro_hosts)} at step {fault_step}")
+        # a worker's write (a save, the record log) or an agent's (its lease) fails first
+        job.wait(lambda: sum(job.text().count(x) for x in said) > before, f"a write to fail ({said[-1]})")
+        t_full = time.time()
+        while time.time() < t_full + 2 * lease:  # two leases: none can be renewed meanwhile
+            for r, p in job.agents.items():
+                if p.poll() is not None:
+                    raise BenchError(f"agent {r} exited with {p.returncode} while the run directory was {case}")
+            time.sleep(0.1)
+        done = _checkpoints(run)
+        f["committed_at_fault"] = done
+        if done:  # copied aside while the job waits: the caller restores it
+            aside = work / ("kept_checkpoint" if kept == 0 else f"kept_checkpoint{kept}")
+            shutil.copytree(run / "checkpoints" / str(done[-1]), aside / str(done[-1]))
+            f["kept_checkpoint"] = str(aside)
+        if case == "full":
+            (run / "filler").unlink()
+        for r in ro_hosts:
+            hosts.writable_run_dir(r, run, job.agent_pid(r))
+        f["healed_s"] = time.time() - t_fault
+        log(f"      a write failed, the job waits; {f['healed_s']:.1f} s after: "
+            f"{'freed' if case == 'full' else 'writable again'} (committed: {done})")
+    elif down is not None:
+        hosts.partition(target)
+        if cut:
+            hosts.cut_run_dir(target, run, job.agent_pid(target))
+        log(f"      host {target} (service on {service}): link down{' and run directory cut' if cut else ''} "
+            f"for {down:g} s at step {fault_step}")
+        t_heal = t_fault + down
+        others = [r for r in range(nodes) if r != target]
+        g_f = f["generation_at_fault"]
+        while time.time() < t_heal or (case == "cut" and time.time() < t_fault + 120 and f["back_s"] is None):
+            if f["back_s"] is None and _back(run, g_f, fault_step, others if case == "cut" else None):
+                f["back_s"] = time.time() - t_fault
+            time.sleep(0.05)  # (cut: until the others are back at the step without it)
+        f["healed_s"] = time.time() - t_fault
+        if cut:
+            hosts.restore_run_dir(target, run, job.agent_pid(target))
+        hosts.heal(target)
+    else:
+        log(f"      host {target}'s link: {applied}; nothing else happens" if applied else "      no fault")
+    return applied
 
 
 def _fill(path: pathlib.Path) -> None:
@@ -357,9 +437,8 @@ def bench_netns(*, steps=40, checkpoint_every=5, kill_after=10, cases=None, soak
     if why:
         raise BenchError(f"resilax bench multihost --netns: cannot make hosts in namespaces here: {why}")
     cases = tuple(cases or (SOAK_CASES if soak else CASES))
-    bad = [c for c in cases if c not in CASES]
-    if bad:
-        raise ValueError(f"resilax bench multihost --netns: --cases must name some of {', '.join(CASES)}, got {bad}")
+    for c in cases:
+        faults_of(c)  # (ValueError: not a case)
     own = workdir is None
     # not under /tmp: each host has a /tmp of its own (the run directory is bound back, but the
     # reference run and the topology file are read by every host)
@@ -392,12 +471,17 @@ def bench_netns(*, steps=40, checkpoint_every=5, kill_after=10, cases=None, soak
             res = {"name": case, "detect_s": None, "back_s": None, "lost_steps": None, "generations": None,
                    "ok": False, "error": str(e)}
         res["run"] = name
-        out.append(res)
-        log(f"      {'ok' if res['ok'] else 'NOT OK'}: detect {res['detect_s']}, back {res['back_s']}, lost "
-            f"{res['lost_steps']}, generations {res['generations']}, distance {res.get('distance')}"
-            + (f", split brain {res['split_brain']}" if res.get("split_brain") else "")
-            + (f", {res.get('hang') or res.get('error')}" if not res["ok"] and (res.get("hang") or res.get("error"))
-               else ""))
+        faults = res.pop("faults", [])
+        # a job of several faults: one entry per fault, each with the job's own results
+        rows = [{**res, **f, "run": name} for f in faults] if len(faults) > 1 else [res]
+        out.extend(rows)
+        for row in rows:
+            log(f"      {'ok' if row['ok'] else 'NOT OK'}{' ' + row['name'] if len(rows) > 1 else ''}: detect "
+                f"{row['detect_s']}, back {row['back_s']}, lost {row['lost_steps']}, generations {row['generations']}, "
+                f"distance {row.get('distance')}" + (f", split brain {row['split_brain']}" if row.get("split_brain")
+                                                     else "")
+                + (f", {row.get('hang') or row.get('error')}" if not row["ok"] and (row.get("hang") or row.get("error"))
+                   else ""))
         if soak:
             soak_runs["runs"] += 1
             soak_runs["hangs"] += "hang" in res
@@ -419,10 +503,14 @@ def bench_netns(*, steps=40, checkpoint_every=5, kill_after=10, cases=None, soak
 
 
 def print_table(r: dict) -> None:
-    print(f"{'case':<22}{'detect (s)':>11}{'back (s)':>10}{'lost':>6}{'gens':>6}{'total (s)':>11}  ok")
-    for c in r["cases"]:
+    # a fault of a job of several: "fault (in job)"
+    labels = [c.get("run", c["name"]) if "+" not in c.get("run", "") else f"{c['name']} (in {c['run']})"
+              for c in r["cases"]]
+    w = max([22, *(len(x) + 2 for x in labels)])
+    print(f"{'case':<{w}}{'detect (s)':>11}{'back (s)':>10}{'lost':>6}{'gens':>6}{'total (s)':>11}  ok")
+    for c, label in zip(r["cases"], labels):
         f = (lambda v: "-" if v is None else f"{v:.2f}")
-        print(f"{c.get('run', c['name']):<22}{f(c['detect_s']):>11}{f(c['back_s']):>10}"
+        print(f"{label:<{w}}{f(c['detect_s']):>11}{f(c['back_s']):>10}"
               f"{'-' if c['lost_steps'] is None else c['lost_steps']:>6}{'-' if c['generations'] is None else c['generations']:>6}"
               f"{f(c.get('total_s')):>11}  {'yes' if c['ok'] else 'NO'}")
     if "soak" in r:
