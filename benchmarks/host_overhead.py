@@ -32,6 +32,7 @@ import cProfile
 import io
 import os
 import pstats
+import shutil
 import sys
 import tempfile
 import time
@@ -264,6 +265,7 @@ def one(args, layers: int) -> dict:
             times[k].append(dt / args.block)
         print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True) if (r + 1) % 5 == 0 else None
     host, exe, py = finish(runs, states, times, inside)
+    shutil.rmtree(tmp, ignore_errors=True)  # the runs are closed: their checkpoints and logs go
     back = {k: owners.spent.get(k, 0.0) / (rounds * args.block) * 1e3 for k in runs}
     n = rounds * args.block
     threads = {k: {_NAMES[i]: owners.by_thread.get(i, 0.0) / n * 1e3 for i, v in owners.owner.items() if v == k}
