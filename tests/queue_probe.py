@@ -46,8 +46,8 @@ def main(config, tmp):
         warnings.simplefilter("ignore", RuntimeWarning)  # one failure domain: no peers
         step = resilax.wrap(heavy_step, topology=topo, state_sharding=P(), batch_sharding=bspec, config=cfg)
     rng = np.random.default_rng(0)
-    state = {"w": jnp.asarray(rng.normal(size=(768, 768)) * 0.03, jnp.float32), "n": jnp.zeros((), jnp.int32)}
-    batch = {"x": rng.normal(size=(768, 768)).astype(np.float32)}
+    state = {"w": jnp.asarray(rng.normal(size=(512, 512)) * 0.03, jnp.float32), "n": jnp.zeros((), jnp.int32)}
+    batch = {"x": rng.normal(size=(512, 512)).astype(np.float32)}
     s = step.init(state)
     for _ in range(3):  # compile, and the first step's one-off work
         s, m = step(s, batch)
