@@ -4,6 +4,8 @@ replica). Linen and NNX transformers with dropout and a token-weighted loss; bf1
 that compute NaN; losing a replica, bitwise in the bit-exact mode; checkpoint and resume.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +27,11 @@ def _grads(case, params, batch, mesh, pipelined):
     fn = jax.value_and_grad(lambda p: case.loss(p, batch, key, pipelined=pipelined)[0])
     if not pipelined:
         return jax.jit(fn)(params)
+    # the specs from the state's shapes: a state made under the mesh ran the initialiser's ~100
+    # eager ops again, each compiled for 8 devices (2-4 CPU-s a test)
+    specs = case.state_sharding(jax.eval_shape(lambda: case.make_state(0))).params
     with jax.set_mesh(mesh):
-        sh = jax.tree.map(lambda s: NamedSharding(mesh, s), case.state_sharding(case.make_state(0)).params)
+        sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
         return jax.jit(fn, in_shardings=(sh,))(params)
 
 
@@ -110,10 +115,17 @@ def test_pipeline_says_what_is_wrong(mesh):
 CASE = pm.linen_case(layers=4, microbatches=2, rate=0.1)  # dropout in every block, token-weighted loss
 
 
+@functools.cache
+def _specs():
+    """The state's layout, from its shapes (a state made only for its layout ran the
+    initialiser's eager ops once more)."""
+    return CASE.state_sharding(jax.eval_shape(lambda: CASE.make_state(0)))
+
+
 def _run(faults=(), config=None, steps=5, state=None, batches=None):
     st = CASE.make_state(0) if state is None else state
     step = resilax.wrap(CASE.train_step, topology=resilax.Topology.load("cpu-2x4-pp"),
-                        state_sharding=CASE.state_sharding(CASE.make_state(0)), batch_sharding=P("data"), rng=True,
+                        state_sharding=_specs(), batch_sharding=P("data"), rng=True,
                         metric_reductions=CASE.metric_reductions, config=config or resilax.Config(),
                         faults=resilax.FaultPlan(list(faults)))
     s = step.init(st)
@@ -154,7 +166,7 @@ def test_default_mode_protections_on_a_pipeline_nan_skip_replica_loss_checkpoint
     ck = resilax.Config(checkpoint=resilax.CheckpointConfig(directory=str(tmp_path / "ck"), every=2))
     _run(["nan@1"], config=ck, batches=batches[:3])
     st2 = resilax.wrap(CASE.train_step, topology=resilax.Topology.load("cpu-2x4-pp"),
-                       state_sharding=CASE.state_sharding(CASE.make_state(0)), batch_sharding=P("data"), rng=True,
+                       state_sharding=_specs(), batch_sharding=P("data"), rng=True,
                        metric_reductions=CASE.metric_reductions, config=ck, faults=resilax.FaultPlan(["nan@1"]))
     s = st2.init(CASE.make_state(0))
     assert st2.step == 3
