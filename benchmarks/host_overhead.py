@@ -91,6 +91,7 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=20)
     ap.add_argument("--rows", type=int, default=8, help="batch rows")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-split", action="store_true", help="leave out the bare split (the step as two plain jits)")
     ap.add_argument("--groups", action="store_true", help="also each protection group of Config() alone")
     ap.add_argument("--profile", nargs="?", const="default", default=None,
                     help="print this variant's top functions by own time (default: default)")
@@ -109,9 +110,35 @@ def main(argv=None):
             lo, hi = runs_[0]["host_ms"][k], runs_[-1]["host_ms"][k]
             res["slope"][k] = hi / lo if lo > 0 else None
         print("slope (largest over smallest): " + ", ".join(f"{k} {v:.2f}" for k, v in res["slope"].items() if v))
+        if runs_[0].get("host_ms_over_split"):  # against the bare split: what resilax adds to two programs a step
+            over = [r["host_ms_over_split"] for r in runs_]
+            print(f"\nover the bare split\n{'leaves':>8s} " + " ".join(f"{k + ' ms':>22s}" for k in over[0]))
+            for r, o in zip(runs_, over):
+                print(f"{r['leaves']:8d} " + " ".join(f"{v:22.3f}" for v in o.values()))
     if args.json:
         write_json(args.json, res)
     return res
+
+
+def _bare_split(step_fn, state, batch):
+    """The step as two plain programs, split where resilax splits it (`resilax.record`):
+    the gradient part (state, batch) -> recorded values, then the update (the state
+    donated). Both compiled ahead, as plain's; the state's leaves are handed to both, as a
+    plain split (`resilax bench gpt`'s ``split``) does."""
+    import jax.numpy as jnp
+
+    from resilax._src.step.split import Split
+
+    sp = Split(step_fn, 0, False)
+    grad = jax.jit(lambda s, b: sp.grad(s, b, jnp.uint32(0))).lower(state, batch).compile()
+    rec = jax.eval_shape(lambda s, b: sp.grad(s, b, jnp.uint32(0))[0], state, batch)
+    update = jax.jit(lambda s, b, r: sp.update(s, b, jnp.uint32(0), r), donate_argnums=0).lower(state, batch, rec).compile()
+
+    def two(s, b):
+        r, _, metrics = grad(s, b)
+        return update(s, b, r), metrics
+
+    return two
 
 
 def _arrays_handed(f, states, k, batch) -> int:
@@ -211,6 +238,11 @@ def one(args, layers: int) -> dict:
     # compiled ahead, like resilax's executables: both are timed by the same clock
     plain = jax.jit(step_fn, donate_argnums=0).lower(states["plain"], batches[0]).compile()
     runs["plain"] = plain
+    if not args.no_split:  # the bare split: what every resilax variant runs, minus resilax
+        # buffers of its own (device_put of arrays already there hands back the same ones,
+        # which plain's call donates)
+        states["split"] = jax.tree.map(lambda a: a.copy(), jax.device_put(state, jax.devices()[0]))
+        runs["split"] = _bare_split(step_fn, states["split"], batches[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # one failure domain: no peers
         for name, cfg in configs.items():
@@ -275,12 +307,16 @@ def one(args, layers: int) -> dict:
            "arrays_handed_per_step": handed,
            "host_overhead_ms": {k: py[k] - py["plain"] for k in runs if k != "plain"},
            "host_ms": {k: py[k] - py["plain"] + back[k] for k in runs if k != "plain"},
-           "thread_over_plain_ms": {k: host[k] - host["plain"] for k in runs if k != "plain"}}
+           "thread_over_plain_ms": {k: host[k] - host["plain"] for k in runs if k != "plain"},
+           "host_ms_over_split": ({k: py[k] - py["split"] + back[k] for k in runs if k not in ("plain", "split")}
+                                  if "split" in runs else None)}
     print(f"\nper step call (median over blocks), {n_leaves} state leaves, one {res['platform']} device")
     print(f"{'variant':14s} {'thread CPU ms':>14s} {'in XLA calls ms':>16s} {'python ms':>10s} {'background ms':>14s}"
-          f" {'host added ms':>14s}")
+          f" {'host added ms':>14s} {'over split ms':>14s}")
     for k in runs:
-        print(f"{k:14s} {host[k]:14.3f} {exe[k]:16.3f} {py[k]:10.3f} {back[k]:14.3f} {py[k] - py['plain'] + back[k]:14.3f}")
+        over = f"{py[k] - py['split'] + back[k]:14.3f}" if "split" in runs and k != "plain" else f"{'':14s}"
+        print(f"{k:14s} {host[k]:14.3f} {exe[k]:16.3f} {py[k]:10.3f} {back[k]:14.3f} {py[k] - py['plain'] + back[k]:14.3f}"
+              f" {over}")
     print("arrays handed to executables per step: " + ", ".join(f"{k} {v}" for k, v in handed.items()))
     print("background threads, ms per step: " + "; ".join(
         f"{k}: " + ", ".join(f"{t} {ms:.3f}" for t, ms in v.items()) for k, v in threads.items() if v))
