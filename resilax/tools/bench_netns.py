@@ -256,23 +256,17 @@ def _run_case(run, out, cmd, opts, res, faults, *, nodes, work, kill_after, leas
             t_start = time.time()
             job.wait(lambda: _committed(run, 0), "generation 0")
             per: list[dict] = []
-            back = None  # the current fault -> every worker of a later generation past the fault's step
             for i, case in enumerate(faults):
                 at = kill_after if i == 0 else per[-1]["fault_step"] + fault_gap
                 prev = per[-1] if per else None
 
                 def ready(prev=prev, at=at, i=i):
-                    nonlocal back
-                    if prev is not None and back is None and _latest(run) > prev["generation_at_fault"] and \
-                            _back(run, prev["generation_at_fault"], prev["fault_step"]):
-                        back = time.time() - prev["t_fault"]
+                    if prev is not None:
+                        _watch_back(run, prev)
                     return _settled(run, nodes, at, 0 if i == 0 else None)
 
                 g_at, procs = job.wait(ready, f"every worker of {'generation 0' if i == 0 else 'a generation of every node'}"
                                        f" past step {at}")
-                if prev is not None:
-                    prev["back_s"] = back
-                back = None
                 service = procs["service_node"]
                 target = service if case == "partition-service" else victim
                 fault_step = max(x.get("step") or 0 for x in heartbeats(run, g_at).values())
@@ -282,18 +276,14 @@ def _run_case(run, out, cmd, opts, res, faults, *, nodes, work, kill_after, leas
                 per.append(f)
                 applied = _fault(case, f, run=run, work=work, hosts=hosts, job=job, nodes=nodes, victim=victim,
                                  lease=lease, hold=hold, skew_file=skew_file, kept=i, applied=applied, log=log)
-                back = f.pop("back_s")  # (found while the fault lasted, if it was)
             # until every agent exits: when the job was back at the step
             last = per[-1]
             expect_exit = {r: (1 if faults[-1] == "skew" and r == last["target"] else 0) for r in range(nodes)}
             while any(p.poll() is None for p in job.agents.values()):
                 if time.time() > job.deadline:
                     raise Hang(f"timed out waiting for the agents to exit ({[p.poll() for p in job.agents.values()]})")
-                if back is None and _latest(run) > last["generation_at_fault"] and \
-                        _back(run, last["generation_at_fault"], last["fault_step"]):
-                    back = time.time() - last["t_fault"]
+                _watch_back(run, last)
                 time.sleep(0.05)
-            last["back_s"] = back
             rcs = {r: p.returncode for r, p in job.agents.items()}
             text = job.text()
             for k, f in enumerate(per):
@@ -311,6 +301,14 @@ def _run_case(run, out, cmd, opts, res, faults, *, nodes, work, kill_after, leas
             return res
         finally:
             job.close()
+
+
+def _watch_back(run, f: dict) -> None:
+    """Sets fault ``f``'s ``back_s`` (the fault -> every worker of a later generation past the
+    fault's step) once that is so, if it was not found already (while the fault lasted)."""
+    if f["back_s"] is None and _latest(run) > f["generation_at_fault"] and \
+            _back(run, f["generation_at_fault"], f["fault_step"]):
+        f["back_s"] = time.time() - f["t_fault"]
 
 
 def _outcome(f: dict, run, text: str, *, end: int) -> None:
