@@ -680,6 +680,29 @@ def test_jax_assumptions_hold_and_a_broken_one_is_named(monkeypatch):
     monkeypatch.delattr(type(distributed.global_state), "preemption_sync_manager")
     with pytest.raises(jaxdist.JaxAssumptionError, match=r"global_state\.preemption_sync_manager: expected an attribute"):
         jaxdist.check()
+    # the service host's own check (a supervisor or agent imports jaxlib's module, not JAX)
+    import jaxlib._jax
+
+    monkeypatch.setattr(jaxlib._jax, "get_distributed_runtime_service", lambda address, num_nodes: None)
+    with pytest.raises(jaxdist.JaxAssumptionError, match=r"recoverable= and heartbeat_timeout="):
+        jaxdist.start_service(1, 1, heartbeat_timeout_s=5)
+
+
+def test_a_coordination_service_host_does_not_import_jax():
+    """A supervisor or an agent only hosts the coordination service: it starts one without
+    JAX's Python package (what it saves each of them: ~0.4 CPU-s a start), and the service
+    serves a worker's client."""
+    code = ("import sys; from resilax._src.runtime import jaxdist, rendezvous; "
+            "port = rendezvous.free_port('127.0.0.1'); s = jaxdist.start_service(port, 1, heartbeat_timeout_s=5); "
+            "print('jax' in sys.modules, flush=True); "
+            "from jax._src.lib import _jax; "
+            "c = _jax.get_distributed_runtime_client(f'127.0.0.1:{port}', 0, init_timeout=30, heartbeat_timeout=5, "
+            "shutdown_timeout=1); c.connect(); c.key_value_set('k', 'v'); print(c.blocking_key_value_get('k', 5000)); "
+            "c.shutdown(); s.shutdown()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "v"], r.stdout
+    assert "Jax service listening" not in r.stderr  # its INFO lines stay hidden, as under JAX's own import
 
 
 # The program of the relaunch and standby tests: 2 workers x 4 devices, the default mode, no checkpoint

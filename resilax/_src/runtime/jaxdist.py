@@ -64,14 +64,11 @@ def check() -> None:
     from jax._src import distributed, xla_bridge
     from jax._src.lib import _jax
 
-    for name in ("get_distributed_runtime_service", "get_distributed_runtime_client",
-                 "create_preemption_sync_manager"):
+    if _service_lib() is not _jax:
+        raise _fail("jax._src.lib._jax", "the module jaxlib._jax", "another module")
+    for name in ("get_distributed_runtime_client", "create_preemption_sync_manager"):
         if not callable(getattr(_jax, name, None)):
             raise _fail(f"jax._src.lib._jax.{name}", "a callable", "none")
-    svc_doc = _jax.get_distributed_runtime_service.__doc__ or ""
-    if "recoverable" not in svc_doc or "heartbeat_timeout" not in svc_doc:
-        raise _fail("_jax.get_distributed_runtime_service", "keyword arguments recoverable= and heartbeat_timeout=",
-                    f"signature {svc_doc.splitlines()[0] if svc_doc else '(undocumented)'}")
     cli_doc = _jax.get_distributed_runtime_client.__doc__ or ""
     for kw in ("init_timeout", "heartbeat_timeout", "shutdown_timeout"):
         if kw not in cli_doc:
@@ -175,6 +172,29 @@ def share_compilation_cache() -> None:
 
 
 # ---------------------------------------------------------------- supervisor side
+def _service_lib():
+    """jaxlib's extension module, with the service constructor `start_service` calls checked.
+
+    Imported without ``jax`` where it can be (``jaxlib._jax``, the module ``jax._src.lib``
+    re-exports): a supervisor or an agent only hosts the coordination service, and importing
+    all of JAX for it cost each one ~0.8 CPU-s at start (a whole second on a loaded host).
+    The workers, which import JAX, check every other name (`check`)."""
+    # the C++ log level JAX's own import sets first (the service's INFO lines are not shown)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    try:
+        import jaxlib._jax as _jax
+    except ImportError:  # another layout: through jax, as the workers see it
+        from jax._src.lib import _jax
+    fn = getattr(_jax, "get_distributed_runtime_service", None)
+    if not callable(fn):
+        raise _fail("jax._src.lib._jax.get_distributed_runtime_service", "a callable", "none")
+    doc = fn.__doc__ or ""
+    if "recoverable" not in doc or "heartbeat_timeout" not in doc:
+        raise _fail("_jax.get_distributed_runtime_service", "keyword arguments recoverable= and heartbeat_timeout=",
+                    f"signature {doc.splitlines()[0] if doc else '(undocumented)'}")
+    return _jax
+
+
 def start_service(port: int, num_processes: int, *, heartbeat_timeout_s: int, shutdown_timeout_s: int = 5,
                   host: str = "127.0.0.1"):
     """Starts a coordination service for ``num_processes`` workers on ``host:port``.
@@ -188,12 +208,10 @@ def start_service(port: int, num_processes: int, *, heartbeat_timeout_s: int, sh
       JaxBehaviourError: the installed JAX lacks a behaviour resilax relies on
         (`jaxprobe.ensure`: probed once per jax/jaxlib, a few seconds, then cached).
     """
-    check()
+    _jax = _service_lib()
     from resilax._src.runtime import jaxprobe
 
     jaxprobe.ensure()
-    from jax._src.lib import _jax
-
     return _jax.get_distributed_runtime_service(
         f"{host}:{port}", num_processes, heartbeat_timeout=heartbeat_timeout_s,
         shutdown_timeout=shutdown_timeout_s, recoverable=True)
