@@ -290,6 +290,27 @@ def test_an_agent_after_the_job_completed_says_so_when_it_gives_up(tmp_path, chi
     assert "got no committed generation" in out and "already completed in generation 0" in out, out
 
 
+def test_the_agents_end_a_job_whose_workers_refuse_their_configuration_without_restarts(tmp_path, child_env):
+    """Both hosts' workers refuse a topology of 8 devices on a job of 2 x 1: every agent
+    gives up after the first generation with exit 78 (EX_CONFIG) and says why, instead of
+    agreeing on generation after generation that would fail the same way."""
+    run = tmp_path / "run"
+    agents = [subprocess.Popen([sys.executable, "-m", "resilax", "launch", "--nodes", "2", "--node-rank", str(r),
+                                "--run-dir", str(run), "-n", "1", "--devices-per-process", "1", "--lease", "2",
+                                "--", "resilax", "train", "--topology", "cpu-2x4", "--steps", "4"],
+                               env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in agents]
+    finally:
+        for p in agents:
+            kill_tree(p)
+    assert [p.returncode for p in agents] == [78, 78], outs
+    for out in outs:
+        assert "the topology needs 8 devices" in out and "refused its configuration before its first step" in out, out
+        assert "generation 1" not in out, out
+
+
 def test_a_hung_service_host_is_found_by_its_lease_and_the_job_grows_back_when_it_wakes(tmp_path, child_env):
     """SIGSTOP of node 0's agent and worker (the service host hangs): node 1 sees node 0's
     lease expire, stops its worker and re-forms alone as generation 1 (--min-nodes 1), its

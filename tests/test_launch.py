@@ -661,6 +661,31 @@ def test_launch_cli_rejects_standby_with_in_place_or_nodes(tmp_path, capsys):
     assert not (tmp_path / PROCESSES_JSON).exists()
 
 
+def test_a_worker_that_refuses_its_configuration_ends_the_job_without_restarts(tmp_path, child_env):
+    """A configuration every restart would repeat (a topology of 8 devices on a job of 2, a
+    malformed option) ends the job after the first generation, exit 78 (EX_CONFIG), with the
+    workers' own error and why there is no restart; a worker that fails otherwise is still
+    restarted (exit 1 here: the restarts, then the give-up)."""
+    cases = {"topology": ["-n", "2", "--", "resilax", "train", "--topology", "cpu-2x4", "--steps", "4"],
+             "option": ["-n", "2", "--devices-per-process", "4", "--", "resilax", "train", "--topology", "cpu-2x4",
+                        "--no-such-option"],
+             "other": ["-n", "1", "--max-restarts", "1", "--", sys.executable, "-c", "raise SystemExit(1)"]}
+    for name, args in cases.items():
+        run = tmp_path / name
+        r = subprocess.run([sys.executable, "-m", "resilax", "launch", "--run-dir", str(run), *args], env=child_env,
+                           capture_output=True, text=True, timeout=120)
+        gens = json.loads((run / "launch_history.json").read_text())["generations"]
+        if name == "other":
+            assert r.returncode == 1 and len(gens) == 2 and "giving up: 1 restarts in a row" in r.stdout, r.stdout
+            continue
+        assert r.returncode == 78, r.stdout + r.stderr[-2000:]
+        assert len(gens) == 1, gens
+        said = "the topology needs 8 devices" if name == "topology" else "unrecognized arguments: --no-such-option"
+        assert said in r.stdout, r.stdout
+        assert "refused its configuration before its first step (exit 78" in r.stdout, r.stdout
+        assert "Traceback" not in r.stdout + r.stderr
+
+
 def test_launch_cli_rejects_a_missing_command(tmp_path, capsys):
     rc, err = cli(["launch", "-n", "2", "--run-dir", str(tmp_path)], capsys)
     assert rc == 2 and "a worker command is required after --" in err, err

@@ -87,12 +87,12 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore_files, hoststore_net
-from resilax._src.runtime import membership, rendezvous
+from resilax._src.runtime import membership, rendezvous, worker
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import agent_reform
 from resilax.tools.processes import (HEARTBEATS, SPARES, Output, SparePool, WorkerProcess, exit_reason,
                                      generation_settled, hand_place, heartbeat_file, heartbeat_hung, popen, read_json,
-                                     say, signal_running, stop_all)
+                                     refused_config, say, signal_running, stop_all)
 
 PROCESSES_JSON = "processes.json"
 NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
@@ -475,7 +475,7 @@ class Agent:
         the newest step they had completed (-1: none)."""
         reached = max([(w.heartbeat() or {}).get("step") or -1 for w in self.workers] + [-1])
         stop_all(self.workers, why)
-        self._write_node("failed" if outcome == "failed" else "stopped", why=why)
+        self._write_node("failed" if outcome == "failed" else "stopped", why=why, refused=refused_config(self.workers))
         self._write_processes(self._nodes(), "failed" if self._term is not None else "restarting")
         if self._service is not None and not keep_service:
             self._service.shutdown()
@@ -542,6 +542,14 @@ class Agent:
                     if self._term is not None:
                         say(f"node {self.rank}, generation {g} ended after SIGTERM: {why}; this node's workers stopped")
                         return rc
+                    # this node's workers, or another node's (its part says so), refused their configuration
+                    refused = refused_config(self.workers) or next(
+                        (p["refused"] for p in self._nodes().values() if p.get("refused")), None)
+                    if refused is not None:
+                        with self._cut_off_ok():
+                            self.rdv.request(g, why)  # the other nodes end this generation too
+                        say(f"node {self.rank}: giving up: {refused}")
+                        return worker.EXIT_CONFIG
                     grows = []
                     with self._cut_off_ok():
                         if outcome == "failed":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -20,8 +21,6 @@ def _example_spec(batch: int | None):
 
 
 def _cmd_train(args) -> int:
-    import os
-
     from resilax._src.runtime import xlaflags
 
     # before any backend starts (XLA reads the flags once): bitwise on GPU needs it
@@ -244,9 +243,31 @@ def _one_line_warnings() -> None:
     warnings.showwarning = show
 
 
+def _config_refused_exit(e: BaseException | None = None) -> int | None:
+    """`worker.EXIT_CONFIG` for a launched worker whose command refused its configuration (``e``: a
+    resilax configuration, topology, wrap or pipeline error; None: a malformed command line)
+    before this process completed a step; None otherwise (outside a launch, another error,
+    or after a step: a later refusal may come from the failure being recovered from, and a
+    restart may help)."""
+    from resilax._src import errors
+    from resilax._src.runtime import worker
+
+    if os.environ.get(worker.ENV_PREFIX + "COORDINATOR") is None and os.environ.get(worker.SPARE_ENV) is None:
+        return None
+    if e is not None and not isinstance(e, (errors.ConfigError, errors.TopologyError, errors.WrapError,
+                                            errors.PipelineError)):
+        return None
+    return None if worker.stepped() else worker.EXIT_CONFIG
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit as e:  # argparse's usage error: under `resilax launch`, one that no restart mends
+        if e.code == 2:
+            raise SystemExit(_config_refused_exit() or 2) from None
+        raise
     _one_line_warnings()
     from resilax._src.errors import ResilaxError
     from resilax.tools.runner import configure_compilation_cache
@@ -261,7 +282,7 @@ def main(argv=None) -> int:
 
         if worker.collective_broke(e) or worker.storage_failed(e):  # (no waiting on the other processes)
             worker.exit_after_broken_collective(2)
-        return 2
+        return _config_refused_exit(e) or 2
     except Exception as e:
         from resilax._src.runtime import worker
 
@@ -280,7 +301,6 @@ def main(argv=None) -> int:
 def _save_traceback(e: BaseException) -> str:
     """Writes ``e``'s traceback to the job's run directory (``logs/g<generation>.p<process>.error.txt``);
     returns its path, or why it could not be written."""
-    import os
     import traceback
 
     from resilax._src.runtime import worker

@@ -79,7 +79,7 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore_files
-from resilax._src.runtime import membership, rendezvous
+from resilax._src.runtime import membership, rendezvous, worker
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import processes, standby
 from resilax.tools.processes import (HEARTBEATS, Output, SparePool, WorkerProcess, exit_reason, heartbeat_file,
@@ -584,9 +584,13 @@ class Supervisor:
                     self.store_step = hoststore_files.restorable_step(self.store_root, self.n)
                     say(f"host stores hold every process's shards up to step {self.store_step}"
                          if self.store_step is not None else "host stores hold no complete step")
-                if self._term is not None:
+                refused = processes.refused_config(self.workers)
+                if self._term is not None or refused is not None:
                     self._kill_spares()
                     self._write_processes("failed")
+                    if refused is not None:
+                        say(f"giving up: {refused}")
+                        return worker.EXIT_CONFIG
                     return rc
                 if reached > self._best_step:  # the job got further than at the last failure: not a crash loop
                     self._restarts, self._best_step = 0, reached

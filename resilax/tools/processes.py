@@ -413,6 +413,17 @@ class WorkerProcess:
         return self.killed_for or why
 
 
+def refused_config(procs) -> str | None:
+    """Why a generation that failed must not be restarted (None: it may be): one of its
+    workers exited `worker.EXIT_CONFIG`, its command having refused its configuration before
+    its first step, which every restart would repeat."""
+    for w in procs:
+        if w.proc.poll() == worker.EXIT_CONFIG and w.killed_for is None:
+            return (f"process {w.process_id} refused its configuration before its first step (exit "
+                    f"{worker.EXIT_CONFIG}: its error is above); a restart would fail the same way")
+    return None
+
+
 def signal_running(procs, sig) -> None:
     """Sends ``sig`` to every process of ``procs`` (each with a ``proc``) that still runs."""
     for w in procs:

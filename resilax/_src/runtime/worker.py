@@ -43,6 +43,9 @@ STANDBY_ENV = "RESILAX_STANDBY"
 # worker re-attached to a new generation): the supervisor's copy of its output switches logs
 # there (`tools.processes.Output`) and drops the marker
 LOG_SWITCH = "\x1eresilax:log-switch\n"
+# sysexits' EX_CONFIG: a worker's command refused its configuration (`resilax.tools.cli`);
+# every restart would fail the same way, so the supervisor and the agents stop the job
+EXIT_CONFIG = 78
 _TYPES = {"str": str, "int": int, "float": float}
 
 
@@ -356,6 +359,12 @@ def standby_wait() -> LaunchEnv | None:
     hb.phase = "init"
     hb.beat()
     return new
+
+
+def stepped() -> bool:
+    """Whether this process completed a step under `resilax launch` (in any generation it ran)."""
+    hb = _state.get("hb")
+    return hb is not None and hb.first_step_t is not None
 
 
 def mark(name: str) -> None:
