@@ -272,7 +272,8 @@ def main(argv=None) -> int:
     from resilax._src.errors import ResilaxError
     from resilax.tools.runner import configure_compilation_cache
 
-    configure_compilation_cache()
+    if getattr(args, "compiles", True):  # (a supervisor, an agent or a report does not import JAX)
+        configure_compilation_cache()
 
     try:
         return int(args.func(args) or 0)

@@ -59,7 +59,8 @@ def register_cli(sub) -> None:
                         "below that a new generation brings the job back to -n workers")
     agent_cli.add_arguments(p)  # --nodes, --node-rank: one agent of a job across hosts (tools/agent.py)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
-    p.set_defaults(func=_cmd_launch)
+    # a supervisor or an agent compiles nothing: no JAX, no compilation cache (its workers set theirs)
+    p.set_defaults(func=_cmd_launch, compiles=False)
 
 
 def _cmd_launch(args) -> int:

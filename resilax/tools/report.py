@@ -242,7 +242,7 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("report", help="goodput table, failures and recoveries, and timeline of a run")
     p.add_argument("run_dir")
     p.add_argument("--no-png", dest="png", action="store_false", help="table only")
-    p.set_defaults(func=_cli_main)
+    p.set_defaults(func=_cli_main, compiles=False)
     return p
 
 

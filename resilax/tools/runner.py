@@ -35,12 +35,12 @@ def configure_compilation_cache() -> None:
     a new generation waits for every program of its first step, and a dozen small ones
     compiled again took 0.5 s of a recovery on 2 shared cores (a cache read: ~5 ms each).
     """
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
     import jax
 
     from resilax._src.runtime import worker
 
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return
     d = os.environ.get("RESILAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "resilax", "xla")
     jax.config.update("jax_compilation_cache_dir", d)
     launched = worker.ENV_PREFIX + "COORDINATOR" in os.environ or worker.SPARE_ENV in os.environ
