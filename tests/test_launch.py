@@ -689,6 +689,12 @@ def test_a_worker_that_refuses_its_configuration_ends_the_job_without_restarts(t
 def test_launch_cli_rejects_a_missing_command(tmp_path, capsys):
     rc, err = cli(["launch", "-n", "2", "--run-dir", str(tmp_path)], capsys)
     assert rc == 2 and "a worker command is required after --" in err, err
+    # a command that is not there: one line before any generation starts (it was a traceback)
+    for nodes, (cmd, said) in [([], ("no_such_command_xyz", "'no_such_command_xyz' is not found on PATH")),
+                               (["--nodes", "2", "--node-rank", "0"], (str(tmp_path / "nope.py"), "is not an executable file"))]:
+        rc, err = cli(["launch", *nodes, "-n", "2", "--run-dir", str(tmp_path / "run"), "--", cmd], capsys)
+        assert rc == 2 and said in err and "Traceback" not in err, err
+        assert not (tmp_path / "run" / "launch_history.json").exists()
 
 
 def test_jax_assumptions_hold_and_a_broken_one_is_named(monkeypatch):

@@ -90,7 +90,7 @@ from resilax._src.protect import hoststore_files, hoststore_net
 from resilax._src.runtime import membership, rendezvous, worker
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import agent_reform
-from resilax.tools.processes import (HEARTBEATS, SPARES, Output, SparePool, WorkerProcess, exit_reason,
+from resilax.tools.processes import (HEARTBEATS, SPARES, Output, SparePool, WorkerProcess, check_command, exit_reason,
                                      generation_settled, hand_place, heartbeat_file, heartbeat_hung, popen, read_json,
                                      refused_config, say, signal_running, stop_all)
 
@@ -126,8 +126,7 @@ class Agent:
                  min_nodes: int | None = None, max_restarts: int = 3, host_store_every: int = 1,
                  host_store_dir=None, host_store_mirrors: int = 1, spares: int = 0, in_place: bool = False,
                  clock_skew_s=0.0):
-        if not cmd:
-            raise ValueError("resilax launch: a worker command is required after --")
+        check_command(cmd)
         if nodes < 1 or not 0 <= node_rank < nodes:
             raise ValueError(f"resilax launch: --nodes must be >= 1 and 0 <= --node-rank < --nodes, got --nodes "
                              f"{nodes} --node-rank {node_rank}")

@@ -129,8 +129,7 @@ class Supervisor:
                  startup_timeout_s: float = 300.0, jax_heartbeat_timeout_s: int | None = None, grace_s: float = 60.0,
                  host_store_every: int = 1, spares: int = 0, in_place: bool = False, min_in_place: int | None = None,
                  shrink: str = "reform", standby: bool = False):
-        if not cmd:
-            raise ValueError("resilax launch: a worker command is required after --")
+        processes.check_command(cmd)
         if n < 1 or devices_per_process < 1:
             raise ValueError(f"resilax launch: -n and --devices-per-process must be >= 1, got {n} and "
                              f"{devices_per_process}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,16 @@ def die_with_parent():  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def check_command(cmd) -> None:
+    """Raises ValueError unless ``cmd`` is a command to start: a worker command that is not
+    there would fail every generation's start with a traceback."""
+    if not cmd:
+        raise ValueError("resilax launch: a worker command is required after --")
+    if shutil.which(cmd[0]) is None:
+        where = "is not an executable file" if os.sep in cmd[0] else "is not found on PATH"
+        raise ValueError(f"resilax launch: the worker command {cmd[0]!r} {where}")
 
 
 def popen(cmd, env: dict) -> subprocess.Popen:
