@@ -61,6 +61,13 @@ def test_cli_reports_bad_input_clearly(capsys):
     assert rc == 2 and "resilax: error: resilax.Topology.load: no topology spec named 'no-such'" in err, err
     rc, err = cli(["train", "--steps", "2", "--fault", "explode@3"], capsys)
     assert rc == 2 and "kind must be one of" in err, err
+    # counts out of range: a usage line naming the bound (--log-every 0 was a ZeroDivisionError, --steps -1 ran 0 steps)
+    for args, said in ((["train", "--steps", "-1"], "argument --steps: must be >= 0, got -1"),
+                       (["train", "--log-every", "0"], "argument --log-every: must be >= 1, got 0"),
+                       (["train", "--checkpoint-every", "x"], "argument --checkpoint-every: invalid int value: 'x'"),
+                       (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0")):
+        rc, err = cli(args, capsys)
+        assert rc == 2 and said in err, (args, err)
 
 
 def test_cli_protection_flags_are_checked(capsys):

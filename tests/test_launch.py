@@ -695,6 +695,11 @@ def test_launch_cli_rejects_a_missing_command(tmp_path, capsys):
         rc, err = cli(["launch", *nodes, "-n", "2", "--run-dir", str(tmp_path / "run"), "--", cmd], capsys)
         assert rc == 2 and said in err and "Traceback" not in err, err
         assert not (tmp_path / "run" / "launch_history.json").exists()
+    # a run directory that cannot be made or written: one line, exit 2, for the supervisor and an agent
+    (tmp_path / "file").write_text("")
+    for nodes in ([], ["--nodes", "2", "--node-rank", "0"]):
+        rc, err = cli(["launch", *nodes, "-n", "1", "--run-dir", str(tmp_path / "file" / "run"), "--", "true"], capsys)
+        assert rc == 2 and "cannot use the run directory" in err and "Not a directory" in err, err
 
 
 def test_jax_assumptions_hold_and_a_broken_one_is_named(monkeypatch):
