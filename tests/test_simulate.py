@@ -157,3 +157,22 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     assert set(data["strategies"]) == {"checkpoint-only", "in-memory", "resilax"}
     assert len(data["sweep"]["chips"]) == len(data["sweep"]["goodput"]["resilax"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bad_input_is_one_line_before_any_simulation(tmp_path, capsys):
+    """Out-of-range numbers, an option the profile ignores, a cost file that cannot be read
+    and an output that cannot be written: a usage line each (they were tracebacks, or
+    silently ignored), exit 2."""
+    from helpers import cli
+
+    (tmp_path / "file").write_text("")
+    for args, said in ((["--chips", "0"], "argument --chips: must be >= 1, got 0"),
+                       (["--days", "0"], "argument --days: must be a finite number > 0, got 0"),
+                       (["--model-params", "-1"], "argument --model-params: must be a finite number > 0"),
+                       (["--pipeline", "--microbatches", "0"], "argument --microbatches: must be >= 1, got 0"),
+                       (["--mtbf-hours", "5"], "--mtbf-hours applies to --failures custom"),
+                       (["--cost-json", str(tmp_path / "none.json")], "--cost-json: cannot read"),
+                       (["--png", str(tmp_path / "no" / "x.png")], "cannot write"),
+                       (["--days", "1", "--json", str(tmp_path / "file" / "x.json")], "cannot write")):
+        rc, err = cli(["simulate", *args], capsys)
+        assert rc == 2 and said in err and "Traceback" not in err, (args, err)

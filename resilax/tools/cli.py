@@ -145,21 +145,9 @@ class _Parser(argparse.ArgumentParser):
                 f"`resilax COMMAND --help` shows a command's options.\n")
 
 
-def _int_at_least(lo: int):
-    """An argparse type: an integer >= ``lo`` (a usage error names the bound, not a traceback later)."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
 def build_parser(argv=None) -> argparse.ArgumentParser:
+    from resilax.tools.argtypes import int_at_least
+
     """The ``resilax`` parser (every command); given ``argv``, only the command it names has
     its tool imported."""
     wanted = None if argv is None else _wanted(argv)
@@ -168,15 +156,15 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train the example model (resumes from checkpoints)",
                        description=_TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--steps", type=_int_at_least(0), default=200)
+    t.add_argument("--steps", type=int_at_least(0), default=200)
     t.add_argument("--topology", default="cpu-2x4", help="spec name in slices/ or a .toml path")
     t.add_argument("--checkpoint-dir", default=None)
-    t.add_argument("--checkpoint-every", type=_int_at_least(0), default=10,
+    t.add_argument("--checkpoint-every", type=int_at_least(0), default=10,
                    help="save every this many steps (0: no periodic saves)")
     t.add_argument("--fault", action="append", default=[], help="inject a fault: kind@step[:phase][/target]")
     t.add_argument("--out", default=None, help="write the final state here (.npz)")
     t.add_argument("--summary", default=None, help="write a JSON summary here")
-    t.add_argument("--log-every", type=_int_at_least(1), default=10)
+    t.add_argument("--log-every", type=int_at_least(1), default=10)
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--layout", choices=["fsdp", "sharded"], default="fsdp",
                    help="fsdp: state sharded within a slice, replicated across slices; sharded: over every device")
@@ -204,9 +192,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     t.set_defaults(func=_cmd_train)
 
     d = sub.add_parser("demo", help="train, crash (SIGKILL), resume, compare bitwise with an uninterrupted run")
-    d.add_argument("--steps", type=_int_at_least(1), default=300)
+    d.add_argument("--steps", type=int_at_least(1), default=300)
     d.add_argument("--topology", default="cpu-2x4")
-    d.add_argument("--checkpoint-every", type=_int_at_least(1), default=25)
+    d.add_argument("--checkpoint-every", type=int_at_least(1), default=25)
     d.add_argument("--kill-at", type=int, default=None, help="step after which the process is killed")
     d.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory)")
     d.add_argument("--seed", type=int, default=None)

@@ -551,16 +551,18 @@ def format_table(result: dict) -> str:
 # -- CLI ----------------------------------------------------------------------
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``simulate`` to an argparse subparsers object."""
+    from resilax.tools.argtypes import int_at_least, positive_float
+
     p = subparsers.add_parser("simulate", help="simulate goodput of a long run under failures")
-    p.add_argument("--chips", type=int, default=16384)
-    p.add_argument("--model-params", type=float, default=405e9)
+    p.add_argument("--chips", type=int_at_least(1), default=16384)
+    p.add_argument("--model-params", type=positive_float, default=405e9)
     p.add_argument("--topology", default=None, help="slices/<spec>.toml with a [bandwidth] table")
     p.add_argument("--failures", default="llama3", choices=sorted(PROFILES) + ["custom"])
-    p.add_argument("--mtbf-hours", type=float, default=None, help="job MTBF for --failures custom")
+    p.add_argument("--mtbf-hours", type=positive_float, default=None, help="job MTBF for --failures custom")
     p.add_argument("--strategy", action="append", default=None,
                    choices=("all",) + STRATEGIES + ("reroute", "drop", "repartition", "checkpoint-restart"),
                    help="repeatable; default all (the last four with --pipeline)")
-    p.add_argument("--days", type=float, default=30.0)
+    p.add_argument("--days", type=positive_float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost-json", action="append", default=[], help="bench --json output; repeatable")
     p.add_argument("--json", default=None, help="write results here")
@@ -573,13 +575,34 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="--pipeline jobs: replicas x stages x chips per domain (default 16x4x16, 32x8x32, 64x8x64, "
                         "64x16x96: 1,024 to 98,304 chips)")
     p.add_argument("--schedule", default="zb-h1", choices=("gpipe", "1f1b", "zb-h1"), help="--pipeline schedule")
-    p.add_argument("--microbatches", type=int, default=None, help="--pipeline micro-batches per replica (default 2S)")
+    p.add_argument("--microbatches", type=int_at_least(1), default=None, help="--pipeline micro-batches per replica (default 2S)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (--pipeline)")
     p.set_defaults(func=_cli_main)
     return p
 
 
 def _cli_main(args: argparse.Namespace) -> int:
+    if args.mtbf_hours is not None and args.failures != "custom":
+        print(f"resilax simulate: --mtbf-hours applies to --failures custom (the {args.failures} profile has its own "
+              f"rates)", file=sys.stderr)
+        return 2
+    unread = CostModel.from_bench_json(*args.cost_json).sources.get("_skipped") if args.cost_json else None
+    if unread:
+        print(f"resilax simulate: --cost-json: cannot read {unread}", file=sys.stderr)
+        return 2
+    for out in (args.json, args.png):  # a file it cannot write: said now, not after the simulation
+        if out and not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK | os.X_OK):
+            print(f"resilax simulate: cannot write {out!r}: its directory does not exist or is not writable",
+                  file=sys.stderr)
+            return 2
+    try:
+        return _run_cli(args)
+    except OSError as e:  # a file named on the command line that cannot be read or written
+        print(f"resilax simulate: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+def _run_cli(args: argparse.Namespace) -> int:
     if args.pipeline:
         from resilax.tools.simulate_pipeline import cli_main
 
