@@ -65,7 +65,13 @@ def test_cli_reports_bad_input_clearly(capsys):
     for args, said in ((["train", "--steps", "-1"], "argument --steps: must be >= 0, got -1"),
                        (["train", "--log-every", "0"], "argument --log-every: must be >= 1, got 0"),
                        (["train", "--checkpoint-every", "x"], "argument --checkpoint-every: invalid int value: 'x'"),
-                       (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0")):
+                       (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+                       # the developer tools alike: counts, outputs that cannot be written, a kill list
+                       (["campaign", "--trials", "0"], "argument --trials: must be >= 1, got 0"),
+                       (["bench", "gpt", "--json", "/nonexistent-dir/x.json"], "'/nonexistent-dir' is not a directory"),
+                       (["bench", "multiprocess", "-n", "0"], "argument -n: must be >= 1, got 0"),
+                       (["validate", "--kills", "abc"], "--kills expects step numbers separated by commas"),
+                       (["validate", "--steps", "400", "--kills", "500"], "distinct ascending kill steps in (0, 400)")):
         rc, err = cli(args, capsys)
         assert rc == 2 and said in err, (args, err)
 

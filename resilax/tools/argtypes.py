@@ -29,3 +29,16 @@ def positive_float(text: str) -> float:
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return v
+
+
+def output_path(text: str) -> str:
+    """A file to write at the end (a benchmark's JSON, a plot): its directory must exist and be
+    writable now, so a long run does not end in a traceback instead of its results."""
+    import os
+
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {parent!r} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {parent!r} is not writable")
+    return text

@@ -47,6 +47,7 @@ import time
 import numpy as np
 
 from resilax.tools.bench import option_adder, write_result
+from resilax.tools.argtypes import int_at_least, output_path
 
 VARIANTS = ("plain", "split", "orbax", "off", "default", "default_ckpt")
 UNPINNED = "default_ckpt_unpinned"  # --unpinned: Orbax's copy to host without pinned memory (its GPU default: with)
@@ -61,18 +62,18 @@ OVERRIDES = {UNPINNED: {"PINNED_HOST_TRANSFER": False}, PER_LEAF: {"PACK": False
 def add_arguments(parser) -> None:
     opt = option_adder(parser)
     opt("--size", choices=("tiny", "small"), default="tiny")
-    opt("--json", default=None, help="write results here")
-    opt("--steps", type=int, default=None, help="timed steps per variant (default: tiny 200, small 300)")
-    opt("--every", type=int, default=100, help="checkpoint cadence of the orbax and default_ckpt variants")
-    opt("--block", type=int, default=5, help="consecutive steps per variant per round (divides --every)")
-    opt("--resume-steps", type=int, default=12, help="steps of the resume runs (checkpoint every 4, NaN at 4)")
+    opt("--json", type=output_path, default=None, help="write results here")
+    opt("--steps", type=int_at_least(1), default=None, help="timed steps per variant (default: tiny 200, small 300)")
+    opt("--every", type=int_at_least(1), default=100, help="checkpoint cadence of the orbax and default_ckpt variants")
+    opt("--block", type=int_at_least(1), default=5, help="consecutive steps per variant per round (divides --every)")
+    opt("--resume-steps", type=int_at_least(1), default=12, help="steps of the resume runs (checkpoint every 4, NaN at 4)")
     opt("--no-resume", action="store_true", help="skip the SIGKILL + resume subprocess runs")
     opt("--unpinned", action="store_true",
         help=f"another variant, {UNPINNED}: default_ckpt with Orbax's copy to host not through pinned memory")
     opt("--per-leaf", action="store_true",
         help=f"another variant, {PER_LEAF}: default_ckpt with one array per leaf (not packed, the default)")
     opt("--no-split", action="store_true", help="leave out the split variant (two plain jits a step)")
-    opt("--cpu-devices", type=int, default=8, help="emulated CPU devices when the platform is CPU")
+    opt("--cpu-devices", type=int_at_least(1), default=8, help="emulated CPU devices when the platform is CPU")
     opt("--quiet", action="store_true")
 
 

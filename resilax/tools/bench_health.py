@@ -26,6 +26,7 @@ import os
 import shutil
 import statistics
 import tempfile
+from resilax.tools.argtypes import int_at_least, output_path
 
 
 
@@ -33,12 +34,12 @@ def add_arguments(parser) -> None:
     from resilax.tools.bench import option_adder
 
     opt = option_adder(parser)
-    opt("--json", default=None, help="write results here")
-    opt("--steps", type=int, default=100, help="timed steps per variant")
-    opt("--hidden", type=int, default=512)
-    opt("--batch", type=int, default=256)
+    opt("--json", type=output_path, default=None, help="write results here")
+    opt("--steps", type=int_at_least(1), default=100, help="timed steps per variant")
+    opt("--hidden", type=int_at_least(1), default=512)
+    opt("--batch", type=int_at_least(1), default=256)
     opt("--quiet", action="store_true")
-    opt("--checkpoint-every", type=int, default=100, help="every variant saves a checkpoint this often")
+    opt("--checkpoint-every", type=int_at_least(1), default=100, help="every variant saves a checkpoint this often")
 
 
 def _wrap(topo, state, cfg, faults=()):

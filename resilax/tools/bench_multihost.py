@@ -81,6 +81,7 @@ from resilax._src.io import write_json
 from resilax._src.runtime import rendezvous
 from resilax.tools.bench_multihost_table import DOUBLE_PHASES, PHASES, print_table
 from resilax.tools.processes import heartbeats
+from resilax.tools.argtypes import int_at_least, output_path
 
 NODES = 3
 CASES = ("service", "other", "relaunch", "double")
@@ -96,38 +97,38 @@ class Hang(BenchError):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--nodes", type=int, default=NODES, metavar="N", help="agents (hosts) in the job")
+    p.add_argument("--json", type=output_path, default=None, help="write results here")
+    p.add_argument("--steps", type=int_at_least(1), default=24)
+    p.add_argument("--nodes", type=int_at_least(1), default=NODES, metavar="N", help="agents (hosts) in the job")
     p.add_argument("--no-deterministic", action="store_true",
                    help="the default mode (state sharded over the hosts, each worker's shards mirrored to the next "
                         "host): within 1e-4 of the reference instead of bitwise")
-    p.add_argument("--checkpoint-every", type=int, default=5)
-    p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
+    p.add_argument("--checkpoint-every", type=int_at_least(1), default=5)
+    p.add_argument("--kill-after", type=int_at_least(1), default=12, help="kill once every worker is past this step")
     p.add_argument("--cases", default=None,
                    help=f"comma-separated, of {', '.join(CASES)} (default: service, other, relaunch; --soak: service)")
-    p.add_argument("--workers-per-host", type=int, default=1, metavar="P",
+    p.add_argument("--workers-per-host", type=int_at_least(1), default=1, metavar="P",
                    help="workers per agent (the topology gets one failure domain per process: 3 P domains)")
-    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
+    p.add_argument("--devices-per-process", type=int_at_least(1), default=None, metavar="K",
                    help="CPU devices per worker (default: 2 with one worker per host, else 1)")
     p.add_argument("--second-kill-at", default="attached", choices=SECOND_KILL_AT,
                    help="double: when in the recovery the second host is killed: the re-forming generation proposed, "
                         "committed, or every one of its workers attached to its service (default)")
-    p.add_argument("--min-nodes", type=int, default=None, metavar="M",
+    p.add_argument("--min-nodes", type=int_at_least(1), default=None, metavar="M",
                    help="the agents' --min-nodes (default: theirs; 1 for double, so the last host goes on alone)")
-    p.add_argument("--repeat", type=int, default=1, metavar="N", help="run each case N times (median/min/max)")
+    p.add_argument("--repeat", type=int_at_least(1), default=1, metavar="N", help="run each case N times (median/min/max)")
     p.add_argument("--replace", action="store_true",
                    help="after a host kill, start a replacement agent once the job is back and time the growing back")
-    p.add_argument("--soak", type=int, default=0, metavar="N",
+    p.add_argument("--soak", type=int_at_least(0), default=0, metavar="N",
                    help="instead: N runs of the case(s) (default service), each with replacements; outcome and "
                         "fallbacks per run")
     p.add_argument("--lease", type=float, default=2.0, metavar="S", help="the agents' --lease")
-    p.add_argument("--spares", type=int, default=0, metavar="S",
+    p.add_argument("--spares", type=int_at_least(0), default=0, metavar="S",
                    help="the agents' --spares: S warm worker processes on each host (the start phase's imports)")
     p.add_argument("--in-place", action="store_true",
                    help="the agents' --in-place: the live hosts' workers re-form in their processes (bit-exact mode)")
-    p.add_argument("--host-store-every", type=int, default=1, metavar="K", help="the agents' (0: host stores off)")
-    p.add_argument("--host-store-mirrors", type=int, default=1, metavar="K", help="the agents' (default 1)")
+    p.add_argument("--host-store-every", type=int_at_least(0), default=1, metavar="K", help="the agents' (0: host stores off)")
+    p.add_argument("--host-store-mirrors", type=int_at_least(1), default=1, metavar="K", help="the agents' (default 1)")
     p.add_argument("--timeout", type=float, default=240.0, metavar="S",
                    help="the most one case may take (start to every agent's exit); past it: a hang")
     p.add_argument("--workdir", default=None, help="keep files here (default: a temporary directory, removed "

@@ -53,25 +53,26 @@ import time
 
 from resilax._src.io import write_json
 from resilax.tools.launch import heartbeats, spare_heartbeats
+from resilax.tools.argtypes import int_at_least, output_path
 
 
 PHASES = ("detect", "agree", "restore", "compile", "replay")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("-n", type=int, default=4, help="worker processes")
-    p.add_argument("--devices-per-process", type=int, default=2)
+    p.add_argument("--json", type=output_path, default=None, help="write results here")
+    p.add_argument("-n", type=int_at_least(1), default=4, help="worker processes")
+    p.add_argument("--devices-per-process", type=int_at_least(1), default=2)
     p.add_argument("--topology", default="cpu-4x2")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--checkpoint-every", type=int, default=5)
-    p.add_argument("--kill-after", type=int, default=12, help="kill once every worker is past this step")
-    p.add_argument("--spares", type=int, default=0, metavar="S",
+    p.add_argument("--steps", type=int_at_least(1), default=40)
+    p.add_argument("--checkpoint-every", type=int_at_least(1), default=5)
+    p.add_argument("--kill-after", type=int_at_least(1), default=12, help="kill once every worker is past this step")
+    p.add_argument("--spares", type=int_at_least(0), default=0, metavar="S",
                    help="also measure the host-store run with `resilax launch --spares S` (0: not measured)")
     p.add_argument("--standby", action="store_true",
                    help="also measure the host-store run with `resilax launch --standby` (the next generation set up "
                         "ahead and parked; the kill waits until it is)")
-    p.add_argument("--collective-timeout", type=int, default=5, metavar="S",
+    p.add_argument("--collective-timeout", type=int_at_least(1), default=5, metavar="S",
                    help="resilax launch --collective-timeout for every run: in place, the survivors that were not "
                         "connected to the dead worker notice it only when their collective times out")
     p.add_argument("--seed", type=int, default=None)

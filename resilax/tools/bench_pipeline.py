@@ -26,6 +26,7 @@ import time
 from typing import Callable, Sequence
 
 from resilax._src.pipeline import schedule as ps
+from resilax.tools.argtypes import int_at_least, output_path
 
 # (replicas, stages, microbatches); 4x2 with M=16 as in PIPELINE.md §3.3
 CONFIGS = ((2, 4, 8), (4, 2, 16), (8, 4, 8), (16, 4, 8), (32, 4, 8))
@@ -42,13 +43,13 @@ def add_arguments(parser) -> None:
     from resilax.tools.bench import option_adder
 
     opt = option_adder(parser)
-    opt("--json", default=None, help="write results here (a PNG goes next to it)")
+    opt("--json", type=output_path, default=None, help="write results here (a PNG goes next to it)")
     opt("--configs", default=",".join(f"{d}x{s}x{m}" for d, s, m in CONFIGS),
         help="comma-separated DxSxM shapes (replicas x stages x micro-batches per replica)")
     opt("--lost", default="1,1", help="the lost domain as r,s (default 1,1)")
-    opt("--activation-bytes", type=int, default=ACTIVATION_BYTES,
+    opt("--activation-bytes", type=int_at_least(1), default=ACTIVATION_BYTES,
         help="bytes per in-flight micro-batch (default: the small GPT's stage input, 4x512x768 bf16)")
-    opt("--png", default=None, help="plot path (default: the --json path with .png)")
+    opt("--png", type=output_path, default=None, help="plot path (default: the --json path with .png)")
     opt("--protection", action="store_true",
         help="also place each stage's snapshot and peer copy (every step) at the step's end vs in its bubbles "
              "(JSON key 'protection'; resilax.tools.bench_pipeline_protection)")

@@ -43,6 +43,7 @@ import tempfile
 import time
 
 import numpy as np
+from resilax.tools.argtypes import int_at_least, output_path
 
 
 VARIANTS = ("plain", "plain_aa", "wrap", "all", "all_every_step", "checkpoint", "peers", "peers_every_step", "log", "log_inputs",
@@ -53,20 +54,20 @@ def add_arguments(parser) -> None:
     from resilax.tools.bench import option_adder
 
     opt = option_adder(parser)
-    opt("--json", default=None, help="write results here")
-    opt("--steps", type=int, default=300, help="timed steps per variant and layout")
+    opt("--json", type=output_path, default=None, help="write results here")
+    opt("--steps", type=int_at_least(1), default=300, help="timed steps per variant and layout")
     opt("--topology", default="cpu-2x4")
-    opt("--checkpoint-every", type=int, default=100)
-    opt("--hidden", type=int, default=1024)
-    opt("--depth", type=int, default=4)
-    opt("--features", type=int, default=256)
-    opt("--batch", type=int, default=256)
+    opt("--checkpoint-every", type=int_at_least(1), default=100)
+    opt("--hidden", type=int_at_least(1), default=1024)
+    opt("--depth", type=int_at_least(1), default=4)
+    opt("--features", type=int_at_least(1), default=256)
+    opt("--batch", type=int_at_least(1), default=256)
     opt("--layouts", default="replicated,sharded", help="comma-separated: replicated, sharded")
     opt("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     opt("--timing", choices=("loop", "step"), default="loop",
         help="loop: the steps of a block timed as a loop runs them (loss read each step, state waited for "
              "after the last); step: each step blocked on and timed alone (see resilax.tools.bench.interleave)")
-    opt("--fail-at", type=int, default=41, help="steps completed when the slice fails in the recovery run")
+    opt("--fail-at", type=int_at_least(1), default=41, help="steps completed when the slice fails in the recovery run")
     opt("--quiet", action="store_true")
 
 

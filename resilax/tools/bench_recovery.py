@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from resilax._src.io import write_json
+from resilax.tools.argtypes import int_at_least, output_path
 
 
 def add_arguments(parser) -> None:
@@ -42,15 +43,15 @@ def add_arguments(parser) -> None:
     from resilax.tools.bench import option_adder
 
     opt = option_adder(parser)
-    opt("--json", default=None, help="write results here")
-    opt("--steps", type=int, default=300)
+    opt("--json", type=output_path, default=None, help="write results here")
+    opt("--steps", type=int_at_least(1), default=300)
     opt("--topology", default="cpu-2x4")
-    opt("--fail-at", type=int, default=None, help="steps completed when the slice fails (default: 60%% of --steps)")
-    opt("--fail-slice", type=int, default=1)
+    opt("--fail-at", type=int_at_least(1), default=None, help="steps completed when the slice fails (default: 60%% of --steps)")
+    opt("--fail-slice", type=int_at_least(0), default=1)
     opt("--budget", type=float, default=0.01, help="failure-free overhead budget (share of step time)")
-    opt("--peers-every", type=int, default=1, help="peer copy every K steps (PeersConfig.every)")
-    opt("--hidden", type=int, default=256)
-    opt("--batch", type=int, default=96)
+    opt("--peers-every", type=int_at_least(1), default=1, help="peer copy every K steps (PeersConfig.every)")
+    opt("--hidden", type=int_at_least(1), default=256)
+    opt("--batch", type=int_at_least(1), default=96)
 
 
 def _setup(args):

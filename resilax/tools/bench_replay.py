@@ -28,11 +28,12 @@ import time
 
 
 from resilax._src.io import write_json
+from resilax.tools.argtypes import int_at_least, output_path
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--steps", type=int, default=60, help="steps per timed run")
+    p.add_argument("--json", type=output_path, default=None, help="write results here")
+    p.add_argument("--steps", type=int_at_least(1), default=60, help="steps per timed run")
     p.add_argument("--topology", default="cpu-2x4")
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from resilax.tools.campaign_oracle import MIN_HISTORY, Trial, expect, parse
+from resilax.tools.argtypes import int_at_least, output_path
 
 KINDS = ("fail_slice", "nan", "spike", "kill_process")
 HEALTH_KINDS = ("rejoin", "bitflip", "hang_slice", "slow_slice", "repair_slice")
@@ -415,9 +416,9 @@ def run_campaign(trials: int, seed: int, *, json_path: str | None = None, every:
 
 def register_cli(sub) -> None:
     c = sub.add_parser("campaign", help="random seeded fault schedules, each checked against a failure-free run")
-    c.add_argument("--trials", type=int, default=300)
+    c.add_argument("--trials", type=int_at_least(1), default=300)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--json", default=None, help="write counts and per-trial records here")
+    c.add_argument("--json", type=output_path, default=None, help="write counts and per-trial records here")
     c.set_defaults(func=_cli)
 
 

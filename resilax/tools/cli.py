@@ -146,7 +146,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(argv=None) -> argparse.ArgumentParser:
-    from resilax.tools.argtypes import int_at_least
+    from resilax.tools.argtypes import int_at_least, output_path
 
     """The ``resilax`` parser (every command); given ``argv``, only the command it names has
     its tool imported."""
@@ -203,10 +203,10 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: overhead, replay, recovery (print a table, write JSON)")
     bsub = b.add_subparsers(dest="which", required=True)
     o = bsub.add_parser("overhead", help="wrapped vs plain jitted step, interleaved; checkpoint blocking vs plain Orbax")
-    o.add_argument("--json", default=None, help="write results here")
-    o.add_argument("--steps", type=int, default=300)
+    o.add_argument("--json", type=output_path, default=None, help="write results here")
+    o.add_argument("--steps", type=int_at_least(1), default=300)
     o.add_argument("--topology", default="cpu-2x4")
-    o.add_argument("--checkpoint-every", type=int, default=None, help="default: resilax.Config's default")
+    o.add_argument("--checkpoint-every", type=int_at_least(1), default=None, help="default: resilax.Config's default")
     o.set_defaults(func=_cmd_bench)
     for name, mod, help_ in _BENCHES:
         sp = bsub.add_parser(name, help=help_)

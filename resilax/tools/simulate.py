@@ -551,7 +551,7 @@ def format_table(result: dict) -> str:
 # -- CLI ----------------------------------------------------------------------
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``simulate`` to an argparse subparsers object."""
-    from resilax.tools.argtypes import int_at_least, positive_float
+    from resilax.tools.argtypes import int_at_least, output_path, positive_float
 
     p = subparsers.add_parser("simulate", help="simulate goodput of a long run under failures")
     p.add_argument("--chips", type=int_at_least(1), default=16384)
@@ -565,8 +565,8 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--days", type=positive_float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost-json", action="append", default=[], help="bench --json output; repeatable")
-    p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--png", default=None, help="write goodput vs chips plot here (runs the sweep)")
+    p.add_argument("--json", type=output_path, default=None, help="write results here")
+    p.add_argument("--png", type=output_path, default=None, help="write goodput vs chips plot here (runs the sweep)")
     p.add_argument("--sweep", action="store_true", help="goodput vs chips, 1k to 100k")
     p.add_argument("--pipeline", action="store_true",
                    help="data x pipeline jobs: ReCycle reroute vs drop the replica vs Oobleck-style re-partition vs "
@@ -590,11 +590,6 @@ def _cli_main(args: argparse.Namespace) -> int:
     if unread:
         print(f"resilax simulate: --cost-json: cannot read {unread}", file=sys.stderr)
         return 2
-    for out in (args.json, args.png):  # a file it cannot write: said now, not after the simulation
-        if out and not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK | os.X_OK):
-            print(f"resilax simulate: cannot write {out!r}: its directory does not exist or is not writable",
-                  file=sys.stderr)
-            return 2
     try:
         return _run_cli(args)
     except OSError as e:  # a file named on the command line that cannot be read or written

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 from resilax._src.io import write_json
 from resilax.tools.costmodel import CostModel
 from resilax._src.runtime.goodput import BUCKETS, GoodputFileError, load_goodput
+from resilax.tools.argtypes import int_at_least, output_path
 
 __all__ = ["measure_costs", "cost_model", "run_measured_job", "validate", "format_table",
            "register_cli"]
@@ -432,6 +433,17 @@ def _simulate_job(measured: dict, job: dict, seed: int) -> dict:
             "simulation": sim}
 
 
+def _check(steps: int, checkpoint_every: int, kills: Sequence[int]) -> None:
+    """Raises ValueError for a job `validate` cannot run, before anything runs."""
+    if steps % checkpoint_every:
+        raise ValueError(f"validate expects steps to be a multiple of checkpoint_every (the job "
+                         f"ends on a save, as the measured runs do), but got {steps}, {checkpoint_every}")
+    if not kills:
+        raise ValueError("validate expects at least one kill (restart costs are measured on the job)")
+    if list(kills) != sorted(set(kills)) or not 0 < kills[0] <= kills[-1] < steps:
+        raise ValueError(f"validate expects distinct ascending kill steps in (0, {steps}), but got {list(kills)}")
+
+
 def validate(*, steps: int = 2000, checkpoint_every: int = 200,
              kills: Sequence[int] = (700, 1500), measure_steps: int | None = None,
              predict: bool = True, topology: str = "cpu-2x4", workdir: str | None = None,
@@ -457,11 +469,7 @@ def validate(*, steps: int = 2000, checkpoint_every: int = 200,
     one launch per life plus ``steps`` steps, and with ``predict`` three more launches
     and ``2 * measure_steps + 2 * checkpoint_every`` steps.
     """
-    if steps % checkpoint_every:
-        raise ValueError(f"validate expects steps to be a multiple of checkpoint_every (the job "
-                         f"ends on a save, as the measured runs do), but got {steps}, {checkpoint_every}")
-    if not kills:
-        raise ValueError("validate expects at least one kill (restart costs are measured on the job)")
+    _check(steps, checkpoint_every, kills)
     own = workdir is None
     work = workdir or tempfile.mkdtemp(prefix="resilax-validate-")
     os.makedirs(work, exist_ok=True)
@@ -571,24 +579,33 @@ def plot_validation(r: dict, path: str) -> str:
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``validate`` to an argparse subparsers object."""
     p = subparsers.add_parser("validate", help="real CPU job with SIGKILLs vs the goodput simulator")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--checkpoint-every", type=int, default=200)
+    p.add_argument("--steps", type=int_at_least(1), default=2000)
+    p.add_argument("--checkpoint-every", type=int_at_least(1), default=200)
     p.add_argument("--kills", default="700,1500", help="steps after which the job is SIGKILLed")
-    p.add_argument("--measure-steps", type=int, default=None,
+    p.add_argument("--measure-steps", type=int_at_least(1), default=None,
                    help="steps of each cost-measuring run (default 3 x checkpoint-every)")
     p.add_argument("--no-predict", dest="predict", action="store_false",
                    help="skip the separate cost-measuring runs (job costs only)")
     p.add_argument("--topology", default="cpu-2x4")
     p.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--png", default=None, help="write a measured-vs-simulated chart here")
+    p.add_argument("--json", type=output_path, default=None, help="write results here")
+    p.add_argument("--png", type=output_path, default=None, help="write a measured-vs-simulated chart here")
     p.set_defaults(func=_cli_main)
     return p
 
 
 def _cli_main(args: argparse.Namespace) -> int:
-    kills = [int(x) for x in args.kills.split(",") if x.strip()]
+    try:
+        try:
+            kills = [int(x) for x in args.kills.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--kills expects step numbers separated by commas (e.g. 700,1500), but got "
+                             f"{args.kills!r}") from None
+        _check(args.steps, args.checkpoint_every, kills)
+    except ValueError as e:
+        print(f"resilax validate: {e}", file=sys.stderr)
+        return 2
     validate(steps=args.steps, checkpoint_every=args.checkpoint_every, kills=kills,
              measure_steps=args.measure_steps, predict=args.predict, topology=args.topology,
              workdir=args.workdir,
