@@ -64,8 +64,7 @@ def check() -> None:
     from jax._src import distributed, xla_bridge
     from jax._src.lib import _jax
 
-    if _service_lib() is not _jax:
-        raise _fail("jax._src.lib._jax", "the module jaxlib._jax", "another module")
+    _check_service(_jax)
     for name in ("get_distributed_runtime_client", "create_preemption_sync_manager"):
         if not callable(getattr(_jax, name, None)):
             raise _fail(f"jax._src.lib._jax.{name}", "a callable", "none")
@@ -185,6 +184,11 @@ def _service_lib():
         import jaxlib._jax as _jax
     except ImportError:  # another layout: through jax, as the workers see it
         from jax._src.lib import _jax
+    return _check_service(_jax)
+
+
+def _check_service(_jax):
+    """``_jax`` if its service constructor takes what `start_service` passes; else raises."""
     fn = getattr(_jax, "get_distributed_runtime_service", None)
     if not callable(fn):
         raise _fail("jax._src.lib._jax.get_distributed_runtime_service", "a callable", "none")
