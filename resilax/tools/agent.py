@@ -91,8 +91,8 @@ from resilax._src.runtime import membership, rendezvous, worker
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import agent_reform
 from resilax.tools.processes import (HEARTBEATS, SPARES, Output, SparePool, WorkerProcess, check_command, exit_reason,
-                                     generation_settled, hand_place, heartbeat_file, heartbeat_hung, popen, read_json,
-                                     refused_config, say, signal_running, stop_all)
+                                     generation_settled, hand_place, heartbeat_file, heartbeat_hung, make_run_dir, popen,
+                                     read_json, refused_config, say, signal_running, stop_all)
 
 PROCESSES_JSON = "processes.json"
 NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
@@ -159,6 +159,7 @@ class Agent:
         self.host_store_every, self.host_store_mirrors = host_store_every, host_store_mirrors
         if in_place and not host_store_every:
             raise ValueError("resilax launch: --in-place re-forms from the host stores: it needs --host-store-every > 0")
+        make_run_dir(self.run_dir)  # (options checked: a usage error leaves nothing behind)
         self.in_place = bool(in_place)  # a lost host: the others' workers re-form in their processes (`agent_reform`)
         # this host's store (RAM where there is /dev/shm; never under the shared run dir, which
         # is a network file system on a cluster): made by `run`, removed when the agent ends

@@ -182,6 +182,7 @@ class Supervisor:
             raise ValueError("resilax launch: --standby readies a whole new generation (path B); with --in-place the "
                              "survivors re-form instead: use --spares for the dead places")
         self.standby_on = bool(standby)
+        processes.make_run_dir(self.run_dir)  # (options checked: a usage error leaves nothing behind)
         self._standby = None  # the standby generation (`tools/standby.py`), or None
         self._standby_count = 0
         self._standby_backoff = (0.0, 0)  # (not before, failures in a row)

@@ -5,8 +5,6 @@ hosts (`resilax.tools.agent`, with ``--nodes`` or a scheduler's environment)."""
 from __future__ import annotations
 
 import argparse
-import errno
-import os
 import sys
 
 from resilax.tools import agent_cli, launch
@@ -69,14 +67,6 @@ def _cmd_launch(args) -> int:
     cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
     if cmd and cmd[0] == "resilax":  # the same interpreter and resilax as the supervisor
         cmd = [sys.executable, "-m", "resilax", *cmd[1:]]
-    try:  # (every record of the job goes there: a directory it cannot write is the user's to fix, now)
-        os.makedirs(args.run_dir, exist_ok=True)
-        if not os.access(args.run_dir, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "not writable")
-    except OSError as e:
-        print(f"resilax: error: resilax launch: cannot use the run directory {args.run_dir!r}: {e.strerror or e}",
-              file=sys.stderr)
-        return 2
     if (rc := agent_cli.main(cmd, args)) is not None:  # --nodes, or a scheduler's: one agent of a job across hosts
         return rc
     try:

@@ -6,6 +6,7 @@ handles of its workers and warm spares.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -43,6 +44,17 @@ def check_command(cmd) -> None:
     if shutil.which(cmd[0]) is None:
         where = "is not an executable file" if os.sep in cmd[0] else "is not found on PATH"
         raise ValueError(f"resilax launch: the worker command {cmd[0]!r} {where}")
+
+
+def make_run_dir(path) -> None:
+    """Creates the job's run directory once its options are checked (every record of the job
+    goes there); raises ValueError naming it when it cannot be made or written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as e:
+        raise ValueError(f"resilax launch: cannot use the run directory {str(path)!r}: {e.strerror or e}") from None
 
 
 def popen(cmd, env: dict) -> subprocess.Popen:
