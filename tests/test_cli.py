@@ -161,3 +161,23 @@ def test_help_lists_the_user_commands_apart_from_the_developer_tools():
     train = sub.choices["train"].format_help()
     assert "DeterministicConfig()" in train and "HealthConfig()" in train and "every 10 steps" in train
     assert "developer tools:" not in train
+
+
+def test_only_a_refused_configuration_before_a_step_exits_78_under_launch(monkeypatch):
+    """Under `resilax launch` a resilax command exits 78 (the job ends) for a configuration,
+    topology, wrap or pipeline error, or a malformed command line, before its first step; a
+    step called again after a failed call, a storage error, or any error outside a launch
+    keeps exit 2 (a restart may mend it, or there is no supervisor)."""
+    from resilax._src import errors
+    from resilax._src.runtime import worker
+    from resilax.tools import cli as _cli
+
+    monkeypatch.delenv("RESILAX_COORDINATOR", raising=False)
+    assert _cli._config_refused_exit(errors.TopologyError("t")) is None
+    monkeypatch.setenv("RESILAX_COORDINATOR", "127.0.0.1:1")
+    for e in (errors.TopologyError("t"), errors.ConfigError("c"), errors.WrapError("w"), errors.PipelineError("p"), None):
+        assert _cli._config_refused_exit(e) == worker.EXIT_CONFIG == 78, e
+    for e in (errors.StepBrokenError("an earlier call failed"), errors.StorageError("s"), errors.StateLostError("l")):
+        assert _cli._config_refused_exit(e) is None, e
+    monkeypatch.setattr(worker, "stepped", lambda: True)  # after this process completed a step
+    assert _cli._config_refused_exit(errors.TopologyError("t")) is None

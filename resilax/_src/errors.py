@@ -22,6 +22,11 @@ class WrapError(ResilaxError, TypeError):
     """Bad arguments to `resilax.wrap` or to a `ResilientStep` call."""
 
 
+class StepBrokenError(WrapError):
+    """A `ResilientStep` called again after a call of it failed: not its configuration (under
+    `resilax launch` the job is restarted, not ended as a refused configuration)."""
+
+
 class PipelineError(ResilaxError, ValueError):
     """Bad arguments to `resilax.pipeline`, or a pipeline that does not fit the mesh."""
 

@@ -257,8 +257,8 @@ def _config_refused_exit(e: BaseException | None = None) -> int | None:
 
     if os.environ.get(worker.ENV_PREFIX + "COORDINATOR") is None and os.environ.get(worker.SPARE_ENV) is None:
         return None
-    if e is not None and not isinstance(e, (errors.ConfigError, errors.TopologyError, errors.WrapError,
-                                            errors.PipelineError)):
+    if e is not None and (not isinstance(e, (errors.ConfigError, errors.TopologyError, errors.WrapError,
+                                             errors.PipelineError)) or isinstance(e, errors.StepBrokenError)):
         return None
     return None if worker.stepped() else worker.EXIT_CONFIG
 

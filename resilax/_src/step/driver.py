@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilax._src.config import Config
-from resilax._src.errors import ResilaxError, StorageError, WrapError
+from resilax._src.errors import ResilaxError, StepBrokenError, StorageError, WrapError
 from resilax._src.events import Event, event
 from resilax._src.protect import anomaly as _anomaly, base as _base, hoststore as _hoststore
 from resilax._src.protect.checkpoint_protection import Checkpoints
@@ -388,8 +388,8 @@ class ResilientStep:
                             if not self._closed else "resilax.ResilientStep: this step was closed")
         _preemption.refuse_if_preempted(self)
         if self._broken:
-            raise WrapError(f"resilax.ResilientStep: an earlier call failed ({self._broken}); the step cannot continue. "
-                            f"Start a new ResilientStep and init() it (it restores the newest checkpoint)")
+            raise StepBrokenError(f"resilax.ResilientStep: an earlier call failed ({self._broken}); the step cannot "
+                                  f"continue. Start a new ResilientStep and init() it (it restores the newest checkpoint)")
         if state is not self._live:
             self._live = state  # the caller's state is the one to use (e.g. after init)
         in_place.grow_back_if_due(self)  # under `resilax launch`: a job smaller than -n grows back now
