@@ -155,6 +155,19 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [it for share in shares for it in share]
 
 
+def pytest_collection_finish(session):
+    """Test speed: once the test modules are imported (JAX, flax, optax, Orbax and the suite's
+    own), their ~10^5-10^6 long-lived objects go to the garbage collector's permanent generation
+    (`gc.freeze`, after a collection: nothing that is garbage now is kept), so that every full
+    collection during the session no longer walks them. test_verdicts + test_recovery in one
+    process: the full collections' CPU 2.0-2.2 -> 1.3-1.5 s of ~60 CPU-s (the modules' own
+    CPU moved by more than that between runs: run-to-run spread)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _verify_default(request):
     _VERIFY_BY_DEFAULT[0] = request.node.get_closest_marker("verify") is not None
