@@ -686,6 +686,21 @@ def test_a_worker_that_refuses_its_configuration_ends_the_job_without_restarts(t
         assert "Traceback" not in r.stdout + r.stderr
 
 
+def test_launch_cli_rejects_out_of_range_times_and_counts(tmp_path, capsys):
+    """A zero or negative interval, timeout or count is a usage line naming the bound, before
+    anything starts (--heartbeat 0 made every worker beat in a busy loop, --collective-timeout 0
+    and --startup-timeout 0 were taken, --lease 0 across hosts was a traceback)."""
+    for extra, said in ((["--heartbeat", "0"], "argument --heartbeat: must be a finite number > 0, got 0"),
+                        (["--collective-timeout", "0"], "argument --collective-timeout: must be >= 1, got 0"),
+                        (["--startup-timeout", "-1"], "argument --startup-timeout: must be a finite number > 0"),
+                        (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
+                        (["--host-store-every", "-1"], "argument --host-store-every: must be >= 0, got -1"),
+                        (["--nodes", "2", "--node-rank", "0", "--lease", "0"], "argument --lease: must be a finite number")):
+        rc, err = cli(["launch", "-n", "1", "--run-dir", str(tmp_path / "run"), *extra, "--", "true"], capsys)
+        assert rc == 2 and said in err and "Traceback" not in err, (extra, err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_launch_cli_rejects_a_missing_command(tmp_path, capsys):
     rc, err = cli(["launch", "-n", "2", "--run-dir", str(tmp_path)], capsys)
     assert rc == 2 and "a worker command is required after --" in err, err

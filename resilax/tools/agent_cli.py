@@ -11,6 +11,7 @@ import socket
 import sys
 
 from resilax._src.runtime import rendezvous
+from resilax.tools.argtypes import positive_float
 from resilax.tools.agent import PROCESSES_JSON, Agent
 from resilax.tools.processes import read_json, say
 
@@ -120,7 +121,7 @@ def add_arguments(p) -> None:
                         "its lease (dead or hung), takes its rank and runs as its agent, so the job grows back to "
                         "--nodes without that host's replacement; exits 0 when the job ends first, 1 when no job runs "
                         "for --rendezvous-timeout")
-    g.add_argument("--lease", type=float, default=5.0, metavar="S", help="an agent silent for this long is dead (s)")
+    g.add_argument("--lease", type=positive_float, default=5.0, metavar="S", help="an agent silent for this long is dead (s)")
     g.add_argument("--address", default=None,
                    help="how the other hosts reach this one: the coordination service binds and is advertised there "
                         "when it runs here (default: 127.0.0.1, loopback; when the node count or rank comes from "
@@ -128,7 +129,7 @@ def add_arguments(p) -> None:
     g.add_argument("--min-nodes", type=int, default=None, metavar="M",
                    help="after a lost host, go on with at least M live nodes (default: half of --nodes, rounded up); "
                         "with fewer, wait for replacements up to --rendezvous-timeout, then exit 1")
-    g.add_argument("--rendezvous-timeout", type=float, default=300.0, metavar="S",
+    g.add_argument("--rendezvous-timeout", type=positive_float, default=300.0, metavar="S",
                    help="how long the agents wait to agree on a generation (s)")
     g.add_argument("--host-store-dir", default=None, metavar="DIR",
                    help="this host's state store (--host-store-every; served on --address for the mirror of the previous "

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from resilax.tools import agent_cli, launch
+from resilax.tools.argtypes import int_at_least, positive_float
 
 
 def register_cli(sub) -> None:
@@ -17,20 +18,20 @@ def register_cli(sub) -> None:
     p.add_argument("--devices-per-process", type=int, default=1, help="CPU devices each worker asks JAX for")
     p.add_argument("--run-dir", required=True, help="processes.json, heartbeats, worker logs (and the default "
                                                     "checkpoint directory of `resilax train`)")
-    p.add_argument("--max-restarts", type=int, default=3,
+    p.add_argument("--max-restarts", type=int_at_least(0), default=3,
                    help="give up after this many new generations in a row that fail without getting past the newest "
                         "step completed before (a job that makes progress between failures restarts as often as it "
                         "fails)")
-    p.add_argument("--heartbeat", type=float, default=0.5, metavar="S", help="worker heartbeat interval (s)")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S",
+    p.add_argument("--heartbeat", type=positive_float, default=0.5, metavar="S", help="worker heartbeat interval (s)")
+    p.add_argument("--heartbeat-timeout", type=positive_float, default=5.0, metavar="S",
                    help="a worker whose heartbeat is older is hung and gets SIGKILLed (s)")
-    p.add_argument("--step-deadline-factor", type=float, default=20.0,
+    p.add_argument("--step-deadline-factor", type=positive_float, default=20.0,
                    help="step deadline = max(--min-step-deadline, this x measured step time)")
-    p.add_argument("--min-step-deadline", type=float, default=30.0, metavar="S")
-    p.add_argument("--collective-timeout", type=int, default=None, metavar="S",
+    p.add_argument("--min-step-deadline", type=positive_float, default=30.0, metavar="S")
+    p.add_argument("--collective-timeout", type=int_at_least(1), default=None, metavar="S",
                    help="XLA CPU collective timeout in the workers (default: half of --min-step-deadline)")
-    p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
-    p.add_argument("--host-store-every", type=int, default=1, metavar="K",
+    p.add_argument("--startup-timeout", type=positive_float, default=300.0, metavar="S")
+    p.add_argument("--host-store-every", type=int_at_least(0), default=1, metavar="K",
                    help="workers copy their shards to the host state store (RAM) every K steps; a new generation "
                         "restores from there (0: off, restore from checkpoints only). On one machine each host's "
                         "copy is mirrored to the next; with --nodes each host keeps its own, no mirror")
