@@ -371,11 +371,19 @@ def _child_cmd(args: list[str]) -> list[str]:
 def demo(*, steps: int = 300, topology: str = "cpu-2x4", checkpoint_every: int = 25, workdir: str | None = None,
          kill_at: int | None = None, seed: int | None = None) -> int:
     """Train, crash with SIGKILL, resume, and compare bitwise against an uninterrupted run."""
+    from resilax._src.errors import ConfigError
+
+    rng = random.Random(seed)
+    kill_at = kill_at if kill_at is not None else rng.randrange(max(steps // 3, 1), max(2 * steps // 3, 2))
+    if not 1 <= kill_at < steps:
+        raise ConfigError(f"resilax demo: the run is killed after step {kill_at} and resumed, so --kill-at must be "
+                          f"in [1, --steps - 1] (--steps {steps})")
     own = workdir is None
     work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="resilax-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    kill_at = kill_at if kill_at is not None else rng.randrange(steps // 3, 2 * steps // 3)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"resilax demo: cannot use --workdir {str(work)!r}: {e.strerror or e}") from None
     # every protection on (the default): the record log's disk sink (grads mode, in the
     # checkpoint directory) brings a restart back to where it died; peer copies on the next
     # slice cover the sharded layout of phase 4
