@@ -66,6 +66,7 @@ def test_cli_reports_bad_input_clearly(capsys):
                        (["train", "--log-every", "0"], "argument --log-every: must be >= 1, got 0"),
                        (["train", "--checkpoint-every", "x"], "argument --checkpoint-every: invalid int value: 'x'"),
                        (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+                       (["train", "--summary", "/no-such-dir/s.json"], "argument --summary: cannot write"),
                        (["demo", "--steps", "30", "--kill-at", "30"], "--kill-at must be in [1, --steps - 1]"),
                        (["demo", "--workdir", "/proc/no-such-dir"], "cannot use --workdir '/proc/no-such-dir'"),
                        # the developer tools alike: counts, outputs that cannot be written, a kill list

@@ -162,8 +162,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int_at_least(0), default=10,
                    help="save every this many steps (0: no periodic saves)")
     t.add_argument("--fault", action="append", default=[], help="inject a fault: kind@step[:phase][/target]")
-    t.add_argument("--out", default=None, help="write the final state here (.npz)")
-    t.add_argument("--summary", default=None, help="write a JSON summary here")
+    t.add_argument("--out", type=output_path, default=None, help="write the final state here (.npz)")
+    t.add_argument("--summary", type=output_path, default=None, help="write a JSON summary here")
     t.add_argument("--log-every", type=int_at_least(1), default=10)
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--layout", choices=["fsdp", "sharded"], default="fsdp",
