@@ -295,16 +295,16 @@ def test_the_agents_end_a_job_whose_workers_refuse_their_configuration_without_r
     gives up after the first generation with exit 78 (EX_CONFIG) and says why, instead of
     agreeing on generation after generation that would fail the same way."""
     run = tmp_path / "run"
-    agents = [subprocess.Popen([sys.executable, "-m", "resilax", "launch", "--nodes", "2", "--node-rank", str(r),
-                                "--run-dir", str(run), "-n", "1", "--devices-per-process", "1", "--lease", "2",
-                                "--", "resilax", "train", "--topology", "cpu-2x4", "--steps", "4"],
-                               env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True) for r in (0, 1)]
+    train = ["resilax", "train", "--topology", "cpu-2x4", "--steps", "4"]
+    agents = [_launch(tmp_path, run, r, 2, train, child_env, "cfg", "-n", "1", "--devices-per-process", "1",
+                      "--lease", "2") for r in (0, 1)]
     try:
-        outs = [p.communicate(timeout=120)[0] for p in agents]
+        for p in agents:
+            p.wait(timeout=120)
     finally:
         for p in agents:
             kill_tree(p)
+    outs = [(tmp_path / f"cfg{r}.log").read_text(errors="replace") for r in (0, 1)]
     assert [p.returncode for p in agents] == [78, 78], outs
     for out in outs:
         assert "the topology needs 8 devices" in out and "refused its configuration before its first step" in out, out
