@@ -586,29 +586,29 @@ def _cli_main(args: argparse.Namespace) -> int:
         print(f"resilax simulate: --mtbf-hours applies to --failures custom (the {args.failures} profile has its own "
               f"rates)", file=sys.stderr)
         return 2
-    unread = CostModel.from_bench_json(*args.cost_json).sources.get("_skipped") if args.cost_json else None
-    if unread:
-        print(f"resilax simulate: --cost-json: cannot read {unread}", file=sys.stderr)
+    cost = CostModel.from_bench_json(*args.cost_json) if args.cost_json else None  # (read once, here)
+    if cost is not None and cost.sources.get("_skipped"):
+        print(f"resilax simulate: --cost-json: cannot read {cost.sources['_skipped']}", file=sys.stderr)
         return 2
     try:
-        return _run_cli(args)
+        return _run_cli(args, cost)
     except OSError as e:  # a file named on the command line that cannot be read or written
         print(f"resilax simulate: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
 
 
-def _run_cli(args: argparse.Namespace) -> int:
+def _run_cli(args: argparse.Namespace, cost: CostModel | None) -> int:
     if args.pipeline:
         from resilax.tools.simulate_pipeline import cli_main
 
-        return cli_main(args)
+        return cli_main(args, cost)
     strategies = args.strategy or ["all"]
     if set(strategies) - set(STRATEGIES) - {"all"}:
         print(f"resilax simulate: --strategy {sorted(set(strategies) - set(STRATEGIES) - {'all'})} needs --pipeline",
               file=sys.stderr)
         return 2
     strategies = list(STRATEGIES) if "all" in strategies else strategies
-    cost = CostModel.from_bench_json(*args.cost_json) if args.cost_json else CostModel()
+    cost = cost or CostModel()
     kw = dict(model_params=args.model_params, profile=args.failures,
               mtbf_hours=args.mtbf_hours, strategies=strategies, days=args.days,
               cost=cost, topology=args.topology)

@@ -350,8 +350,9 @@ def _jobs(args) -> list[PipelineJob]:
     return jobs
 
 
-def cli_main(args) -> int:
-    """``resilax simulate --pipeline`` (options registered by simulate.register_cli)."""
+def cli_main(args, cost: CostModel | None = None) -> int:
+    """``resilax simulate --pipeline`` (options registered by simulate.register_cli); ``cost``:
+    the measured costs of ``--cost-json``, read by simulate's CLI (None: the defaults)."""
     try:
         jobs = _jobs(args)
     except ValueError as e:
@@ -367,7 +368,7 @@ def cli_main(args) -> int:
         strategies = list(PIPELINE_STRATEGIES)
     result = simulate_pipeline(jobs, model_params=args.model_params, profile=args.failures,
                                mtbf_hours=args.mtbf_hours, days=args.days, seed=args.seed,
-                               cost=CostModel.from_bench_json(*args.cost_json) if args.cost_json else None,
+                               cost=cost,
                                strategies=strategies, progress=not getattr(args, "quiet", False))
     print(format_pipeline_table(result))
     from resilax.tools.simulate_pipeline_protection import format_protection_table
