@@ -71,16 +71,25 @@ def train(tmp_path_factory):
 
 
 
-def _wait(pred, timeout, what, proc=None):
+def _wait(pred, timeout, what, proc=None, log=None):
+    """``pred()`` once it is true; fails when ``proc`` (the launcher) exits first or after
+    ``timeout`` s, with the end of ``log`` (the launcher's output file) in the message."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         v = pred()
         if v:
             return v
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the launcher exited with {proc.returncode} while waiting for {what}")
+            raise AssertionError(f"the launcher exited with {proc.returncode} while waiting for {what}{_tail(log)}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}{_tail(log)}")
+
+
+def _tail(log, n=5000) -> str:
+    try:
+        return "\n" + pathlib.Path(log).read_text(errors="replace")[-n:] if log is not None else ""
+    except OSError:
+        return ""
 
 
 def _processes(run_dir):
@@ -951,19 +960,21 @@ def test_a_standby_generation_replaces_a_killed_one_with_its_programs_built_ahea
     default mode, 32 steps), so the two share one failure-free reference run."""
     from helpers import child_env
 
-    run, out = tmp_path / "run", tmp_path / "final.npz"
+    run, out, log_file = tmp_path / "run", tmp_path / "final.npz", tmp_path / "launch.log"
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", "2", "--devices-per-process", "4", "--run-dir", str(run),
-           "--standby", "--heartbeat", "0.2", "--heartbeat-timeout", "60", "--min-step-deadline", "120",
+           "--standby", "--heartbeat", "0.2", "--heartbeat-timeout", "60", "--min-step-deadline", "500",
            "--max-restarts", "1", "--", *RELAUNCH_TRAIN, "--out", str(out), "--fault", "hang@3:after_step"]
-    with open(tmp_path / "launch.log", "wb") as log:
+    with open(log_file, "wb") as log:
         p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             # (the hang holds the job before its end, and frees the cores for the standby; the
-            # supervisor's step deadline, --min-step-deadline 120, leaves it alone meanwhile)
-            _wait(lambda: _past_n(run, 0, 3, 2), 180, "generation 0 past step 3", p)
+            # supervisor's step deadline, --min-step-deadline 500, leaves it alone meanwhile: a
+            # CI run's standby, set up beside generation 0 and another test, was not parked
+            # when a deadline of 120 s ended the hang)
+            _wait(lambda: _past_n(run, 0, 3, 2), 180, "generation 0 past step 3", p, log_file)
             workers = _processes(run)["workers"]
             reached = max(_steps(run, 0).values())
-            standby = _wait(lambda: _standby_parked(run, 2), 180, "the standby generation parked", p)
+            standby = _wait(lambda: _standby_parked(run, 2), 400, "the standby generation parked", p, log_file)
             os.kill(workers["1"], signal.SIGKILL)
             rc = p.wait(timeout=180)
         finally:
