@@ -164,7 +164,7 @@ def worker_after_death(i, a):
 def _scenario(a, name):
     """One --after-death run: A with 3 workers, SIGKILL process 2, B with the 2 survivors + a new one."""
     from resilax._src.runtime import jaxdist
-    from resilax.tools.launch import free_port
+    from resilax.tools.launch import reserve_port as free_port
 
     tmp = tempfile.mkdtemp(prefix=f"resilax-regrow-{name}-")
     go = os.path.join(tmp, "go")
@@ -285,7 +285,7 @@ def main():
         return after_death(a)
     from resilax._src.runtime import jaxdist
     from resilax.tools.bench import write_result
-    from resilax.tools.launch import free_port
+    from resilax.tools.launch import reserve_port as free_port
 
     go = os.path.join(tempfile.mkdtemp(prefix="resilax-regrow-"), "go")
     pa, pb = free_port(), free_port()

@@ -86,7 +86,7 @@ def main():
         return worker(a.worker, a.port, a)
     from resilax._src.runtime import jaxdist
     from resilax.tools.bench import write_result
-    from resilax.tools.launch import free_port
+    from resilax.tools.launch import reserve_port as free_port
 
     port = free_port()
     svc = jaxdist.start_service(port, a.n, heartbeat_timeout_s=a.heartbeat_timeout)  # noqa: F841 (kept alive)

@@ -752,8 +752,8 @@ def test_a_coordination_service_host_does_not_import_jax():
     """A supervisor or an agent only hosts the coordination service: it starts one without
     JAX's Python package (what it saves each of them: ~0.4 CPU-s a start), and the service
     serves a worker's client."""
-    code = ("import sys; from resilax._src.runtime import jaxdist, rendezvous; "
-            "port = rendezvous.free_port('127.0.0.1'); s = jaxdist.start_service(port, 1, heartbeat_timeout_s=5); "
+    code = ("import sys; from resilax._src.runtime import jaxdist, ports; "
+            "port = ports.reserve_port('127.0.0.1'); s = jaxdist.start_service(port, 1, heartbeat_timeout_s=5); "
             "print('jax' in sys.modules, flush=True); "
             "from jax._src.lib import _jax; "
             "c = _jax.get_distributed_runtime_client(f'127.0.0.1:{port}', 0, init_timeout=30, heartbeat_timeout=5, "
@@ -763,6 +763,50 @@ def test_a_coordination_service_host_does_not_import_jax():
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["False", "v"], r.stdout
     assert "Jax service listening" not in r.stderr  # its INFO lines stay hidden, as under JAX's own import
+
+
+_PORTS_PROBE = """
+import errno, socket, sys
+from resilax._src.runtime import jaxdist, ports
+from jax._src.lib import _jax
+
+def plain_bind(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return "bound"
+        except OSError as e:
+            return "in use" if e.errno == errno.EADDRINUSE else repr(e)
+
+port = ports.reserve_port()
+print("held:", plain_bind(port))  # nothing else can take a held port
+a = jaxdist.start_service(port, 1, heartbeat_timeout_s=5)
+print("hold released:", ports.take("127.0.0.1", port) is None)
+c = _jax.get_distributed_runtime_client(f"127.0.0.1:{port}", 0, init_timeout=30, heartbeat_timeout=5, shutdown_timeout=1)
+c.connect(); c.key_value_set("k", "v"); print("served:", c.blocking_key_value_get("k", 5000))
+try:  # a second service on the same port: gRPC alone would start it beside the first
+    jaxdist.start_service(port, 1, heartbeat_timeout_s=5)
+    print("second: started")
+except ports.PortInUseError as e:
+    print("second:", f"port {port} on 127.0.0.1 is already in use" in str(e))
+c.shutdown(); a.shutdown()
+old = ports.reserve_port()
+ports.HOLD_S = -1.0  # an unused hold is closed at the next reserve once older than HOLD_S
+new = ports.reserve_port()
+print("stale hold closed:", plain_bind(old), new != old)
+"""
+
+
+def test_a_service_port_is_held_until_the_service_listens_and_never_shared():
+    """gRPC binds with SO_REUSEPORT: a second coordination service on a port where one
+    listens started beside it, and the kernel spread the workers' connections over both
+    (measured). resilax holds a port it picks until its service listens there (nothing else
+    can bind it meanwhile), and refuses to start a service on a port another socket is
+    bound to, naming the port."""
+    r = subprocess.run([sys.executable, "-c", _PORTS_PROBE], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["held: in use", "hold released: True", "served: v", "second: True",
+                                     "stale hold closed: bound True"], r.stdout + r.stderr[-2000:]
 
 
 # The program of the relaunch and standby tests: 2 workers x 4 devices, the default mode, no checkpoint

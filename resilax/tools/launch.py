@@ -79,15 +79,15 @@ import time
 
 from resilax._src.io import write_json
 from resilax._src.protect import hoststore_files
-from resilax._src.runtime import membership, rendezvous, worker
+from resilax._src.runtime import membership, ports, worker
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import processes, standby
 from resilax.tools.processes import (HEARTBEATS, Output, SparePool, WorkerProcess, exit_reason, heartbeat_file,
                                      popen, read_json, say, stop_all)
 
 # imported from here by tests and benchmarks
-free_port, heartbeats, spare_heartbeats, _read_json = (rendezvous.free_port, processes.heartbeats,
-                                                       processes.spare_heartbeats, read_json)
+reserve_port, heartbeats, spare_heartbeats, _read_json = (ports.reserve_port, processes.heartbeats,
+                                                          processes.spare_heartbeats, read_json)
 
 PROCESSES_JSON = "processes.json"
 SPARES = processes.SPARES  # D/spares/spare<k>.json: a spare's assignment
@@ -228,7 +228,7 @@ class Supervisor:
         m = len(self.slots)
         if self._take_standby(carry, m):
             return
-        port = free_port()
+        port = reserve_port()  # held until the service listens there (`ports`)
         self._service = jaxdist.start_service(port, m, heartbeat_timeout_s=self.jax_heartbeat_timeout_s)
         (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import pathlib
 import time
 
 from resilax._src.runtime import membership, worker
-from resilax._src.runtime.rendezvous import free_port
+from resilax._src.runtime.ports import reserve_port
 from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import processes
 from resilax.tools.processes import HEARTBEATS, SPARES, Output, WorkerProcess, exit_reason, hand_place, read_json, say, \
@@ -149,7 +149,7 @@ def tend(sup, now: float):
         return  # (with generation 0 at once, as spares: no progress to win back yet)
     sup._standby_count += 1
     k, g = sup._standby_count, sup.generation + 1
-    port = free_port()
+    port = reserve_port()
     service = jaxdist.start_service(port, sup.n, heartbeat_timeout_s=sup.jax_heartbeat_timeout_s)
     envs = [sup._env(g, i, port, list(range(sup.n)),
                       heartbeat=str(StandbyGeneration.heartbeat_file(sup.run_dir, k, i))) for i in range(sup.n)]

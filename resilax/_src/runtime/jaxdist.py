@@ -207,18 +207,29 @@ def start_service(port: int, num_processes: int, *, heartbeat_timeout_s: int, sh
     coordination traffic. ``recoverable=True`` keeps it serving the others after a worker
     dies (the supervisor decides what a death means, not the service).
 
+    ``port``: one held by `ports.reserve_port` in this process, or one nothing on this host is
+    bound to (a gRPC service binds beside another's ``SO_REUSEPORT`` socket silently).
+
     Raises:
+      PortInUseError: ``port`` is not held here and another socket is bound to it.
       JaxAssumptionError: a private name resilax uses is missing (`check`).
       JaxBehaviourError: the installed JAX lacks a behaviour resilax relies on
         (`jaxprobe.ensure`: probed once per jax/jaxlib, a few seconds, then cached).
     """
     _jax = _service_lib()
-    from resilax._src.runtime import jaxprobe
+    from resilax._src.runtime import jaxprobe, ports
 
     jaxprobe.ensure()
-    return _jax.get_distributed_runtime_service(
-        f"{host}:{port}", num_processes, heartbeat_timeout=heartbeat_timeout_s,
-        shutdown_timeout=shutdown_timeout_s, recoverable=True)
+    held = ports.take(host, port)  # the port's hold (`ports.reserve_port`), closed once the service listens
+    try:
+        if held is None:  # (gRPC would bind beside another socket's SO_REUSEPORT without a word)
+            ports.check_free(host, port)
+        return _jax.get_distributed_runtime_service(
+            f"{host}:{port}", num_processes, heartbeat_timeout=heartbeat_timeout_s,
+            shutdown_timeout=shutdown_timeout_s, recoverable=True)
+    finally:
+        if held is not None:
+            held.close()
 
 
 # ---------------------------------------------------------------- worker side

@@ -73,6 +73,7 @@ import time
 import uuid
 
 from resilax._src.errors import ResilaxError
+from resilax._src.runtime import ports
 
 RENDEZVOUS = "rendezvous"  # <run_dir>/rendezvous
 COMMITTED, ABANDONED = "committed", "abandoned"
@@ -240,7 +241,8 @@ class Rendezvous:
         self.store = store
         self.ack_timeout_s, self.poll_s, self.clock = float(ack_timeout_s), poll_s, clock
         self.clock_check = clock_check
-        self.port_fn = port_fn or (lambda: free_port(self.address))  # the service binds there
+        # the service's port, held from the proposal until this agent starts the service there
+        self.port_fn = port_fn or (lambda: ports.reserve_port(self.address))
         self.incarnation = uuid.uuid4().hex
         self.lost = False  # fenced: another incarnation holds this rank (or this host's clock is off)
         self.skew = ""  # why this host's clock was found off (`ClockSkewError`)
@@ -691,10 +693,3 @@ def check_run_dir(root) -> None:
     finally:
         probe.unlink(missing_ok=True)
         probe.with_suffix(".link").unlink(missing_ok=True)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now: where a coordination service will bind (``jaxdist.start_service``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
