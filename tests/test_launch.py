@@ -765,6 +765,58 @@ def test_a_coordination_service_host_does_not_import_jax():
     assert "Jax service listening" not in r.stderr  # its INFO lines stay hidden, as under JAX's own import
 
 
+def test_a_second_job_in_a_run_directory_in_use_is_refused_and_a_relaunch_after_a_kill_is_not(tmp_path):
+    """Two jobs in one run directory deleted each other's checkpoints, record-log entries and
+    spare assignments (measured: two identical launches both ran to the end, each removing
+    the other's old checkpoints). A supervisor holds the directory's lock (flock, exclusive)
+    and the agents of a job across hosts share it: a second supervisor, or an agent, in a
+    directory a supervisor uses exits 2 with one line naming the directory and the
+    supervisor's pid, and changes nothing there; a supervisor refused by an agent's lock
+    too. The kernel drops the lock with its process: a relaunch after SIGKILL runs."""
+    run = tmp_path / "run"
+    worker = ["--", sys.executable, "-c", "import time; time.sleep(120)"]  # (a stand-in worker: no JAX)
+    launch = [sys.executable, "-m", "resilax", "launch", "-n", "1", "--devices-per-process", "1", "--run-dir", str(run)]
+    agent = [*launch, "--nodes", "2", "--node-rank", "0", "--rendezvous-timeout", "120"]
+
+    def start(cmd, name):
+        return subprocess.Popen([*cmd, *worker], stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def refused(cmd):
+        r = subprocess.run([*cmd, *worker], capture_output=True, text=True, timeout=60)
+        return r.returncode, r.stderr.strip().splitlines()
+
+    def held_by(p, name, old=None):  # (the lock is taken before anything is written to the directory)
+        return _wait(lambda: (w := (_processes(run) or {}).get("workers")) and w != old and w, 60, f"{name}'s worker",
+                     p, tmp_path / f"{name}.log")
+
+    first = start(launch, "first")
+    try:
+        workers = held_by(first, "first")
+        for cmd in (launch, agent):
+            rc, lines = refused(cmd)
+            assert rc == 2 and len(lines) == 1, (rc, lines)
+            assert f"the run directory {str(run)!r} is in use by another job (resilax launch, pid {first.pid}" in \
+                lines[0], lines
+            assert _processes(run)["workers"] == workers  # nothing of the first job's was touched
+    finally:
+        kill_tree(first)
+    node = start(agent, "agent")  # a job across hosts now: its agents share the lock
+    try:
+        _wait(lambda: (run / "rendezvous" / "leases" / "node0.json").exists(), 60, "the agent's lease", node,
+              tmp_path / "agent.log")
+        rc, lines = refused(launch)
+        assert rc == 2 and "is in use by another job (a resilax launch, or the agents of a job across hosts)" in \
+            lines[0], (rc, lines)
+    finally:
+        kill_tree(node)
+    again = start(launch, "again")  # the lock went with its holders (SIGKILL): a relaunch takes it
+    try:
+        assert "in use" not in (tmp_path / "again.log").read_text() and held_by(again, "again", old=workers)
+    finally:
+        kill_tree(again)
+
+
 _PORTS_PROBE = """
 import errno, socket, sys
 from resilax._src.runtime import jaxdist, ports

@@ -92,7 +92,7 @@ from resilax._src.runtime.worker import LaunchEnv
 from resilax.tools import agent_reform
 from resilax.tools.processes import (HEARTBEATS, SPARES, Output, SparePool, WorkerProcess, check_command, exit_reason,
                                      generation_settled, hand_place, heartbeat_file, heartbeat_hung, make_run_dir, popen,
-                                     read_json, refused_config, say, signal_running, stop_all)
+                                     read_json, refused_config, run_locked, say, signal_running, stop_all)
 
 PROCESSES_JSON = "processes.json"
 NODES = "nodes"  # D/nodes/g<g>.node<R>.json: one agent's part of processes.json
@@ -484,13 +484,18 @@ class Agent:
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
+        """This host's part of the job to its end; its exit code (2: a single-host `resilax
+        launch` holds the run directory)."""
+        return run_locked(self.run_dir, self._run, shared=True)
+
+    def _run(self) -> int:
         for d in (self.run_dir, self.run_dir / HEARTBEATS, self.run_dir / "logs", self.run_dir / NODES,
                   self.run_dir / SPARES):
             d.mkdir(parents=True, exist_ok=True)
         if self.store_root is not None:  # a new agent starts with an empty store (a new host's memory)
             gone = hoststore_files.remove_orphans(self.store_root.parent, self._orphans) if self._orphans else []
             if gone:
-                say(f"node {self.rank}: removed the host store(s) of killed agent(s) of this rank: {gone}")
+                say(f"node {self.rank}: removed the host store(s) of killed agent(s) on this host: {gone}")
             shutil.rmtree(self.store_root, ignore_errors=True)
             for j in range(self.n):
                 (self.store_root / f"host{self.rank * self.n + j}").mkdir(parents=True)

@@ -522,6 +522,10 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
+        """Runs the job to its end; its exit code (2: another job holds the run directory)."""
+        return processes.run_locked(self.run_dir, self._run)
+
+    def _run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._heartbeats_in_ram()
         if self.num_spares or self.in_place or self.standby_on:  # (re-forming workers and standbys read theirs there too)
