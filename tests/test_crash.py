@@ -158,3 +158,37 @@ def test_a_corrupt_newest_checkpoint_and_a_torn_log_entry_say_one_line_each_and_
                          capture_output=True, text=True)
     assert rep.returncode == 0, rep.stderr[-2000:]
     assert bad[0].split("checkpoint(s) ", 1)[1] in rep.stdout and line[0] in rep.stdout, rep.stdout
+
+
+def test_a_second_run_in_a_checkpoint_directory_in_use_is_refused_and_a_resume_after_a_kill_is_bitwise(
+        tmp_path, reference):
+    """Two runs in one checkpoint directory delete each other's checkpoints (Orbax keeps the
+    newest of whatever it finds there) and a resume may read the other's. A single-process
+    run holds its checkpoint directory (an flock the kernel drops with the process): while
+    the first run is still alive (its main thread hung after step 12, past checkpoint 10),
+    a second one exits 2 with one line naming the directory and the first run's pid, and
+    no checkpoint changes. Once the first is SIGKILLed, a run there resumes from its newest
+    checkpoint and ends bitwise equal to a failure-free run."""
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    first = subprocess.Popen(train_cmd(ckpt, "--fault", "hang@12:after_step"), env=_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        t0 = time.time()
+        while 10 not in committed(ckpt) if ckpt.is_dir() else True:
+            assert first.poll() is None and time.time() - t0 < 120, "the first run did not commit checkpoint 10"
+            time.sleep(0.1)
+        before = committed(ckpt)
+        r = subprocess.run(train_cmd(ckpt), env=_env(), capture_output=True, text=True, timeout=120)
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("resilax")]
+        assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-3000:])
+        assert f"the checkpoint directory {str(ckpt)!r} is in use by another run (pid {first.pid}," in lines[0], lines
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert first.poll() is None and committed(ckpt) == before, (committed(ckpt), before)
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    state, summary = finish(tmp_path, ckpt)
+    assert summary["checkpoint_step"] >= 10 and summary["resumed_from"] >= 10, summary
+    assert flat_equal(state, reference)

@@ -61,53 +61,27 @@ RUN_LOCK = "launch.lock"  # D/launch.lock: held (flock) by the job using D, rele
 
 
 def lock_run_dir(path, shared: bool = False) -> int | None:
-    """Takes the run directory's lock for this process's life: exclusive for `resilax launch`'s
-    supervisor, shared for the agents of a job across hosts (one per host, all in the same
-    directory). A job already there (a supervisor, or agents for ``shared=False``) makes it
-    raise ValueError naming the directory (and the supervisor's pid, when one holds it): two
-    jobs in one directory delete each other's checkpoints, host stores and assignments.
-    The lock is an ``flock`` on ``D/launch.lock``: the kernel drops it when the process ends
-    (SIGKILL included), so a relaunch after any death takes it at once. Returns the lock's
-    file descriptor (keep it open), or None where the file system has no locks (said in a
-    line; an agent also goes on without one when the file cannot be opened)."""
-    import fcntl
+    """Takes the run directory's lock (`dirlock`, ``D/launch.lock``) for this process's life:
+    exclusive for `resilax launch`'s supervisor, shared for the agents of a job across hosts
+    (one per host, all in the same directory). Raises ValueError naming the directory (and
+    the supervisor's pid, when one holds it) when another job is there: two jobs in one
+    directory delete each other's checkpoints, host stores and assignments. Returns the
+    lock's file descriptor (keep it open), or None where there is no lock (a file system
+    without locks; an agent also goes on without one when the file cannot be opened)."""
+    from resilax._src import dirlock
 
-    lock = pathlib.Path(path) / RUN_LOCK
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        return dirlock.acquire(pathlib.Path(path) / RUN_LOCK, shared=shared, what="resilax launch")
+    except dirlock.DirectoryInUse as e:
+        holder = (f"resilax launch, {e.holder}" if e.holder.startswith("pid ") else
+                  "a resilax launch, or the agents of a job across hosts")
+        raise ValueError(f"resilax launch: the run directory {str(path)!r} is in use by another job ({holder}); two "
+                         f"jobs in one directory delete each other's checkpoints. Wait for it to end, stop it, or "
+                         f"use another --run-dir") from None
     except OSError as e:
         if shared:
             return None
         raise ValueError(f"resilax launch: cannot use the run directory {str(path)!r}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _lock_holder(fd)
-        os.close(fd)
-        raise ValueError(f"resilax launch: the run directory {str(path)!r} is in use by another job ({holder}); two "
-                         f"jobs in one directory delete each other's checkpoints. Wait for it to end, stop it, or "
-                         f"use another --run-dir") from None
-    except OSError as e:  # ENOLCK, EOPNOTSUPP: a file system without locks
-        os.close(fd)
-        say(f"the run directory's file system takes no locks ({e.strerror or e}): nothing keeps a second job out of "
-            f"{path}")
-        return None
-    if not shared:  # who holds it, for the message of the next one refused
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "t": time.time()}).encode(), 0)
-    return fd
-
-
-def _lock_holder(fd: int) -> str:
-    try:
-        rec = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        pid, host = int(rec["pid"]), str(rec["host"])
-        # (a former supervisor's record names a pid that is gone, or is another program's now)
-        if host == os.uname().nodename and b"resilax" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
-            return f"resilax launch, pid {pid}, started {time.strftime('%H:%M:%S', time.localtime(rec['t']))}"
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return "a resilax launch, or the agents of a job across hosts"
 
 
 def run_locked(run_dir, run, shared: bool = False) -> int:

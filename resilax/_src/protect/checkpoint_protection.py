@@ -4,8 +4,12 @@ what it saves, its warm-up, and pausing it after an in-place shrink); the store 
 
 from __future__ import annotations
 
+import os
+
 import jax
 
+from resilax._src import dirlock
+from resilax._src.errors import CheckpointError
 from resilax._src.protect import base
 from resilax._src.protect import checkpoints as _store
 from resilax._src.protect.checkpoints import CheckpointStore
@@ -20,8 +24,13 @@ class Checkpoints(base.Protection):
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.store = CheckpointStore(cfg.directory, keep=cfg.keep, async_save=cfg.async_save, pack=cfg.pack,
-                                     compress=cfg.compress)
+        self._dir_lock = _lock_directory(cfg.directory)
+        try:
+            self.store = CheckpointStore(cfg.directory, keep=cfg.keep, async_save=cfg.async_save, pack=cfg.pack,
+                                         compress=cfg.compress)
+        except BaseException:
+            dirlock.release(self._dir_lock)
+            raise
         self.paused: str | None = None  # why no checkpoint can be saved now (an in-place shrink)
 
     def tree(self, state, guard):
@@ -80,4 +89,28 @@ class Checkpoints(base.Protection):
         return [Candidate("checkpoint", steps[-1], storage)]
 
     def close(self):
-        self.store.close()
+        try:
+            self.store.close()
+        finally:
+            dirlock.release(self._dir_lock)
+            self._dir_lock = None
+
+
+def _lock_directory(directory) -> str | None:
+    """A single-process run holds its checkpoint directory (`dirlock`): a second run there
+    would delete this one's checkpoints (Orbax keeps the newest of whatever it finds) and a
+    resume could read the other's. The processes of one multi-process job share it (under
+    `resilax launch` the supervisor holds the run directory). Remote paths (``gs://``) and
+    directories that cannot be created are left to the store's own errors."""
+    if jax.process_count() > 1 or worker.env() is not None or "://" in str(directory):
+        return None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        return dirlock.hold(directory, what="resilax checkpoints")
+    except dirlock.DirectoryInUse as e:
+        raise CheckpointError(
+            f"resilax checkpoints: the checkpoint directory {str(directory)!r} is in use by another run "
+            f"({e.holder}); two runs in one directory delete each other's checkpoints. Wait for it to end, stop "
+            f"it, or use another directory") from None
+    except OSError:
+        return None

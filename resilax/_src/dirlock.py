@@ -1,0 +1,111 @@
+"""One job per directory: an ``flock`` on a lock file in it, held while the job runs.
+
+Two jobs writing one directory delete each other's checkpoints (Orbax keeps the newest
+``keep`` steps of whatever it finds there), quarantine each other's record-log entries,
+and a resume may then read the other job's state. `resilax launch`'s supervisor locks its
+run directory (the agents of a job across hosts share that lock) and a single-process run
+locks its checkpoint directory (`Checkpoints`); processes of one multi-process job share
+their directories and lock nothing themselves (their supervisor, if any, does).
+
+The kernel drops an ``flock`` when its process ends, SIGKILL included: a relaunch after any
+death takes the lock at once. A file system without locks is said in a warning and not
+locked. The holder writes its pid, host and start time into the file for the message of
+the next one refused (a record whose pid is gone, or is not a resilax process any more,
+is not named).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import threading
+import time
+import warnings
+
+
+class DirectoryInUse(Exception):
+    """Another process holds the lock; ``holder`` says who, when it can tell."""
+
+    def __init__(self, path: pathlib.Path, holder: str):
+        super().__init__(f"{path} is held by {holder}")
+        self.path, self.holder = path, holder
+
+
+def acquire(lock_path, *, shared: bool = False, what: str = "resilax") -> int | None:
+    """Opens ``lock_path`` (created if missing) and takes its lock without waiting; returns
+    the file descriptor (keep it open: closing it releases the lock), or None where the file
+    system has no locks (a warning names it).
+
+    Raises:
+      DirectoryInUse: another process holds it (exclusively, or at all for an exclusive one).
+      OSError: the file cannot be opened (a directory that is missing or not writable).
+    """
+    import fcntl
+
+    lock_path = pathlib.Path(lock_path)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise DirectoryInUse(lock_path, holder) from None
+    except OSError as e:  # ENOLCK, EOPNOTSUPP: a file system without locks
+        os.close(fd)
+        warnings.warn(f"{what}: the file system of {lock_path.parent} takes no locks ({e.strerror or e}): nothing "
+                      f"keeps a second job out of it", RuntimeWarning, stacklevel=3)
+        return None
+    if not shared:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "t": time.time()}).encode(), 0)
+    return fd
+
+
+def _holder(fd: int) -> str:
+    try:
+        rec = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        pid, host = int(rec["pid"]), str(rec["host"])
+        if host == os.uname().nodename and b"resilax" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+            return f"pid {pid}, started {time.strftime('%H:%M:%S', time.localtime(rec['t']))}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return "another process"
+
+
+_held: dict[str, list] = {}  # this process's locks: lock file -> [fd, holders]
+_held_lock = threading.Lock()
+
+
+def hold(directory, name: str = "resilax.lock", what: str = "resilax") -> str | None:
+    """Takes ``directory/name`` exclusively for this process; a second hold from this process
+    counts (one process may open a directory twice: a resume in the same script). Returns
+    the key for `release`, or None when nothing was locked (no locks on that file system).
+
+    Raises:
+      DirectoryInUse: another process holds it.
+    """
+    key = str(pathlib.Path(directory).absolute() / name)
+    with _held_lock:
+        if key in _held:
+            _held[key][1] += 1
+            return key
+        fd = acquire(key, what=what)
+        if fd is None:
+            return None
+        _held[key] = [fd, 1]
+        return key
+
+
+def release(key: str | None) -> None:
+    """Gives one `hold` back; the last one closes the lock file (the lock goes with it)."""
+    if key is None:
+        return
+    with _held_lock:
+        entry = _held.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _held[key]
+            os.close(entry[0])
