@@ -38,7 +38,10 @@ class CheckpointConfig:
 
     Attributes:
       directory: checkpoint root (created if missing). The record log's disk sink lives in
-        ``directory/record_log`` unless `LogConfig.directory` says otherwise.
+        ``directory/record_log`` unless `LogConfig.directory` says otherwise. A
+        single-process run holds it while its step is open (``directory/resilax.lock``,
+        released when the step closes or the process ends): a second run there gets a
+        `CheckpointError` naming the first one's pid.
       every: save every this many completed steps (0: only explicit `ResilientStep.save`).
       keep: complete checkpoints Orbax keeps.
       async_save: write in the background; the loop blocks only for the device-to-host copy.

@@ -16,6 +16,7 @@ is not named).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -44,27 +45,37 @@ def acquire(lock_path, *, shared: bool = False, what: str = "resilax") -> int | 
     import fcntl
 
     lock_path = pathlib.Path(lock_path)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise DirectoryInUse(lock_path, holder) from None
-    except OSError as e:  # ENOLCK, EOPNOTSUPP: a file system without locks
-        os.close(fd)
-        warnings.warn(f"{what}: the file system of {lock_path.parent} takes no locks ({e.strerror or e}): nothing "
-                      f"keeps a second job out of it", RuntimeWarning, stacklevel=3)
-        return None
-    if not shared:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "t": time.time()}).encode(), 0)
+    # Held open read-only: a file open for writing keeps its file system from being remounted
+    # read-only (`mount -o remount,ro`: "busy"). NFS turns an flock into a POSIX lock, and an
+    # exclusive one there needs a writable descriptor (EBADF): then it is opened for writing.
+    for flags in (os.O_RDONLY, os.O_RDWR):
+        fd = os.open(lock_path, flags | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = _holder(lock_path)
+            os.close(fd)
+            raise DirectoryInUse(lock_path, holder) from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno == errno.EBADF and flags == os.O_RDONLY:
+                continue
+            # ENOLCK, EOPNOTSUPP: a file system without locks
+            warnings.warn(f"{what}: the file system of {lock_path.parent} takes no locks ({e.strerror or e}): "
+                          f"nothing keeps a second job out of it", RuntimeWarning, stacklevel=3)
+            return None
+    if not shared:  # who holds it, for the message of the next one refused
+        try:
+            lock_path.write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "t": time.time()}))
+        except OSError:
+            pass
     return fd
 
 
-def _holder(fd: int) -> str:
+def _holder(lock_path: pathlib.Path) -> str:
     try:
-        rec = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        rec = json.loads(lock_path.read_bytes()[:4096] or b"{}")
         pid, host = int(rec["pid"]), str(rec["host"])
         if host == os.uname().nodename and b"resilax" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
             return f"pid {pid}, started {time.strftime('%H:%M:%S', time.localtime(rec['t']))}"
