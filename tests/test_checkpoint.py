@@ -712,3 +712,39 @@ def test_a_restores_event_loop_ends_its_pending_reads_before_it_closes(caplog):
         assert type(plain) is not type(loop) and type(other[0]) is not type(loop)  # outside it: Python's own
         plain.close()
         other[0].close()
+
+
+_OTHER_PROCESS_HOLDS = """
+import sys
+from resilax._src import dirlock
+try:
+    key = dirlock.hold(sys.argv[1])
+    print("held", flush=True)
+except dirlock.DirectoryInUse as e:
+    print("refused:", e.holder, flush=True)
+"""
+
+
+def test_a_directory_hold_counts_within_a_process_and_excludes_other_processes(tmp_path):
+    """`dirlock.hold` (a single-process run's checkpoint directory): a second hold in the same
+    process counts (a script that opens its directory again to resume), another process is
+    refused while any hold is left (naming this one's pid only if its command line says
+    resilax), and takes it once the last hold is given back."""
+    import subprocess
+    import sys
+
+    from resilax._src import dirlock
+
+    def other():
+        r = subprocess.run([sys.executable, "-c", _OTHER_PROCESS_HOLDS, str(tmp_path)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.strip()
+
+    first, second = dirlock.hold(tmp_path), dirlock.hold(tmp_path)
+    assert first == second == str(tmp_path / "resilax.lock")
+    dirlock.release(first)
+    said = other()  # (pytest's command line names resilax only where the checkout's path does)
+    assert said in ("refused: another process",) or said.startswith(f"refused: pid {os.getpid()}, started "), said
+    dirlock.release(second)
+    assert other() == "held"  # (its hold ended with it)
