@@ -198,7 +198,8 @@ def test_in_place_re_forms_with_a_spare_then_without_one_grows_back_and_re_forms
     rng = random.Random(int(os.environ.get("RESILAX_TEST_SEED", "0")) or None)
     run = tmp_path / "run"
     out = tmp_path / "final.npz"
-    log = open(tmp_path / "launch.log", "wb")
+    lg = tmp_path / "launch.log"
+    log = open(lg, "wb")
     cmd = [sys.executable, "-m", "resilax", "launch", "-n", str(N), "--devices-per-process", "2", "--run-dir", str(run),
            "--heartbeat", "0.2", "--heartbeat-timeout", "2", "--min-step-deadline", "20", "--max-restarts", "2",
            "--collective-timeout", "5", "--spares", "1", "--in-place", "--", *train, "--out", str(out)]
@@ -212,30 +213,30 @@ def test_in_place_re_forms_with_a_spare_then_without_one_grows_back_and_re_forms
         done.append((sig.name, who))
 
     try:
-        _wait(lambda: _ready_spare(run), 180, "a warm spare", p)
-        procs = _wait(lambda: _live_past(run, 0, EVERY + 2, N), 180, f"generation 0 past step {EVERY + 2}", p)
+        _wait(lambda: _ready_spare(run), 180, "a warm spare", p, lg)
+        procs = _wait(lambda: _live_past(run, 0, EVERY + 2, N), 180, f"generation 0 past step {EVERY + 2}", p, lg)
         time.sleep(rng.uniform(0, 1.0))
         kill(procs, rng.randrange(1, N), signal.SIGSTOP, 0)
-        procs = _wait(lambda: _gen_running(run, 1, n=N), 120, "generation 1 running", p)
+        procs = _wait(lambda: _gen_running(run, 1, n=N), 120, "generation 1 running", p, lg)
         kill(procs, 0, signal.SIGKILL, 1)
         # the spare started now must not be warm before the survivors detach (it could take
         # the dead place, as it should): hold it (a spare slow to start) until the smaller
         # generation has run past a checkpoint
-        spare = _wait(lambda: (_processes(run) or {}).get("spares", {}).get("1"), 60, "the next spare", p)
+        spare = _wait(lambda: (_processes(run) or {}).get("spares", {}).get("1"), 60, "the next spare", p, lg)
         os.kill(spare, signal.SIGSTOP)
-        small = _wait(lambda: _gen_running(run, 2, n=N - 1), 120, f"generation 2 running with {N - 1} workers", p)
+        small = _wait(lambda: _gen_running(run, 2, n=N - 1), 120, f"generation 2 running with {N - 1} workers", p, lg)
         base = _live_steps(run, 2)
-        _wait(lambda: _live_steps(run, 2) >= (base // EVERY + 1) * EVERY + 1, 120, "generation 2 past a checkpoint", p)
+        _wait(lambda: _live_steps(run, 2) >= (base // EVERY + 1) * EVERY + 1, 120, "generation 2 past a checkpoint", p, lg)
         # the job must still run when the spare is warm: its workers yield the CPU to the spare
         # (nice 10, every thread: each worker is a process group of its own) while it imports
         # (~3 CPU-s), instead of the job running ~80 more steps of 2 processes meanwhile
         for pid in small["workers"].values():
             os.setpriority(os.PRIO_PGRP, pid, 10)
         os.kill(spare, signal.SIGCONT)
-        procs = _wait(lambda: _gen_running(run, 3, n=N), 120, "generation 3 running (grown back)", p)
+        procs = _wait(lambda: _gen_running(run, 3, n=N), 120, "generation 3 running (grown back)", p, lg)
         third = rng.randrange(1, N)
         kill(procs, third, signal.SIGKILL, 3)
-        os.kill(_wait(lambda: (_processes(run) or {}).get("spares", {}).get("2"), 60, "the next spare", p), signal.SIGSTOP)
+        os.kill(_wait(lambda: (_processes(run) or {}).get("spares", {}).get("2"), 60, "the next spare", p, lg), signal.SIGSTOP)
         rc = p.wait(timeout=300)  # (the supervisor kills the held spare at the end)
     finally:
         kill_tree(p)
@@ -900,17 +901,18 @@ def test_hang_then_whole_job_kill_then_sigterm_each_resumes_exactly(tmp_path):
            "--heartbeat", "0.2", "--heartbeat-timeout", "3", "--min-step-deadline", "10", "--step-deadline-factor", "5",
            "--max-restarts", "1", "--", *RELAUNCH_TRAIN, "--out", str(out), "--fault", "hang@5:after_step/1"]
     for attempt in range(3):
-        with open(tmp_path / f"launch{attempt}.log", "wb") as log:
+        lg = tmp_path / f"launch{attempt}.log"
+        with open(lg, "wb") as log:
             p = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 if attempt == 0:
-                    _wait(lambda: _running(run, 1, n=2), 120, "generation 1 (after the hang)", p)
-                    _wait(lambda: _past_n(run, 1, 10, 2), 180, "step 10", p)
+                    _wait(lambda: _running(run, 1, n=2), 120, "generation 1 (after the hang)", p, lg)
+                    _wait(lambda: _past_n(run, 1, 10, 2), 180, "step 10", p, lg)
                     killed_past = min(_steps(run, 1).values())
                     kill_tree(p)
                 elif attempt == 1:
-                    _wait(lambda: _running(run, 0, n=2), 120, "the relaunch", p)
-                    _wait(lambda: _past_n(run, 0, killed_past + 2, 2), 180, f"step {killed_past + 2}", p)
+                    _wait(lambda: _running(run, 0, n=2), 120, "the relaunch", p, lg)
+                    _wait(lambda: _past_n(run, 0, killed_past + 2, 2), 180, f"step {killed_past + 2}", p, lg)
                     os.kill(_processes(run)["workers"][str(random.randrange(2))], signal.SIGTERM)
                 rc = p.wait(timeout=180)
             finally:
