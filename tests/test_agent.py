@@ -260,6 +260,31 @@ STAND_IN = ("import os, time; e = os.environ; print('slots', repr(e['RESILAX_SLO
             "time.sleep(120 if int(e['RESILAX_GENERATION']) < 2 else 0)")
 
 
+def test_a_host_store_directory_in_use_by_another_agent_is_refused_and_left_alone(tmp_path, child_env):
+    """An agent empties its --host-store-dir when it starts: a second agent given the same
+    directory (another job's here, in another run directory) emptied the first one's store
+    under its workers. Now the first holds it: the second exits 2 with one line naming the
+    directory and the first agent's pid, and the first one's store is still there."""
+    store = tmp_path / "store"
+    opts = ("-n", "1", "--devices-per-process", "1", "--rendezvous-timeout", "120", "--host-store-dir", str(store))
+    first = _launch(tmp_path, tmp_path / "run_a", 0, 2, [sys.executable, "-c", STAND_IN], child_env, "a", *opts)
+    try:
+        _wait(lambda: (tmp_path / "run_a" / "rendezvous" / "leases" / "node0.json").exists(), 60, "the first lease",
+              [first])
+        assert (store / "host0").is_dir()
+        r = subprocess.run([sys.executable, "-m", "resilax", "launch", "--nodes", "2", "--node-rank", "0", "--run-dir",
+                            str(tmp_path / "run_b"), *opts, "--", sys.executable, "-c", STAND_IN], env=child_env,
+                           capture_output=True, text=True, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-2000:])
+        assert f"the host store directory {str(store)!r} is in use by another agent (pid {first.pid}," in lines[0], \
+            lines
+        assert first.poll() is None and (store / "host0").is_dir()
+        assert not (tmp_path / "run_b" / "rendezvous").exists()  # refused before it registered anywhere
+    finally:
+        kill_tree(first)
+
+
 def test_an_agent_after_the_job_completed_says_so_when_it_gives_up(tmp_path, child_env):
     """Two agents run a job whose workers exit 0 at once (the job completes); an agent started
     afterwards with node 1's rank finds no generation to join: after --rendezvous-timeout it

@@ -83,6 +83,7 @@ import os
 import pathlib
 import shutil
 import signal
+import sys
 import time
 
 from resilax._src.io import write_json
@@ -485,8 +486,32 @@ class Agent:
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
         """This host's part of the job to its end; its exit code (2: a single-host `resilax
-        launch` holds the run directory)."""
+        launch` holds the run directory, or another agent this one's --host-store-dir)."""
+        try:
+            self._hold_store()
+        except ValueError as e:
+            print(f"resilax: error: {e}", file=sys.stderr, flush=True)
+            return 2
         return run_locked(self.run_dir, self._run, shared=True)
+
+    def _hold_store(self) -> None:
+        """An explicit --host-store-dir is emptied when the agent starts and removed when it
+        ends: this agent holds it (`dirlock`: a lock file beside it, for the process's life)
+        so that no second agent, of this job or another, empties it under this one's workers
+        or puts its shards among theirs. (The default store is a new directory of its own.)"""
+        if self.store_root is None or self._orphans:
+            return
+        from resilax._src import dirlock
+
+        where = f"the host store directory {str(self.store_root)!r}"
+        try:
+            self.store_root.parent.mkdir(parents=True, exist_ok=True)
+            dirlock.hold(self.store_root.parent, name=f".{self.store_root.name}.resilax.lock", what="resilax launch")
+        except dirlock.DirectoryInUse as e:
+            raise ValueError(f"resilax launch: {where} is in use by another agent ({e.holder}); each agent needs a "
+                             f"--host-store-dir of its own (it is emptied when an agent starts)") from None
+        except OSError as e:
+            raise ValueError(f"resilax launch: cannot use {where}: {e.strerror or e}") from None
 
     def _run(self) -> int:
         for d in (self.run_dir, self.run_dir / HEARTBEATS, self.run_dir / "logs", self.run_dir / NODES,

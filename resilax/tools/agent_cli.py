@@ -135,7 +135,7 @@ def add_arguments(p) -> None:
                    help="this host's state store (--host-store-every; served on --address for the mirror of the previous "
                         "host's shards): a directory on this "
                         "host, not the shared run dir (default: a new one on /dev/shm, else in the temp dir; emptied "
-                        "when the agent starts, removed when it ends)")
+                        "when the agent starts, removed when it ends; one agent per directory)")
     g.add_argument("--host-store-mirrors", type=int, default=1, metavar="K",
                    help="mirror each host's shards (the default mode's; a whole copy is on every host) on the next K "
                         "live hosts: any K hosts next to each other may be lost at once and the job still resumes "
