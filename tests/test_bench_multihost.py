@@ -33,7 +33,7 @@ def test_service_host_then_the_next_service_host_killed_in_the_recovery_last_hos
         tmp_path, child_env):
     out, work = tmp_path / "mh.json", tmp_path / "work"
     r = subprocess.run([sys.executable, "-m", "resilax", "bench", "multihost", "--cases", "double", "--replace",
-                        "--workers-per-host", "1", "--devices-per-process", "1", "--steps", "40", "--kill-after", "7",
+                        "--workers-per-host", "1", "--devices-per-process", "1", "--steps", "60", "--kill-after", "7",
                         "--checkpoint-every", "5", "--timeout", "240", "--workdir", str(work), "--json", str(out)],
                        env=child_env, capture_output=True, text=True, timeout=330, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

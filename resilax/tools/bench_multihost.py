@@ -288,6 +288,12 @@ class Hosts:
             return all(rec is not None and rec["expires"] > time.time() for rec in recs)
         return False
 
+    def draining(self, g: int, ranks) -> bool:
+        """Whether the agents of ``ranks`` said they grow back from generation ``g`` (`Agent._drain`)."""
+        lines = self.text().splitlines()
+        return all(any(f"node {r}, generation {g}: " in ln and "growing back at a step boundary" in ln for ln in lines)
+                   for r in ranks)
+
     def close(self) -> None:
         for p in self.all:
             for pid in [p.pid, *self._workers_of(p.pid)]:
@@ -439,15 +445,19 @@ def run_case(work: pathlib.Path, case: str, *, train: list, ref, kill_after: int
         grow = None
         if replace and case != "relaunch":
             t_join = time.time()
-            # the live nodes' workers stall (SIGSTOP) until the replacements hold their leases, so
-            # that they join a running job however loaded the machine is (on 2 busy cores the few
-            # steps left could end it first; a stall of a second or two is far below the heartbeat
-            # timeouts); then they go on and see the join at their next poll
+            # the live nodes' workers stall (SIGSTOP) until the replacements hold their leases and
+            # the live nodes' agents told them to stop (SIGTERM, pending while they stall), so that
+            # they join a running job however loaded the machine is: on 2 busy cores the steps
+            # left could end it first, JAX's preemption sync seeing a SIGTERM only at its next 1 s
+            # poll (a CI run: 1 worker at 20 steps/s ended 32 steps before the sync). A stall of a
+            # few seconds is far below the heartbeat timeout (10 s); past 5 s they go on anyway
             hosts.signal_workers(g, survivors, signal.SIGSTOP)
             try:
                 for v in victims:
                     hosts.start(v, ".replacement")
                 hosts.wait(lambda: hosts.leased(victims), "the replacement agents' leases")
+                told = time.time() + 5.0
+                hosts.wait(lambda: time.time() > told or hosts.draining(g, survivors), "the survivors' drain")
             finally:
                 hosts.signal_workers(g, survivors, signal.SIGCONT)
             others = [p for r, p in hosts.agents.items() if r not in victims]
