@@ -514,6 +514,9 @@ class Agent:
             raise ValueError(f"resilax launch: cannot use {where}: {e.strerror or e}") from None
 
     def _run(self) -> int:
+        link = self.run_dir / HEARTBEATS
+        if link.is_symlink():  # a killed single-host launch's link to its heartbeats in RAM (gone, or going)
+            link.unlink()
         for d in (self.run_dir, self.run_dir / HEARTBEATS, self.run_dir / "logs", self.run_dir / NODES,
                   self.run_dir / SPARES):
             d.mkdir(parents=True, exist_ok=True)
