@@ -26,11 +26,14 @@ import warnings
 
 
 class DirectoryInUse(Exception):
-    """Another process holds the lock; ``holder`` says who, when it can tell."""
+    """Another process holds the lock; ``pid`` is its pid when it can tell (a resilax process
+    on this host), ``holder`` says so in words."""
 
-    def __init__(self, path: pathlib.Path, holder: str):
-        super().__init__(f"{path} is held by {holder}")
-        self.path, self.holder = path, holder
+    def __init__(self, path: pathlib.Path, pid: int | None, started: float | None = None):
+        self.path, self.pid = path, pid
+        self.holder = ("another process" if pid is None else
+                       f"pid {pid}, started {time.strftime('%H:%M:%S', time.localtime(started))}")
+        super().__init__(f"{path} is held by {self.holder}")
 
 
 def acquire(lock_path, *, shared: bool = False, what: str = "resilax") -> int | None:
@@ -54,9 +57,8 @@ def acquire(lock_path, *, shared: bool = False, what: str = "resilax") -> int | 
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            holder = _holder(lock_path)
             os.close(fd)
-            raise DirectoryInUse(lock_path, holder) from None
+            raise DirectoryInUse(lock_path, *_holder(lock_path)) from None
         except OSError as e:
             os.close(fd)
             if e.errno == errno.EBADF and flags == os.O_RDONLY:
@@ -73,15 +75,16 @@ def acquire(lock_path, *, shared: bool = False, what: str = "resilax") -> int | 
     return fd
 
 
-def _holder(lock_path: pathlib.Path) -> str:
+def _holder(lock_path: pathlib.Path) -> tuple[int | None, float | None]:
+    """The holder's (pid, start time) from its record, or (None, None)."""
     try:
         rec = json.loads(lock_path.read_bytes()[:4096] or b"{}")
-        pid, host = int(rec["pid"]), str(rec["host"])
+        pid, host, started = int(rec["pid"]), str(rec["host"]), float(rec["t"])
         if host == os.uname().nodename and b"resilax" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
-            return f"pid {pid}, started {time.strftime('%H:%M:%S', time.localtime(rec['t']))}"
+            return pid, started
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return "another process"
+    return None, None
 
 
 _held: dict[str, list] = {}  # this process's locks: lock file -> [fd, holders]

@@ -73,7 +73,7 @@ def lock_run_dir(path, shared: bool = False) -> int | None:
     try:
         return dirlock.acquire(pathlib.Path(path) / RUN_LOCK, shared=shared, what="resilax launch")
     except dirlock.DirectoryInUse as e:
-        holder = (f"resilax launch, {e.holder}" if e.holder.startswith("pid ") else
+        holder = (f"resilax launch, {e.holder}" if e.pid is not None else
                   "a resilax launch, or the agents of a job across hosts")
         raise ValueError(f"resilax launch: the run directory {str(path)!r} is in use by another job ({holder}); two "
                          f"jobs in one directory delete each other's checkpoints. Wait for it to end, stop it, or "

@@ -220,16 +220,10 @@ def start_service(port: int, num_processes: int, *, heartbeat_timeout_s: int, sh
     from resilax._src.runtime import jaxprobe, ports
 
     jaxprobe.ensure()
-    held = ports.take(host, port)  # the port's hold (`ports.reserve_port`), closed once the service listens
-    try:
-        if held is None:  # (gRPC would bind beside another socket's SO_REUSEPORT without a word)
-            ports.check_free(host, port)
+    with ports.binding(host, port):
         return _jax.get_distributed_runtime_service(
             f"{host}:{port}", num_processes, heartbeat_timeout=heartbeat_timeout_s,
             shutdown_timeout=shutdown_timeout_s, recoverable=True)
-    finally:
-        if held is not None:
-            held.close()
 
 
 # ---------------------------------------------------------------- worker side

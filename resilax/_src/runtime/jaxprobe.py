@@ -138,13 +138,10 @@ def _probe(flag: str = _FLAG) -> dict:
 
     t0 = time.perf_counter()
     port = ports.reserve_port("127.0.0.1")
-    address, held = f"127.0.0.1:{port}", ports.take("127.0.0.1", port)
-    try:
+    address = f"127.0.0.1:{port}"
+    with ports.binding("127.0.0.1", port):
         service = _jax.get_distributed_runtime_service(address, 2, heartbeat_timeout=_HEARTBEAT_S, shutdown_timeout=1,
                                                        recoverable=True)
-    finally:
-        if held is not None:
-            held.close()
     _KEEP.append(service)  # until os._exit: a client outliving its service aborts the process
     child = subprocess.Popen([sys.executable, "-m", "resilax._src.runtime.jaxprobe", "child", address, flag],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

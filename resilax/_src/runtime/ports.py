@@ -13,7 +13,8 @@ So resilax starts a service only on a port it holds or has checked:
   ``SO_REUSEPORT`` but not listening: nothing else takes the port meanwhile (no bind to
   port 0 picks it, no outgoing connection uses it, a plain bind is refused), and the
   service it is meant for can still bind beside the hold;
-- `jaxdist.start_service` takes the hold (`take`) and closes it once the service listens.
+- `jaxdist.start_service` starts the service inside `binding`, which takes the hold and
+  closes it once the service listens.
   On a port not held here it first checks that nothing is bound there (`check_free`) and
   raises `PortInUseError` naming the port, instead of sharing it.
 
@@ -23,6 +24,7 @@ is closed at the next `reserve_port` once older than `HOLD_S`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 import threading
@@ -81,6 +83,21 @@ def take(host: str, port: int) -> socket.socket | None:
     with _lock:
         held = _held.pop((host, int(port)), None)
     return None if held is None else held[0]
+
+
+@contextlib.contextmanager
+def binding(host: str, port: int):
+    """Around a service's start on ``host:port``: the port's hold (`reserve_port`), if this
+    process has one, is closed once the block ends (the service listens by then); a port not
+    held here is checked first (`check_free`: `PortInUseError`)."""
+    held = take(host, port)
+    try:
+        if held is None:  # (gRPC would bind beside another socket's SO_REUSEPORT without a word)
+            check_free(host, port)
+        yield
+    finally:
+        if held is not None:
+            held.close()
 
 
 def check_free(host: str, port: int) -> None:
